@@ -1,0 +1,238 @@
+"""Token-selection knobs and presets. Pure Python: no verl, no torch.
+
+Two keys on ``actor_rollout_ref.actor`` drive everything:
+
+- ``token_selector``: a preset name from :data:`PRESETS` (``none``, ``forking``, ...);
+- ``token_selection.<knob>``: per-knob overrides; ``null`` (the default) takes the preset's value.
+
+The dataclass field defaults below are the single source of truth: the YAML shipped in
+``verl_tokensel/config`` mirrors them and a test asserts they match; the README knob table is
+checked against :func:`knob_table_rows`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Optional
+
+SCORES = ("entropy", "gmts", "grad_norm", "random")
+DIRECTIONS = ("top", "bottom")
+SCOPES = ("micro_batch", "micro_batch_dp", "sequence")
+NORMALISERS = ("all", "selected")
+# Scores that need the PPO gradient weight omega = r * A * 1[not clipped]; its formula assumes
+# verl's token-level clipped surrogate.
+OMEGA_LOSS_MODES = ("vanilla",)
+OMEGA_KL_TYPES = ("kl", "k1", "mse", "k2", "low_var_kl", "k3")
+SCORES_NEEDING_ENTROPY = ("entropy", "gmts")
+SCORES_NEEDING_OMEGA = ("gmts", "grad_norm")
+
+
+class TokenSelectionConfigError(ValueError):
+    """A token-selection key has an invalid value. The message names the key and the valid values."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A fully resolved selection rule (a preset, possibly with overrides)."""
+
+    score: str
+    ratio: float
+    direction: str
+    scope: str
+    normaliser: str
+    seed: int = 0
+    mask_entropy_bonus: bool = False
+    mask_kl_loss: bool = False
+
+
+# Presets. Each mirrors one reference semantics; see prior-art notes in the README.
+PRESETS: dict[str, Optional[Selection]] = {
+    # stock verl: no selection, loss and gradient bit-identical to verl's ppo_loss
+    "none": None,
+    # "Beyond the 80/20 Rule" (arXiv 2506.01939) released code: top 20% current-policy entropy,
+    # ceil(0.2 N) over the valid tokens of one micro-batch on one rank, mean over selected tokens
+    "forking": Selection(score="entropy", ratio=0.2, direction="top", scope="micro_batch", normaliser="selected"),
+    # the paper's negative control: train on the lowest-entropy 80%
+    "forking_bottom": Selection(
+        score="entropy", ratio=0.8, direction="bottom", scope="micro_batch", normaliser="selected"
+    ),
+    # random 20% with the same budget and normaliser as `forking` (control absent from the paper)
+    "random": Selection(score="random", ratio=0.2, direction="top", scope="micro_batch", normaliser="selected"),
+    # GMTS (arXiv 2608.30632): delta = H * |r A 1[not clipped]|, top 20%, normalise by all tokens
+    "gmts": Selection(score="gmts", ratio=0.2, direction="top", scope="micro_batch", normaliser="all"),
+    # exact logit-gradient norm |omega| * ||e_a - p||, top 20%, normalise by all tokens
+    "grad_norm": Selection(score="grad_norm", ratio=0.2, direction="top", scope="micro_batch", normaliser="all"),
+}
+
+
+@dataclass
+class TokenSelectionConfig:
+    """Per-knob overrides of the preset named by ``actor_rollout_ref.actor.token_selector``.
+
+    Every knob defaults to ``None`` = "use the preset's value"; setting a knob while
+    ``token_selector=none`` is an error (nothing is silently ignored).
+    """
+
+    ratio: Optional[float] = field(
+        default=None,
+        metadata={"help": "Fraction of the scope's valid tokens that get gradient, in (0, 1]; "
+                  "exactly ceil(ratio*N) tokens are kept.", "paper": "0.2 (80/20 and GMTS)"},
+    )
+    score: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Per-token ranking score: one of {', '.join(SCORES)}.",
+                  "paper": "entropy (80/20); gmts (GMTS)"},
+    )
+    direction: Optional[str] = field(
+        default=None,
+        metadata={"help": "Keep the highest (top) or lowest (bottom) scores.",
+                  "paper": "top; bottom for the 80/20 negative control"},
+    )
+    scope: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Pool the budget is taken from: one of {', '.join(SCOPES)} "
+                  "(micro_batch_dp = exact over all data-parallel ranks).",
+                  "paper": "batch (80/20 paper), micro_batch (80/20 code), group (GMTS)"},
+    )
+    normaliser: Optional[str] = field(
+        default=None,
+        metadata={"help": "Token-mean denominator: all valid tokens (paper formula) or the selected "
+                  "tokens (80/20 released code); 'selected' needs loss_agg_mode=token-mean.",
+                  "paper": "all (80/20 paper, GMTS); selected (80/20 code)"},
+    )
+    seed: Optional[int] = field(
+        default=None,
+        metadata={"help": "Seed of the random score; the draw depends only on (seed, response tokens, "
+                  "position), so every rank and rerun draws the same.", "paper": "n/a"},
+    )
+    mask_entropy_bonus: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Apply the mask to the entropy bonus (entropy_coeff) too.",
+                  "paper": "false (80/20 code used all tokens)"},
+    )
+    mask_kl_loss: Optional[bool] = field(
+        default=None,
+        metadata={"help": "Apply the mask to the KL loss (use_kl_loss) too.",
+                  "paper": "false (80/20 code, GMTS, TRL keep KL on all tokens)"},
+    )
+    auto_enable_entropy: bool = field(
+        default=True,
+        metadata={"help": "Turn on actor.calculate_entropy for the update pass when the score needs "
+                  "entropy; false makes that an error instead.", "paper": "n/a"},
+    )
+
+    def overrides(self) -> dict[str, Any]:
+        """The knobs set by the user (not None), excluding auto_enable_entropy."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "auto_enable_entropy" and getattr(self, f.name) is not None
+        }
+
+
+def _err(key: str, value: Any, valid: str, fix: str = "") -> TokenSelectionConfigError:
+    msg = f"actor_rollout_ref.actor.{key}={value!r} is invalid; valid values: {valid}."
+    if fix:
+        msg += f" {fix}"
+    return TokenSelectionConfigError(msg)
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise _err(key, value, ", ".join(choices))
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _err(key, value, "true, false")
+
+
+def resolve_selection(
+    token_selector: Any,
+    overrides: Optional[TokenSelectionConfig] = None,
+    *,
+    loss_agg_mode: str = "token-mean",
+    loss_mode: str = "vanilla",
+    calculate_entropy: bool = False,
+    entropy_coeff: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_type: str = "low_var_kl",
+) -> Optional[Selection]:
+    """Validate the preset plus overrides against the actor settings; return the rule or None.
+
+    Raises :class:`TokenSelectionConfigError` naming the offending key and its valid values.
+    """
+    overrides = overrides if overrides is not None else TokenSelectionConfig()
+    if not isinstance(token_selector, str) or token_selector not in PRESETS:
+        raise _err("token_selector", token_selector, ", ".join(PRESETS))
+    _check_bool("token_selection.auto_enable_entropy", overrides.auto_enable_entropy)
+    preset = PRESETS[token_selector]
+    given = overrides.overrides()
+    if preset is None:
+        if given:
+            keys = ", ".join(f"token_selection.{k}" for k in given)
+            raise TokenSelectionConfigError(
+                f"actor_rollout_ref.actor.{keys} set while actor_rollout_ref.actor.token_selector=none; "
+                f"these knobs would be ignored. Fix: pick a selector ({', '.join(p for p in PRESETS if p != 'none')}) "
+                "or remove the overrides."
+            )
+        return None
+    sel = replace(preset, **given)
+
+    ratio = sel.ratio
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not (0 < ratio <= 1):
+        raise _err("token_selection.ratio", ratio, "a number in (0, 1]")
+    _check_choice("token_selection.score", sel.score, SCORES)
+    _check_choice("token_selection.direction", sel.direction, DIRECTIONS)
+    _check_choice("token_selection.scope", sel.scope, SCOPES)
+    _check_choice("token_selection.normaliser", sel.normaliser, NORMALISERS)
+    if isinstance(sel.seed, bool) or not isinstance(sel.seed, int) or sel.seed < 0:
+        raise _err("token_selection.seed", sel.seed, "an integer >= 0")
+    _check_bool("token_selection.mask_entropy_bonus", sel.mask_entropy_bonus)
+    _check_bool("token_selection.mask_kl_loss", sel.mask_kl_loss)
+
+    if sel.normaliser == "selected" and loss_agg_mode != "token-mean":
+        raise _err(
+            "token_selection.normaliser",
+            "selected",
+            "all (with any loss_agg_mode), selected (only with loss_agg_mode=token-mean)",
+            f"actor_rollout_ref.actor.loss_agg_mode is {loss_agg_mode!r}; a mean over selected tokens is only "
+            "defined for token-mean. Fix: set token_selection.normaliser=all or loss_agg_mode=token-mean.",
+        )
+    if sel.score in SCORES_NEEDING_ENTROPY and not (calculate_entropy or entropy_coeff != 0 or
+                                                     overrides.auto_enable_entropy):
+        raise _err(
+            "calculate_entropy",
+            calculate_entropy,
+            "true",
+            f"token_selection.score={sel.score} ranks by the policy entropy, which the engine only computes "
+            "when calculate_entropy=true or entropy_coeff != 0, and token_selection.auto_enable_entropy=false. "
+            "Fix: set actor_rollout_ref.actor.calculate_entropy=true or token_selection.auto_enable_entropy=true.",
+        )
+    if sel.score in SCORES_NEEDING_OMEGA:
+        if loss_mode not in OMEGA_LOSS_MODES:
+            raise _err(
+                "policy_loss.loss_mode",
+                loss_mode,
+                ", ".join(OMEGA_LOSS_MODES),
+                f"token_selection.score={sel.score} uses omega = r*A*1[not clipped] of the token-level clipped "
+                "surrogate. Fix: use loss_mode=vanilla or a score without omega (entropy, random).",
+            )
+        if use_kl_loss and kl_loss_type not in OMEGA_KL_TYPES:
+            raise _err(
+                "kl_loss_type",
+                kl_loss_type,
+                ", ".join(OMEGA_KL_TYPES),
+                f"token_selection.score={sel.score} adds the KL term's gradient weight to omega.",
+            )
+    return sel
+
+
+def knob_table_rows() -> list[tuple[str, str, str, str]]:
+    """(name, default, paper value, meaning) for every knob, for the README table."""
+    rows = [("token_selector", "none", "forking / gmts", "Preset: " + ", ".join(PRESETS) + ".")]
+    for f in fields(TokenSelectionConfig):
+        default = "preset" if f.default is None else str(f.default).lower()
+        rows.append((f"token_selection.{f.name}", default, f.metadata["paper"], f.metadata["help"]))
+    return rows

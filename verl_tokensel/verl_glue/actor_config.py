@@ -1,0 +1,130 @@
+"""Actor config classes that declare the token-selection keys.
+
+verl converts ``actor_rollout_ref.actor`` into a frozen dataclass with ``hydra.utils.instantiate``
+on the driver (``validate_config``, before Ray starts) and in every worker. Our plugin YAML points
+that node's ``_target_`` here, so ``token_selector`` and ``token_selection.*`` are real fields
+(no ``+`` needed) and a bad value fails on the driver, before any worker or GPU is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from verl.workers.config import FSDPActorConfig, McoreActorConfig
+
+from verl_tokensel.core.config import (
+    Selection,
+    TokenSelectionConfig,
+    TokenSelectionConfigError,
+    resolve_selection,
+)
+
+
+class StockLossGuard(dict):
+    """``global_batch_info`` that refuses to serve verl's stock ``ppo_loss`` while a selector is on.
+
+    verl's ``ppo_loss`` writes into ``config.global_batch_info`` on every call. If a token selector is
+    configured but the selecting loss was never installed (e.g. the deprecated v0 driver launched
+    through ``verl.trainer.main_ppo``), training would silently use all tokens; this guard turns
+    that into a loud error on the first micro-batch instead.
+    """
+
+    selector: Optional[str] = None
+    active: bool = False
+
+    def __setitem__(self, key, value):
+        if self.selector is not None and not self.active:
+            raise RuntimeError(
+                f"actor_rollout_ref.actor.token_selector={self.selector} is set, but verl's stock ppo_loss is "
+                "running: the selecting loss was not installed on the actor workers. This happens with "
+                "trainer.use_v1=false under `python -m verl.trainer.main_ppo`, or with a trainer.v1.trainer_mode "
+                "that is not a tokensel_* mode. Fix: launch with `python -m verl_tokensel.main_ppo` "
+                "(both drivers) or use trainer.use_v1=true with trainer.v1.trainer_mode=tokensel_sync."
+            )
+        super().__setitem__(key, value)
+
+    def __reduce__(self):
+        return (_rebuild_guard, (dict(self), self.selector))
+
+
+def _rebuild_guard(items: dict, selector: Optional[str]) -> "StockLossGuard":
+    g = StockLossGuard(items)
+    g.selector = selector
+    return g
+
+
+def _coerce_overrides(value: Any) -> TokenSelectionConfig:
+    if isinstance(value, TokenSelectionConfig):
+        return value
+    if value is None:
+        return TokenSelectionConfig()
+    if hasattr(value, "items"):
+        data = {k: v for k, v in dict(value).items() if k != "_target_"}
+        known = {f.name for f in fields(TokenSelectionConfig)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TokenSelectionConfigError(
+                f"actor_rollout_ref.actor.token_selection has unknown key(s) {unknown}; valid keys: {sorted(known)}"
+            )
+        return TokenSelectionConfig(**data)
+    raise TokenSelectionConfigError(
+        f"actor_rollout_ref.actor.token_selection must be a mapping of knobs, got {value!r}"
+    )
+
+
+class _TokenSelectMixin:
+    """Shared validation: resolves ``token_selector`` + ``token_selection`` into a :class:`Selection`."""
+
+    def _tokensel_post_init(self) -> None:
+        overrides = _coerce_overrides(self.token_selection)
+        if overrides is not self.token_selection:
+            object.__setattr__(self, "token_selection", overrides)
+        selection = resolve_selection(
+            self.token_selector,
+            overrides,
+            loss_agg_mode=self.loss_agg_mode,
+            loss_mode=self.policy_loss.get("loss_mode", "vanilla"),
+            calculate_entropy=self.calculate_entropy,
+            entropy_coeff=self.entropy_coeff,
+            use_kl_loss=self.use_kl_loss,
+            kl_loss_type=self.kl_loss_type,
+        )
+        object.__setattr__(self, "_tokensel_selection", selection)
+        guard = StockLossGuard(self.global_batch_info)
+        guard.selector = self.token_selector if selection is not None else None
+        object.__setattr__(self, "global_batch_info", guard)
+
+    @property
+    def selection(self) -> Optional[Selection]:
+        """The resolved rule, or None for ``token_selector=none``."""
+        return self.__dict__.get("_tokensel_selection")
+
+    @property
+    def needs_entropy(self) -> bool:
+        sel = self.selection
+        return sel is not None and sel.score in ("entropy", "gmts")
+
+
+@dataclass
+class TokenselFSDPActorConfig(_TokenSelectMixin, FSDPActorConfig):
+    """verl's ``FSDPActorConfig`` (model_engine=dp) plus the token-selection keys."""
+
+    token_selector: str = "none"
+    token_selection: TokenSelectionConfig = field(default_factory=TokenSelectionConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._tokensel_post_init()
+
+
+@dataclass
+class TokenselMcoreActorConfig(_TokenSelectMixin, McoreActorConfig):
+    """verl's ``McoreActorConfig`` (model_engine=megatron) plus the token-selection keys."""
+
+    token_selector: str = "none"
+    token_selection: TokenSelectionConfig = field(default_factory=TokenSelectionConfig)
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._tokensel_post_init()

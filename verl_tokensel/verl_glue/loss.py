@@ -1,0 +1,202 @@
+"""The selecting actor loss, called by verl's engines exactly like ``verl.workers.utils.losses.ppo_loss``.
+
+Signature: ``tokensel_ppo_loss(config, model_output, data, dp_group=None) -> (loss, metrics)``; the
+FSDP/FSDP2 engine calls it once per micro-batch and back-propagates the result, the Megatron engine
+calls it on the last pipeline stage and scales it by its micro-batch count. Both pass the same
+``data`` (the whole micro-batch, with ``dp_size`` and ``batch_num_tokens`` of the global
+mini-batch) and ``model_output`` (nested ``log_probs``, ``entropy`` when requested,
+``sum_pi_squared`` when requested).
+
+How the mask acts (the clip maths stays verl's: the registered policy loss of
+``policy_loss.loss_mode`` is called, never re-derived):
+
+- ``normaliser=all``: the policy loss gets ``where(mask, log_prob, log_prob.detach())``. Forward
+  values are unchanged, so every aggregation mode keeps its stock denominator (all valid tokens of
+  the global mini-batch for token-mean, per-sequence lengths for seq-mean-*), and the gradient
+  reaching unselected tokens is exactly zero. This is the 80/20 paper's objective
+  ``1/sum|o_i| * sum 1[selected] * surrogate`` and the GMTS code's "zero the advantage". The
+  logged ``actor/pg_loss`` is therefore the full-token surrogate.
+- ``normaliser=selected`` (token-mean only, the 80/20 released code): the policy loss gets
+  ``response_mask & mask`` as its loss mask and a denominator of the micro-batch's selected
+  tokens, weighted by the micro-batch's share of the mini-batch's valid tokens: the loss is
+  ``sum_sel l / n_sel(mb) * n_valid(mb) * dp_size / batch_num_tokens``, i.e. the released code's
+  per-micro-batch mean over selected tokens when micro-batches are equal-sized. Clip metrics are
+  then over the selected tokens, as in that code.
+- entropy bonus and KL loss see the mask only when ``mask_entropy_bonus`` / ``mask_kl_loss``.
+
+``token_selector=none`` calls verl's ``ppo_loss`` itself, so it is stock bit for bit; ratio 1.0
+with ``normaliser=all`` is bit-identical too (``where`` with an all-True mask is the identity in
+both directions).
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.utils.metric import AggregationType, Metric
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import no_padding_2_padding
+
+from verl_tokensel.core.config import Selection
+from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreInputs, compute_score, logit_grad_norm, omega
+from verl_tokensel.core.select import select_tokens, selection_stats
+
+METRIC_PREFIX = "tokensel/"
+
+
+def _row_keys(data: TensorDict, batch: int) -> torch.Tensor:
+    """An int64 key per response from its full token ids (stable across ranks, splits and reruns)."""
+    from verl_tokensel.core.scores import row_keys_from_tokens
+
+    ids = data["input_ids"]
+    rows = list(ids.unbind(0)) if getattr(ids, "is_nested", False) else [ids[i] for i in range(batch)]
+    return row_keys_from_tokens([r.detach().cpu() for r in rows]).to(ids.device if not ids.is_nested else "cpu")
+
+
+def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared, padded, data) -> ScoreInputs:
+    spec = SCORE_REGISTRY[sel.score]
+    clip_ratio = config.clip_ratio
+    inp = ScoreInputs(
+        log_prob=log_prob.detach(),
+        response_mask=padded["response_mask"].to(torch.bool),
+        entropy=entropy.detach() if entropy is not None else None,
+        old_log_prob=padded["old_log_probs"],
+        advantages=padded["advantages"],
+        sum_pi_squared=sum_pi_squared,
+        ref_log_prob=padded.get("ref_log_prob", None),
+        clip_ratio_low=config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio,
+        clip_ratio_high=config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio,
+        clip_ratio_c=config.get("clip_ratio_c", 3.0),
+        kl_coef=config.kl_loss_coef if config.use_kl_loss else 0.0,
+        kl_type=config.kl_loss_type,
+        seed=sel.seed,
+    )
+    if sel.score == "random":
+        inp.row_keys = _row_keys(data, log_prob.shape[0]).to(log_prob.device)
+    if spec.needs_omega and "rollout_is_weights" in padded.keys():
+        # the rollout-correction weight multiplies the token loss, hence its gradient
+        inp.advantages = inp.advantages * padded["rollout_is_weights"]
+    return inp
+
+
+def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None):
+    """verl's PPO actor loss with the policy gradient restricted to the selected tokens."""
+    sel: Selection | None = getattr(config, "selection", None)
+    if sel is None:
+        return ppo_loss(config, model_output, data, dp_group)
+
+    guard = config.global_batch_info
+    guard.active = True
+    try:
+        return _selecting_loss(config, sel, model_output, data, dp_group)
+    finally:
+        guard.active = False
+
+
+def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group):
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+    sum_pi_squared = model_output.get("sum_pi_squared", None)
+    if sum_pi_squared is not None:
+        sum_pi_squared = no_padding_2_padding(sum_pi_squared, data)
+
+    info = config.global_batch_info
+    info["dp_size"] = data["dp_size"]
+    info["batch_num_tokens"] = data["batch_num_tokens"]
+    info["global_batch_size"] = data["global_batch_size"]
+    info["loss_scale_factor"] = config.loss_scale_factor
+    if (
+        data["dp_size"] > 1
+        or data["batch_num_tokens"] is not None
+        or data["global_batch_size"] is not None
+        or config.loss_scale_factor is not None
+    ):
+        metric_aggregation = AggregationType.SUM
+    else:
+        metric_aggregation = AggregationType.MEAN
+
+    input_data = data
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    if "rollout_is_weights" in data:
+        fields.append("rollout_is_weights")
+    if "ref_log_prob" in data:
+        fields.append("ref_log_prob")
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(bool)
+    old_log_prob = padded["old_log_probs"]
+    advantages = padded["advantages"]
+    rollout_is_weights = padded.get("rollout_is_weights", None)
+
+    # ---- score and select (no gradient) ----
+    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, input_data)
+    scores = compute_score(sel.score, inp)
+    mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
+                         dp_group=dp_group)
+
+    # ---- policy loss, via verl's registered loss for loss_mode ----
+    policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
+    gated_log_prob = torch.where(mask, log_prob, log_prob.detach())
+    if sel.normaliser == "selected":
+        n_valid = int(response_mask.sum())
+        n_sel = int(mask.sum())
+        saved = info["batch_num_tokens"]
+        if n_sel > 0 and saved is not None:
+            info["batch_num_tokens"] = saved * n_sel / n_valid
+        try:
+            pg_loss, pg_metrics = policy_loss_fn(
+                old_log_prob=old_log_prob,
+                log_prob=gated_log_prob,
+                advantages=advantages,
+                response_mask=mask if n_sel > 0 else response_mask,
+                loss_agg_mode=config.loss_agg_mode,
+                config=config,
+                rollout_is_weights=rollout_is_weights,
+            )
+        finally:
+            info["batch_num_tokens"] = saved
+    else:
+        pg_loss, pg_metrics = policy_loss_fn(
+            old_log_prob=old_log_prob,
+            log_prob=gated_log_prob,
+            advantages=advantages,
+            response_mask=response_mask,
+            loss_agg_mode=config.loss_agg_mode,
+            config=config,
+            rollout_is_weights=rollout_is_weights,
+        )
+
+    metrics = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
+    policy_loss = pg_loss
+
+    if entropy is not None:
+        ent_term = torch.where(mask, entropy, entropy.detach()) if sel.mask_entropy_bonus else entropy
+        entropy_loss = agg_loss(
+            loss_mat=ent_term, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info
+        )
+        policy_loss -= config.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
+
+    if config.use_kl_loss:
+        kl_log_prob = gated_log_prob if sel.mask_kl_loss else log_prob
+        kld = kl_penalty(logprob=kl_log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
+        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
+        policy_loss += kl_loss * config.kl_loss_coef
+        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
+        metrics["kl_coef"] = config.kl_loss_coef
+
+    # ---- selection metrics (per micro-batch, averaged over micro-batches and ranks) ----
+    grad_mass = None
+    if SCORE_REGISTRY[sel.score].needs_omega or sel.score != "random":
+        try:
+            grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
+        except ValueError:
+            grad_mass = None
+    stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass)
+    for key, value in stats.items():
+        metrics[METRIC_PREFIX + key] = Metric(value=value, aggregation=AggregationType.MEAN)
+    return policy_loss, metrics
