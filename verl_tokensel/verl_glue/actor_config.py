@@ -128,3 +128,21 @@ class TokenselMcoreActorConfig(_TokenSelectMixin, McoreActorConfig):
     def __post_init__(self):
         super().__post_init__()
         self._tokensel_post_init()
+
+
+# Names the YAML's `_target_: ...${model_engine}_actor_config` resolves to.
+dp_actor_config = TokenselFSDPActorConfig
+megatron_actor_config = TokenselMcoreActorConfig
+
+
+def _unsupported_engine(name: str):
+    def factory(*args, **kwargs):
+        raise TokenSelectionConfigError(
+            f"model_engine={name} is not supported by verl_tokensel; valid: dp, megatron"
+        )
+
+    return factory
+
+
+torchtitan_actor_config = _unsupported_engine("torchtitan")
+veomni_actor_config = _unsupported_engine("veomni")

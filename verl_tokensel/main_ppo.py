@@ -1,0 +1,76 @@
+"""``python -m verl_tokensel.main_ppo``: verl's PPO entry point with the token-selection config.
+
+A thin wrapper over verl's own ``run_ppo``: same Hydra CLI (``--cfg job`` prints the composed
+config), config ``tokensel_trainer`` (or ``--config-name=tokensel_megatron_trainer``), and both
+drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sync`` trainer;
+``trainer.use_v1=false`` runs verl's v0 TaskRunner with the checkpoint-engine manager that
+installs the selecting loss (see :mod:`verl_tokensel.verl_glue.install`).
+
+Example::
+
+    python -m verl_tokensel.main_ppo actor_rollout_ref.actor.token_selector=gmts \\
+        data.train_files=$DATA/train.parquet actor_rollout_ref.model.path=$MODEL ...
+"""
+
+from __future__ import annotations
+
+import hydra
+import ray
+from omegaconf import DictConfig, open_dict
+
+from verl_tokensel.verl_glue.install import (
+    CHECKPOINT_MANAGER_FQN,
+    TokenselCheckpointEngineManager,
+    prepare_driver_config,
+    register_v1_trainers,
+)
+
+
+def _v0_task_runner():
+    from verl.trainer.main_ppo_v0 import TaskRunner
+
+    base = getattr(TaskRunner, "__ray_actor_class__", TaskRunner)
+
+    class TokenselTaskRunner(base):
+        """verl's v0 TaskRunner; routes the checkpoint-engine manager through ours."""
+
+        def run(self, config):
+            current = config.actor_rollout_ref.rollout.get("checkpoint_manager_class")
+            if current and current != CHECKPOINT_MANAGER_FQN:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.checkpoint_manager_class={current!r} is set, but the v0 driver "
+                    f"needs {CHECKPOINT_MANAGER_FQN} to install the selecting loss. Fix: unset it or use "
+                    "trainer.use_v1=true."
+                )
+            with open_dict(config):
+                config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
+            prepare_driver_config(config)
+            TokenselCheckpointEngineManager.driver_config = config
+            return super().run(config)
+
+    return ray.remote(TokenselTaskRunner)
+
+
+def run(config: DictConfig) -> None:
+    """Validate on the driver, then hand over to verl's ``run_ppo``."""
+    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    register_v1_trainers()
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    if config.trainer.use_v1:
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    else:
+        run_ppo(config, task_runner_class=_v0_task_runner())
+
+
+@hydra.main(config_path="config", config_name="tokensel_trainer", version_base=None)
+def main(config: DictConfig) -> None:
+    run(config)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""verl plugin entry point (``verl.plugins`` group), imported by ``import verl`` in every process.
+
+Registers, under ``tokensel_``-prefixed names only: the V1 trainer modes ``tokensel_<mode>``
+(see :mod:`verl_tokensel.verl_glue.install`). verl swallows exceptions raised by plugin imports,
+so a failure here is printed to stderr (it lands in the driver's and each Ray worker's log) and
+recorded in :data:`LOAD_ERROR`; ``verl-tokensel env`` and the config validation report it too.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+import warnings
+
+LOAD_ERROR: str | None = None
+
+
+def load() -> None:
+    global LOAD_ERROR
+    try:
+        from verl_tokensel.verl_glue.install import register_v1_trainers
+
+        register_v1_trainers()
+        LOAD_ERROR = None
+    except Exception:  # noqa: BLE001 - verl would swallow it; we make it loud instead
+        LOAD_ERROR = traceback.format_exc()
+        msg = (
+            "verl_tokensel: the verl plugin failed to load, token selection is NOT active in this process.\n"
+            + LOAD_ERROR
+        )
+        print(msg, file=sys.stderr, flush=True)
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+
+load()

@@ -1,0 +1,147 @@
+"""How the selecting loss reaches verl's actor workers, with no verl file edited.
+
+verl 0.9's actor workers bind ``partial(ppo_loss, config=actor_config)`` in ``init_model`` and
+expose ``set_loss_fn``, an RPC that replaces it on every rank. The driver is the only place that
+can call it, so we hook the driver through verl's own extension points, one per driver:
+
+- V1 driver (``trainer.use_v1=true``, the default): trainers are looked up by
+  ``trainer.v1.trainer_mode`` in verl's ``TRAINER_REGISTRY``. We register ``tokensel_sync``,
+  ``tokensel_colocate_async`` and ``tokensel_separate_async``: thin subclasses of verl's trainers
+  that set the mode back to the base name (verl compares it to "sync" internally), turn on
+  ``calculate_entropy`` when the score needs it, and call ``set_loss_fn`` in ``on_init_end``
+  (after the workers are built, before the first weight sync). Our YAML selects
+  ``tokensel_sync``.
+- v0 driver (``trainer.use_v1=false``): ``RayPPOTrainer`` builds its checkpoint-engine manager
+  from ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after ``init_model`` and hands
+  it the actor worker group. ``python -m verl_tokensel.main_ppo`` runs verl's own TaskRunner with
+  that key pointed at :class:`TokenselCheckpointEngineManager`, which installs the loss and then
+  behaves exactly like verl's manager.
+
+Why not a worker-side hook: the only configurable object that reaches a worker's loss is the
+actor config, and verl's ``ppo_loss`` passes neither the entropy nor the dp group to a registered
+policy loss, so the whole loss must be replaced. The config can, however, detect that it was not
+replaced: :class:`~verl_tokensel.verl_glue.actor_config.StockLossGuard` makes stock ``ppo_loss``
+fail loudly when a selector is configured (e.g. ``verl.trainer.main_ppo`` with ``use_v1=false``).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+
+logger = logging.getLogger(__name__)
+
+TRAINER_MODE_PREFIX = "tokensel_"
+
+
+def prepare_driver_config(config: DictConfig) -> None:
+    """Driver-side adjustments, in place: turn on entropy for the update pass when needed."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    if getattr(actor, "needs_entropy", False) and not actor.calculate_entropy and actor.entropy_coeff == 0:
+        # resolve_selection already refused this combination when auto_enable_entropy is false
+        with open_dict(config):
+            config.actor_rollout_ref.actor.calculate_entropy = True
+        logger.info("verl_tokensel: token_selector=%s needs entropy; set actor.calculate_entropy=True",
+                    actor.token_selector)
+
+
+def build_actor_loss(config: DictConfig):
+    """``partial(tokensel_ppo_loss, config=<actor config dataclass>)`` for ``set_loss_fn``."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    return partial(tokensel_ppo_loss, config=actor)
+
+
+def install_actor_loss(actor_wg, config: DictConfig) -> None:
+    """Replace the actor loss on every rank of ``actor_wg`` (a no-op for stock configs)."""
+    if OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None) is None:
+        return
+    actor_wg.set_loss_fn(build_actor_loss(config))
+    logger.info("verl_tokensel: selecting loss installed on the actor workers")
+
+
+# ----------------------------------------------------------------------------- V1 driver
+_REGISTERED = False
+
+
+def register_v1_trainers() -> None:
+    """Register ``tokensel_<mode>`` for each of verl's built-in V1 trainer modes (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
+
+    # import verl's built-in trainers so the registry is complete
+    import verl.trainer.ppo.v1.trainer_colocate_async  # noqa: F401
+    import verl.trainer.ppo.v1.trainer_separate_async  # noqa: F401
+    import verl.trainer.ppo.v1.trainer_sync  # noqa: F401
+
+    for base_mode in ("sync", "colocate_async", "separate_async"):
+        base = TRAINER_REGISTRY[base_mode]
+        name = TRAINER_MODE_PREFIX + base_mode
+        if name in TRAINER_REGISTRY:
+            if getattr(TRAINER_REGISTRY[name], "_tokensel_base_mode", None) == base_mode:
+                continue
+            raise RuntimeError(f"verl trainer mode {name!r} is already registered by someone else; refusing to overwrite")
+        cls = type(
+            f"Tokensel{base.__name__}",
+            (_TokenselTrainerMixin, base),
+            {"_tokensel_base_mode": base_mode, "__module__": __name__,
+             "__doc__": f"verl's {base.__name__} with the selecting actor loss installed."},
+        )
+        register_trainer(name)(cls)
+        globals()[cls.__name__] = cls  # picklable by qualified name
+    _REGISTERED = True
+    del trainer_base
+
+
+class _TokenselTrainerMixin:
+    _tokensel_base_mode = "sync"
+
+    def __init__(self, config: DictConfig, *args, **kwargs):
+        with open_dict(config):
+            # verl branches on the literal mode name ("sync" vs async) internally
+            config.trainer.v1.trainer_mode = self._tokensel_base_mode
+        prepare_driver_config(config)
+        super().__init__(config, *args, **kwargs)
+
+    def on_init_end(self):
+        install_actor_loss(self.actor_rollout_wg, self.config)
+        return super().on_init_end()
+
+
+# ----------------------------------------------------------------------------- v0 driver
+def _checkpoint_manager_base():
+    from verl.checkpoint_engine import CheckpointEngineManager
+
+    return CheckpointEngineManager
+
+
+class TokenselCheckpointEngineManager(_checkpoint_manager_base()):
+    """verl's ``CheckpointEngineManager`` that first installs the selecting actor loss (v0 driver).
+
+    ``driver_config`` is set by :func:`verl_tokensel.main_ppo.run` in the TaskRunner process
+    before verl's ``RayPPOTrainer`` builds this manager.
+    """
+
+    driver_config: DictConfig | None = None
+
+    def __init__(self, config, actor_wg, replicas):
+        super().__init__(config=config, actor_wg=actor_wg, replicas=replicas)
+        if self.driver_config is None:
+            raise RuntimeError(
+                "TokenselCheckpointEngineManager was built without the trainer config; launch with "
+                "`python -m verl_tokensel.main_ppo`, which sets it."
+            )
+        install_actor_loss(actor_wg, self.driver_config)
+
+
+CHECKPOINT_MANAGER_FQN = f"{__name__}.TokenselCheckpointEngineManager"
