@@ -1,0 +1,176 @@
+"""Config composition (dp and megatron), the verbatim CLI override, YAML == dataclass defaults,
+README knob table, and the bad-config matrix: every bad value fails on the driver, naming the key
+and the valid values, before any Ray worker starts."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from verl.utils.config import omega_conf_to_dataclass
+from verl_tokensel.core.config import PRESETS, TokenSelectionConfig, knob_table_rows
+from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, TokenselMcoreActorConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compose(name="tokensel_trainer", overrides=()):
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        return compose(name, overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", *overrides])
+
+
+def _actor(overrides=(), name="tokensel_trainer"):
+    cfg = _compose(name, overrides)
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def test_dp_composition_gives_our_actor_class_and_mode():
+    cfg = _compose(overrides=["actor_rollout_ref.actor.token_selector=gmts"])
+    assert cfg.model_engine == "dp"
+    assert cfg.trainer.v1.trainer_mode == "tokensel_sync"
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert type(actor) is TokenselFSDPActorConfig
+    assert actor.selection == PRESETS["gmts"]
+
+
+def test_megatron_composition_gives_mcore_class():
+    cfg = _compose("tokensel_megatron_trainer", ["actor_rollout_ref.actor.token_selector=forking"])
+    assert cfg.model_engine == "megatron"
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert type(actor) is TokenselMcoreActorConfig
+    assert actor.selection == PRESETS["forking"]
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_every_preset_resolves(preset):
+    actor = _actor([f"actor_rollout_ref.actor.token_selector={preset}"])
+    assert actor.selection == PRESETS[preset]
+
+
+def test_knob_override_wins_over_preset():
+    actor = _actor([
+        "actor_rollout_ref.actor.token_selector=forking",
+        "actor_rollout_ref.actor.token_selection.ratio=0.1",
+        "actor_rollout_ref.actor.token_selection.scope=micro_batch_dp",
+        "actor_rollout_ref.actor.token_selection.normaliser=all",
+        "actor_rollout_ref.actor.token_selection.mask_entropy_bonus=true",
+    ])
+    sel = actor.selection
+    assert (sel.ratio, sel.scope, sel.normaliser, sel.mask_entropy_bonus, sel.score) == (
+        0.1, "micro_batch_dp", "all", True, "entropy")
+
+
+def test_yaml_mirrors_dataclass_defaults():
+    path = ROOT / "verl_tokensel" / "config" / "tokensel" / "actor.yaml"
+    text = path.read_text()
+    node = yaml.safe_load(text)
+    assert node["token_selector"] == "none"
+    knobs = {k: v for k, v in node["token_selection"].items() if k != "_target_"}
+    assert knobs == {f.name: f.default for f in fields(TokenSelectionConfig)}
+    # verl's style: every key has a comment line above it
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#") and ":" in stripped and not stripped.endswith(":"):
+            assert lines[i - 1].strip().startswith("#"), f"{path.name}:{i + 1} key without a comment: {line}"
+
+
+def test_readme_knob_table_matches_dataclass():
+    readme = (ROOT / "README.md").read_text()
+    for name, default, paper, _ in knob_table_rows():
+        row = f"| `{name}` | {default} | {paper} |"
+        assert row in readme, f"README knob table lacks or misstates: {row}"
+
+
+def _cli(*args, timeout=240):
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", RAY_ADDRESS="")
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=str(ROOT))
+
+
+def test_verbatim_cli_override_both_entry_points():
+    ours = _cli("verl_tokensel.main_ppo", "actor_rollout_ref.actor.token_selector=gmts", "--cfg", "job")
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    job = yaml.safe_load(ours.stdout)
+    assert job["actor_rollout_ref"]["actor"]["token_selector"] == "gmts"
+    stock = _cli("verl.trainer.main_ppo", "--config-path=pkg://verl_tokensel.config",
+                 "--config-name=tokensel_trainer", "actor_rollout_ref.actor.token_selector=gmts",
+                 "actor_rollout_ref.actor.token_selection.ratio=0.3", "--cfg", "job")
+    assert stock.returncode == 0, stock.stderr[-2000:]
+    job = yaml.safe_load(stock.stdout)
+    assert job["actor_rollout_ref"]["actor"]["token_selection"]["ratio"] == 0.3
+
+
+def test_bad_value_fails_on_driver_before_ray():
+    res = _cli("verl_tokensel.main_ppo", "actor_rollout_ref.actor.token_selector=forking",
+               "actor_rollout_ref.actor.token_selection.ratio=1.5",
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert "token_selection.ratio=1.5 is invalid" in out and "(0, 1]" in out
+    assert "ray init kwargs" not in out and "Started a local Ray instance" not in out
+
+
+SEL = "actor_rollout_ref.actor.token_selector"
+KNOB = "actor_rollout_ref.actor.token_selection."
+BAD = [
+    ([f"{SEL}=bogus"], "token_selector='bogus'", "forking"),
+    ([f"{SEL}=forking", f"{KNOB}ratio=0"], "ratio=0", "(0, 1]"),
+    ([f"{SEL}=forking", f"{KNOB}ratio=-0.2"], "ratio=-0.2", "(0, 1]"),
+    ([f"{SEL}=forking", f"{KNOB}ratio=1.0001"], "ratio=1.0001", "(0, 1]"),
+    ([f"{SEL}=forking", f"{KNOB}ratio=nan"], "ratio=nan", "(0, 1]"),
+    ([f"{SEL}=forking", f"{KNOB}ratio=inf"], "ratio=inf", "(0, 1]"),
+    ([f"{SEL}=forking", f"{KNOB}ratio=abc"], "ratio='abc'", "(0, 1]"),
+    ([f"{SEL}=forking", f"{KNOB}scope=batchx"], "scope='batchx'", "micro_batch_dp"),
+    ([f"{SEL}=forking", f"{KNOB}normaliser=mean"], "normaliser='mean'", "selected"),
+    ([f"{SEL}=forking", f"{KNOB}score=loss"], "score='loss'", "grad_norm"),
+    ([f"{SEL}=forking", f"{KNOB}direction=up"], "direction='up'", "bottom"),
+    ([f"{SEL}=forking", f"{KNOB}seed=-1"], "seed=-1", "integer >= 0"),
+    ([f"{SEL}=forking", f"{KNOB}seed=1.5"], "seed=1.5", "integer >= 0"),
+    ([f"{SEL}=forking", f"{KNOB}mask_kl_loss=maybe"], "mask_kl_loss='maybe'", "true, false"),
+    ([f"{SEL}=forking", f"{KNOB}auto_enable_entropy=false"], "calculate_entropy=False", "auto_enable_entropy"),
+    ([f"{SEL}=forking", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"],
+     "normaliser='selected'", "token-mean"),
+    ([f"{SEL}=gmts", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "loss_mode='gspo'", "vanilla"),
+    ([f"{SEL}=grad_norm", "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=full"],
+     "kl_loss_type='full'", "low_var_kl"),
+    ([f"{SEL}=none", f"{KNOB}ratio=0.3"], "token_selection.ratio set while", "pick a selector"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle,valid", BAD, ids=[b[1] for b in BAD])
+def test_bad_config_matrix(overrides, needle, valid):
+    with pytest.raises(Exception) as exc:
+        _actor(overrides)
+    msg = str(exc.value)
+    assert needle in msg, msg
+    assert valid in msg, msg
+    assert "actor_rollout_ref.actor." in msg
+
+
+def test_entropy_not_needed_when_already_on():
+    actor = _actor([f"{SEL}=forking", f"{KNOB}auto_enable_entropy=false",
+                    "actor_rollout_ref.actor.calculate_entropy=true"])
+    assert actor.selection.score == "entropy"
+
+
+def test_unsupported_engine_named():
+    from verl_tokensel.verl_glue.actor_config import torchtitan_actor_config
+
+    with pytest.raises(Exception, match="model_engine=torchtitan is not supported.*dp, megatron"):
+        torchtitan_actor_config()
+
+
+def test_nan_ratio_really_nan():
+    actor_cfg = _compose(overrides=[f"{SEL}=forking"])
+    assert math.isnan(float("nan"))  # sanity of the parametrised case above
+    assert OmegaConf.select(actor_cfg, "actor_rollout_ref.actor.token_selection.ratio") is None
