@@ -3,67 +3,83 @@
 verl 0.9 resolves every device question (device name, ``torch.<device>`` module, collective backend,
 Ray resource, IPC) through one platform object looked up in
 :class:`verl.plugin.platform.platform_manager.PlatformRegistry`. This module registers a platform named
-``cpu`` in that registry (importing the module is enough) and :func:`enable_cpu_mode` switches a process
-to it. Nothing in verl is edited or monkeypatched.
+``cpu`` there (importing the module is enough) and :func:`enable_cpu_mode` switches a process to it.
+No verl file is edited and no verl function is replaced.
 
-Usage, before verl resolves its platform (i.e. before ``verl.utils.device.get_platform()`` is first called,
-which happens when verl's worker/engine modules are imported)::
+Use::
 
     from verl_tokensel.verl_glue.platform_cpu import enable_cpu_mode
-    enable_cpu_mode()
+    env = enable_cpu_mode()      # idempotent; forward `env` to Ray workers (runtime_env env_vars)
 
-What :func:`enable_cpu_mode` does (idempotent):
+What :func:`enable_cpu_mode` does:
 
 * ``VERL_PLATFORM=cpu``: verl's platform manager picks the platform registered here. The CPU platform is
   never auto-detected (:meth:`PlatformCPU.is_platform_available` is ``False``), so merely importing this
-  module never changes what verl picks on a GPU host.
-* ``VERL_ENGINE_DEVICE=cuda``: verl registers its FSDP/FSDP2 engines only for ``cuda``/``npu``
-  (``EngineRegistry``); this env var is verl's own override for the engine lookup. The engine code itself
-  asks the platform for the device, so it then runs on ``cpu``.
-* Makes ``torch.distributed.init_process_group`` accept the backend string verl builds. verl 0.9
-  (``verl/utils/distributed.py``) always initialises with ``f"cpu:gloo,{device}:{backend}"``; with device
-  ``cpu`` that is ``"cpu:gloo,cpu:gloo"``, which torch rejects ("Duplicate device type cpu"). The
-  platform method alone cannot avoid it: whatever :meth:`PlatformCPU.communication_backend_name` returns,
-  the second pair still starts with ``cpu:``. There is no seam in verl between building that string and
-  calling torch, so :func:`install_process_group_fix` wraps ``torch.distributed.init_process_group``
-  (torch's, not verl's) with a function that only removes *identical* duplicate ``device:backend`` pairs
-  (``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``) and passes everything else through unchanged; a genuine conflict
+  module changes nothing on a GPU host.
+* ``VERL_ENGINE_DEVICE=cuda``: verl registers its FSDP/FSDP2 engines for ``cuda``/``npu`` only
+  (``EngineRegistry``); this is verl's own override of the engine lookup key. The engine asks the platform
+  for the actual device, so it runs on ``cpu``.
+* ``VERL_USE_EXTERNAL_MODULES`` += this module: verl imports it at ``import verl`` in every process that
+  inherits the env (Ray workers get it through ``runtime_env``), BEFORE it loads ``verl.plugins`` entry
+  points. That order matters: an installed plugin that imports verl's trainers/engines resolves the
+  platform during ``import verl`` (``verl/workers/engine/fsdp/transformer_impl.py`` calls
+  ``get_device_name()`` at module level), and ``VERL_PLATFORM=cpu`` must find ``cpu`` registered by then,
+  otherwise verl raises "Unknown platform 'cpu'" inside that plugin's import.
+* Makes ``torch.distributed.init_process_group`` accept the backend string verl builds:
+  ``verl/utils/distributed.py`` always passes ``f"cpu:gloo,{device}:{backend}"``, i.e.
+  ``"cpu:gloo,cpu:gloo"`` here, which torch rejects ("Duplicate device type cpu"). The platform alone
+  cannot avoid it: whatever :meth:`PlatformCPU.communication_backend_name` returns, the second pair
+  still starts with ``cpu:``, and verl has no seam between building the string and calling torch.
+  :func:`install_process_group_fix` therefore wraps ``torch.distributed.init_process_group`` (torch's,
+  not verl's) with a function that only drops *identical* duplicate ``device:backend`` pairs
+  (``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``) and passes every other call through unchanged; a real conflict
   (``"cpu:gloo,cpu:nccl"``) still reaches torch and fails there. The wrap is also installed when this
-  module is imported in a process whose environment already says ``VERL_PLATFORM=cpu`` (Ray workers that
-  import the plugin through ``VERL_USE_EXTERNAL_MODULES`` or the ``verl.plugins`` entry point). Where the
-  caller controls the process, initialising the default group with plain ``"gloo"`` before verl does
-  also works without any wrap: verl skips ``init_process_group`` when a group already exists.
+  module is imported in a process whose env already says ``VERL_PLATFORM=cpu``. Alternative without any
+  wrap, where the caller owns the process: ``init_process_group("gloo")`` before verl's worker is built;
+  verl skips its own init when a default group exists.
+* If verl already resolved a platform in this process and it is not usable (the "No supported
+  accelerator detected ... Falling back to 'nvidia'" case on a CPU host), the singleton is replaced through
+  verl's public ``set_platform``. A usable non-CPU platform (a real GPU) is never replaced: RuntimeError.
+  Caveat of a late switch: verl modules imported before it keep a module-level ``device_name = "cuda"``
+  (only ``fsdp/transformer_impl.py``'s Ulysses mesh uses it; Ulysses is unsupported on CPU anyway).
 
-Platform answers (see :class:`PlatformCPU`): device name ``"cpu"``, ``current_device()`` -> ``"cpu"`` (verl
-uses it as a ``.to()`` target, so an int would mean ``cuda:0``), one device, collective backend ``gloo``,
-``is_ipc_supported()`` ``False`` (vLLM weight sync then goes through shared memory), Ray resource ``"GPU"``
-(verl's resource pools and rollout servers ask Ray for an accelerator, so start Ray with a *logical*
-``num_gpus``, e.g. ``ray.init(num_gpus=2)`` / ``+ray_kwargs.ray_init.num_gpus=...``), and a device module
-(:data:`cpu_device_module`) that mimics ``torch.cuda``: memory statistics are 0, ``mem_get_info`` reports
-host RAM, ``synchronize``/``empty_cache``/``set_device`` are no-ops, and the RNG calls act on the CPU
-generator (which *is* the device generator here).
+Import order: this module does not import verl at module level before its public functions exist;
+:func:`ensure_registered` (called at the end of the module body) does. So a plugin whose import is
+triggered *by* this module's own ``import verl`` can call ``platform_cpu.ensure_registered()`` on the
+partially imported module and get ``cpu`` registered before it resolves the platform.
 
-Limits of the CPU platform (it is for functional tests and tiny models, not for training):
+Platform answers (:class:`PlatformCPU`): device name ``"cpu"``; ``current_device()`` -> ``"cpu"`` (verl
+uses it as a ``.to()`` target, an int would mean ``cuda:N``); one device; backend ``gloo``;
+``is_ipc_supported()`` ``False`` (vLLM weight sync then goes through shared memory); Ray resource
+``"GPU"`` (verl's resource pools and rollout servers request an accelerator: start Ray with a *logical*
+``num_gpus``, e.g. ``ray.init(num_gpus=2)`` / ``+ray_kwargs.ray_init.num_gpus=2``); a device module
+(:data:`cpu_device_module`) shaped like ``torch.cuda``: memory statistics are 0, ``mem_get_info`` reports
+host RAM, ``synchronize``/``empty_cache``/``set_device`` are no-ops, RNG calls act on the CPU generator
+(which *is* the device generator here); rollout servers get ``VLLM_TARGET_DEVICE=cpu``.
 
-* fp32 only: set ``model_dtype=fp32`` and ``mixed_precision.param_dtype=fp32`` (verl's FSDP default is
-  bf16 params; bf16 matmuls on CPU are slow and some kernels are missing; fp16 is not supported).
-* No flash-attention, no fused/Liger/Triton kernels (``use_fused_kernels=False``, ``use_liger=False``):
-  load models with ``attn_implementation="eager"`` (or ``sdpa``). ``use_remove_padding=True`` works with
-  transformers >= 5 because its mask utilities rebuild per-sequence causal masks from packed
-  ``position_ids``; the attention is then O(total_tokens^2) per micro-batch.
-* No ``torch.compile`` (``actor.use_torch_compile=False``, ``engine.use_torch_compile=False``).
-* No Ulysses sequence parallelism, no Megatron, no NCCL/IPC paths, no CUDA graphs, no sleep mode for the
-  rollout (``rollout.enable_sleep_mode=False``, ``free_cache_engine=False``, ``enforce_eager=True``).
-* Memory metrics (``perf/max_memory_*``) read 0; MFU uses verl's nominal CPU FLOPS.
-* Speed: roughly 1e9-1e10 FLOP/s per core; keep models in the 1e5-1e7 parameter range and sequences short.
-* ``device_count()`` is 1 regardless of how many processes share the host; several ranks on one host
-  share the CPU cores (set ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` to avoid oversubscription).
+Limits (functional tests and tiny models only, not real training):
+
+* fp32 only: ``fsdp_config.model_dtype=fp32`` and ``fsdp_config.mixed_precision.param_dtype=fp32`` (verl's
+  FSDP default computes in bf16, which is slow on CPU; fp16 is unsupported).
+* No flash-attention and no fused/Liger/Triton kernels (``use_fused_kernels=False``, ``use_liger=False``):
+  load models with ``model.override_config.attn_implementation=eager`` (verl defaults to
+  ``flash_attention_2``). ``use_remove_padding=True`` still works with transformers >= 5, whose mask
+  utilities rebuild per-sequence causal masks from the packed ``position_ids``; attention is then
+  O(total_tokens^2) per micro-batch.
+* No ``torch.compile`` (``actor.use_torch_compile=False``, ``fsdp_config.use_torch_compile=False``).
+* No Ulysses sequence parallelism, no Megatron, no NCCL/CUDA-IPC weight sync, no CUDA graphs, no rollout
+  sleep mode (``rollout.enable_sleep_mode=False``, ``free_cache_engine=False``, ``enforce_eager=True``).
+* Memory metrics (``perf/max_memory_*``) read 0; MFU uses verl's nominal "CPU" FLOPS.
+* Speed: ~1e9-1e10 FLOP/s per core; keep models around 1e5-1e7 parameters and sequences short.
+* ``device_count()`` is 1 however many ranks share the host; ranks share the cores (limit
+  ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` per rank to avoid oversubscription).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import types
 from contextlib import contextmanager
@@ -71,27 +87,29 @@ from typing import Any, Optional
 
 import torch
 
-from verl.plugin.platform.platform_base import PlatformBase
-from verl.plugin.platform.platform_manager import PlatformRegistry
-
 __all__ = [
     "PLATFORM_NAME",
+    "MODULE_NAME",
     "PlatformCPU",
     "CPUDeviceModule",
     "cpu_device_module",
+    "ensure_registered",
     "enable_cpu_mode",
+    "cpu_mode_env",
     "install_process_group_fix",
     "dedupe_backend_string",
     "is_cpu_mode",
 ]
 
-PLATFORM_NAME = "cpu"
+logger = logging.getLogger(__name__)
 
-# Env vars that enable_cpu_mode() sets. VERL_PLATFORM selects the platform; VERL_ENGINE_DEVICE makes
-# verl's EngineRegistry find the FSDP engines (registered for cuda/npu only).
-CPU_MODE_ENV = {"VERL_PLATFORM": PLATFORM_NAME, "VERL_ENGINE_DEVICE": "cuda"}
+PLATFORM_NAME = "cpu"
+MODULE_NAME = "verl_tokensel.verl_glue.platform_cpu"
 
 _FIX_MARKER = "_verl_tokensel_cpu_backend_fix"
+
+#: set by :func:`ensure_registered` (needs verl's PlatformBase, so it cannot be a plain module-level class)
+PlatformCPU: Any = None
 
 
 def _host_memory() -> tuple[int, int]:
@@ -110,7 +128,8 @@ class CPUDeviceModule(types.ModuleType):
 
     verl calls ``get_torch_device().<fn>()`` for memory statistics, cache release, synchronisation,
     streams and RNG state. ``torch.cpu`` has only part of that API, so this object provides the rest with
-    CPU-meaningful answers and falls back to ``torch.cpu`` for anything else (streams, events, ...).
+    CPU-meaningful answers and falls back to ``torch.cpu`` for anything else (Stream, Event, stream(),
+    current_stream(), ...).
     """
 
     def __init__(self) -> None:
@@ -172,10 +191,10 @@ class CPUDeviceModule(types.ModuleType):
     def set_rng_state(self, new_state: torch.Tensor, device: Any = "cpu") -> None:
         torch.set_rng_state(new_state)
 
-    def get_rng_state_all(self) -> list[torch.Tensor]:
+    def get_rng_state_all(self) -> list:
         return [torch.get_rng_state()]
 
-    def set_rng_state_all(self, new_states: list[torch.Tensor]) -> None:
+    def set_rng_state_all(self, new_states: list) -> None:
         if new_states:
             torch.set_rng_state(new_states[0])
 
@@ -244,7 +263,7 @@ class CPUDeviceModule(types.ModuleType):
         _set_allocator_settings=lambda *a, **k: None,
     )
 
-    # -- everything else (Stream, Event, stream(), current_stream(), ...) from torch.cpu -------------
+    # -- everything else from torch.cpu --------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
         try:
             return getattr(torch.cpu, name)
@@ -255,112 +274,130 @@ class CPUDeviceModule(types.ModuleType):
 cpu_device_module = CPUDeviceModule()
 
 
-class PlatformCPU(PlatformBase):
-    """verl platform for running on CPU only (functional tests, tiny models). See the module docstring."""
+def _make_platform_class(base: type) -> type:
+    """Build ``PlatformCPU(base)``; ``base`` is verl's ``PlatformBase``."""
 
-    @property
-    def device_name(self) -> str:
-        return "cpu"
+    class PlatformCPU(base):  # type: ignore[misc, valid-type]
+        """verl platform for running on CPU only (functional tests, tiny models). See the module docstring."""
 
-    @property
-    def vendor_name(self) -> str:
-        return "cpu"
+        @property
+        def device_name(self) -> str:
+            return "cpu"
 
-    @property
-    def device_module(self) -> types.ModuleType:
-        return cpu_device_module
+        @property
+        def vendor_name(self) -> str:
+            return "cpu"
 
-    def is_available(self) -> bool:
-        return True
+        @property
+        def device_module(self) -> types.ModuleType:
+            return cpu_device_module
 
-    def is_platform_available(self, use_smi_check: bool = False) -> bool:
-        # Never auto-detected: CPU mode is opt-in through VERL_PLATFORM=cpu only.
-        return False
+        def is_available(self) -> bool:
+            return True
 
-    def current_device(self) -> str:  # type: ignore[override]
-        # verl uses this as a `.to()` target (e.g. `tensor.to(get_device_id())`): an int would mean cuda:N.
-        return "cpu"
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return False  # never auto-detected: CPU mode is opt-in (VERL_PLATFORM=cpu)
 
-    def device_count(self) -> int:
-        return 1
+        def current_device(self) -> str:  # type: ignore[override]
+            # verl uses it as a `.to()` target (`tensor.to(get_device_id())`); an int would mean cuda:N
+            return "cpu"
 
-    def set_device(self, device_index: int) -> None:
-        return None
+        def device_count(self) -> int:
+            return 1
 
-    def synchronize(self, device_index: Optional[int] = None) -> None:
-        torch.cpu.synchronize()
+        def set_device(self, device_index: int) -> None:
+            return None
 
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        def synchronize(self, device_index: Optional[int] = None) -> None:
+            torch.cpu.synchronize()
 
-    def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
 
-    def set_allocator_settings(self, settings: str) -> None:
-        return None
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
 
-    def empty_cache(self) -> None:
-        return None
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
 
-    def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
-        return (None, None)
+        def empty_cache(self) -> None:
+            return None
 
-    def communication_backend_name(self) -> str:
-        return "gloo"
+        def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+            return (None, None)
 
-    def visible_devices_envvar(self) -> str:
-        # Ray's (logical) "GPU" resource is what verl requests; Ray exports its ids in this variable.
-        return "CUDA_VISIBLE_DEVICES"
+        def communication_backend_name(self) -> str:
+            return "gloo"
 
-    @contextmanager
-    def nvtx_range(self, msg: str):
-        yield
+        def visible_devices_envvar(self) -> str:
+            # Ray's (logical) "GPU" resource is what verl requests; Ray exports its ids in this variable.
+            return "CUDA_VISIBLE_DEVICES"
 
-    def profiler_start(self) -> None:
-        return None
+        @contextmanager
+        def nvtx_range(self, msg: str):
+            yield
 
-    def profiler_stop(self) -> None:
-        return None
+        def profiler_start(self) -> None:
+            return None
 
-    def ray_resource_name(self) -> str:
-        # verl's resource pools and rollout servers require an accelerator resource; start Ray with a
-        # logical num_gpus so that "GPU" bundles exist on a CPU-only host.
-        return "GPU"
+        def profiler_stop(self) -> None:
+            return None
 
-    def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
-        return {"num_gpus": num_gpus}
+        def ray_resource_name(self) -> str:
+            # start Ray with a logical num_gpus so that "GPU" bundles exist on a CPU-only host
+            return "GPU"
 
-    def ray_noset_envvars(self) -> list[str]:
-        return ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
+        def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+            return {"num_gpus": num_gpus}
 
-    def is_ipc_supported(self) -> bool:
-        return False
+        def ray_noset_envvars(self) -> list[str]:
+            return ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"]
 
-    def rollout_env_vars(self) -> dict[str, str]:
-        env = {"VLLM_TARGET_DEVICE": "cpu"}
-        if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ["VLLM_CPU_KVCACHE_SPACE"]
-        return env
+        def is_ipc_supported(self) -> bool:
+            return False
 
-    def cudart(self) -> Any:
-        return None
+        def rollout_env_vars(self) -> dict[str, str]:
+            env = {"VLLM_TARGET_DEVICE": "cpu"}
+            if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                env["VLLM_CPU_KVCACHE_SPACE"] = os.environ["VLLM_CPU_KVCACHE_SPACE"]
+            return env
+
+        def cudart(self) -> Any:
+            return None
+
+    PlatformCPU.__module__ = __name__
+    PlatformCPU.__qualname__ = "PlatformCPU"
+    return PlatformCPU
 
 
-def _register() -> None:
+def ensure_registered() -> type:
+    """Register :class:`PlatformCPU` as ``cpu`` in verl's ``PlatformRegistry`` (idempotent); returns it.
+
+    Raises RuntimeError if another class is already registered as ``cpu`` (we never overwrite someone
+    else's platform). Safe to call on a partially imported module (see "Import order" above).
+    """
+    global PlatformCPU
+    from verl.plugin.platform.platform_base import PlatformBase
+    from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    if PlatformCPU is None:
+        PlatformCPU = _make_platform_class(PlatformBase)
     existing = PlatformRegistry.get(PLATFORM_NAME)
-    if existing is not None and existing is not PlatformCPU:
-        same_class = (
-            getattr(existing, "__module__", None) == PlatformCPU.__module__
-            and getattr(existing, "__qualname__", None) == PlatformCPU.__qualname__
-        )
-        if not same_class:  # a reload of this very module may re-register itself; anyone else may not
+    if existing is PlatformCPU:
+        return PlatformCPU
+    if existing is not None:
+        if (existing.__module__, existing.__qualname__) != (PlatformCPU.__module__, PlatformCPU.__qualname__):
             raise RuntimeError(
                 f"verl_tokensel: verl's PlatformRegistry already has a platform named {PLATFORM_NAME!r} "
                 f"({existing.__module__}.{existing.__qualname__}); refusing to overwrite it with "
-                f"{PlatformCPU.__module__}.{PlatformCPU.__qualname__}. Use one CPU platform per process "
-                "(unregister the other plugin or do not import this module)."
+                f"{PlatformCPU.__module__}.{PlatformCPU.__qualname__}. Load only one CPU platform plugin "
+                "per process."
             )
+        # a reload of this very module: keep the class verl already knows so isinstance checks hold
+        PlatformCPU = existing
+        return PlatformCPU
     PlatformRegistry.register(platform=PLATFORM_NAME)(PlatformCPU)
+    return PlatformCPU
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -402,7 +439,8 @@ def install_process_group_fix() -> bool:
     """Wrap ``torch.distributed.init_process_group`` so verl's ``"cpu:gloo,cpu:gloo"`` becomes ``"gloo"``.
 
     Idempotent; returns True if the wrapper is (now) installed. Only identical duplicate pairs are touched
-    (see :func:`dedupe_backend_string`); every other call is passed through unchanged.
+    (see :func:`dedupe_backend_string`); every other call is passed through unchanged. The original is
+    available as ``torch.distributed.init_process_group.__wrapped__``.
     """
     import torch.distributed as dist
 
@@ -425,42 +463,68 @@ def install_process_group_fix() -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------------------------------
+# switching a process to CPU mode
+# ------------------------------------------------------------------------------------------------------
+
+
 def is_cpu_mode() -> bool:
     """True when this process is configured (by env) to run verl on the CPU platform."""
     return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
 
 
+def _with_this_module(modules: str) -> str:
+    names = [m.strip() for m in modules.split(",") if m.strip()]
+    if MODULE_NAME not in names:
+        names.insert(0, MODULE_NAME)  # first: it must be registered before other modules resolve the platform
+    return ",".join(names)
+
+
+def cpu_mode_env(environ: Optional[dict] = None) -> dict[str, str]:
+    """The env vars CPU mode needs (also for Ray ``runtime_env={"env_vars": ...}``; all values are str)."""
+    environ = os.environ if environ is None else environ
+    return {
+        "VERL_PLATFORM": PLATFORM_NAME,
+        "VERL_ENGINE_DEVICE": "cuda",
+        "VERL_USE_EXTERNAL_MODULES": _with_this_module(environ.get("VERL_USE_EXTERNAL_MODULES", "")),
+    }
+
+
 def enable_cpu_mode() -> dict[str, str]:
-    """Switch this process (and children that inherit its env) to verl's CPU platform. Idempotent.
+    """Switch this process (and the processes that inherit its env) to verl's CPU platform. Idempotent.
 
-    Sets ``VERL_PLATFORM=cpu`` and ``VERL_ENGINE_DEVICE=cuda`` and installs the ``init_process_group``
-    backend fix. Must run before verl resolves its platform singleton; raises RuntimeError if verl already
-    resolved a different platform in this process (modules such as verl's FSDP engine capture the device
-    name at import time, so switching later would leave a half-GPU, half-CPU process).
-
-    Returns the env vars it set, e.g. to forward them to Ray workers through
-    ``runtime_env={"env_vars": ...}`` (Ray workers must also import this module, e.g. via
-    ``VERL_USE_EXTERNAL_MODULES=verl_tokensel.verl_glue.platform_cpu``).
+    Registers the platform, sets the env vars of :func:`cpu_mode_env`, installs the ``init_process_group``
+    backend fix, and makes sure verl's platform singleton (if already resolved) is the CPU platform.
+    Returns the env vars it set. Raises RuntimeError if verl already resolved a *usable* non-CPU platform
+    (a real GPU) in this process.
     """
     from verl.plugin.platform import platform_manager
 
-    current = platform_manager._current_platform
-    if current is not None and not isinstance(current, PlatformCPU):
-        raise RuntimeError(
-            "verl_tokensel.enable_cpu_mode(): verl already resolved its platform to "
-            f"{type(current).__name__} (device {current.device_name!r}) in this process. Call "
-            "enable_cpu_mode() (or export VERL_PLATFORM=cpu and import this module) before importing "
-            "verl's workers/engines."
+    cls = ensure_registered()
+    current = platform_manager._current_platform  # read-only peek: was the singleton resolved already?
+    if current is not None and not isinstance(current, cls):
+        if current.is_available():
+            raise RuntimeError(
+                "verl_tokensel.enable_cpu_mode(): verl already resolved its platform to "
+                f"{type(current).__name__} (device {current.device_name!r}, available) in this process. "
+                "Set VERL_PLATFORM=cpu (and VERL_USE_EXTERNAL_MODULES=" + MODULE_NAME + ") before "
+                "importing verl, or call enable_cpu_mode() first."
+            )
+        logger.warning(
+            "verl_tokensel: verl had resolved its platform to %s, which is not available here; switching "
+            "to the CPU platform (modules imported earlier keep a module-level device name).",
+            type(current).__name__,
         )
-    _register()
-    for key, value in CPU_MODE_ENV.items():
-        os.environ[key] = value
+        platform_manager.set_platform(cls())
+    env = cpu_mode_env()
+    os.environ.update(env)
     install_process_group_fix()
-    return dict(CPU_MODE_ENV)
+    return env
 
 
-_register()
+# Register on import (safe on any host: never auto-detected). In a process whose env already selects the
+# CPU platform (Ray workers, spawned ranks), also make init_process_group accept verl's backend string.
+ensure_registered()
 if is_cpu_mode():
-    # Ray workers / subprocesses that import the plugin with VERL_PLATFORM=cpu in their env.
-    os.environ.setdefault("VERL_ENGINE_DEVICE", CPU_MODE_ENV["VERL_ENGINE_DEVICE"])
+    os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
     install_process_group_fix()
