@@ -81,8 +81,14 @@ def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared
     return inp
 
 
-def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None):
-    """verl's PPO actor loss with the policy gradient restricted to the selected tokens."""
+def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, observer=None):
+    """verl's PPO actor loss with the policy gradient restricted to the selected tokens.
+
+    ``observer`` (bind it with ``functools.partial``; engines never pass it) is called once per
+    micro-batch with ``{"mask", "scores", "response_mask", "data"}`` (padded
+    ``(batch, response_len)`` tensors and the micro-batch as the engine passed it), for analysis
+    and tests.
+    """
     sel: Selection | None = getattr(config, "selection", None)
     if sel is None:
         return ppo_loss(config, model_output, data, dp_group)
@@ -90,12 +96,12 @@ def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None):
     guard = config.global_batch_info
     guard.active = True
     try:
-        return _selecting_loss(config, sel, model_output, data, dp_group)
+        return _selecting_loss(config, sel, model_output, data, dp_group, observer)
     finally:
         guard.active = False
 
 
-def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group):
+def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group, observer=None):
     log_prob = no_padding_2_padding(model_output["log_probs"], data)
     entropy = model_output.get("entropy", None)
     if entropy is not None:
@@ -136,6 +142,8 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     scores = compute_score(sel.score, inp)
     mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
                          dp_group=dp_group)
+    if observer is not None:
+        observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": input_data})
 
     # ---- policy loss, via verl's registered loss for loss_mode ----
     policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
@@ -190,12 +198,10 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         metrics["kl_coef"] = config.kl_loss_coef
 
     # ---- selection metrics (per micro-batch, averaged over micro-batches and ranks) ----
-    grad_mass = None
-    if SCORE_REGISTRY[sel.score].needs_omega or sel.score != "random":
-        try:
-            grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
-        except ValueError:
-            grad_mass = None
+    try:  # per-token gradient-norm estimate, for the "share of gradient mass kept" metric
+        grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
+    except ValueError:  # a KL type without a gradient-weight formula (only possible for non-omega scores)
+        grad_mass = None
     stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass)
     for key, value in stats.items():
         metrics[METRIC_PREFIX + key] = Metric(value=value, aggregation=AggregationType.MEAN)
