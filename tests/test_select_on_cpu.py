@@ -63,11 +63,15 @@ def _random_case(seed: int, batch: int = 5, length: int = 11, levels: int = 4, n
 @pytest.mark.parametrize(
     "ratio,n,k",
     [
-        (0.2, 5, 1),  # 0.2 * 5 = 1.0000000000000002 in binary -> still 1
-        (0.1, 30, 3),  # 3.0000000000000004 -> 3
-        (0.7, 10, 7),  # 7.000000000000001 -> 7
-        (0.3, 10, 3),  # 3.0000000000000004 -> 3
-        (0.6, 5, 3),  # 3.0000000000000004 -> 3
+        # the usual suspects: these products happen to round to the exact integer in float64
+        (0.2, 5, 1),
+        (0.1, 30, 3),
+        (0.7, 10, 7),
+        # these do not: a plain math.ceil(ratio * n) would keep one token too many
+        (0.07, 100, 7),  # 0.07 * 100 = 7.000000000000001
+        (0.14, 50, 7),  # 7.000000000000001
+        (0.28, 25, 7),  # 7.000000000000001
+        (0.57, 100, 57),  # 56.99999999999999 (below: ceil is already right)
         (0.2, 6, 2),  # 1.2 -> 2
         (0.2, 1, 1),  # at least one token from a non-empty pool
         (1e-6, 10, 1),
@@ -80,9 +84,11 @@ def test_budget_float_edge_cases(ratio, n, k):
 
 
 def test_budget_equals_exact_ceil_on_a_grid():
-    ratios = [0.01, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.9, 0.95, 0.99, 1.0]
+    ratios = [i / 100 for i in range(1, 101)] + [0.125, 0.333, 0.999]
     bad = [(r, n) for r in ratios for n in range(1, 301) if budget(r, n) != _exact_budget(r, n)]
     assert not bad
+    # the grid does contain products that float64 rounds above the integer (0.07 * 100, ...)
+    assert any(math.ceil(r * n) != _exact_budget(r, n) for r in ratios for n in range(1, 301))
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,10 +107,10 @@ def test_keeps_exactly_ceil_and_matches_reference(ratio, direction):
 
 
 def test_rho_n_float_edge_cases_in_select():
-    # N = 5, 30, 10 valid tokens inside a wider padded matrix
-    for ratio, n, k in [(0.2, 5, 1), (0.1, 30, 3), (0.7, 10, 7)]:
-        scores = torch.arange(40, dtype=torch.float32).reshape(4, 10)
-        valid = (torch.arange(40) < n).reshape(4, 10)
+    # N valid tokens inside a wider padded matrix
+    for ratio, n, k in [(0.2, 5, 1), (0.1, 30, 3), (0.7, 10, 7), (0.07, 100, 7), (0.28, 25, 7)]:
+        scores = torch.arange(120, dtype=torch.float32).reshape(4, 30)
+        valid = (torch.arange(120) < n).reshape(4, 30)
         mask = select_tokens(scores, valid, ratio)
         assert int(mask.sum()) == k
         # the k highest valid scores are the last k valid positions n-k .. n-1

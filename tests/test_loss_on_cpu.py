@@ -1,0 +1,492 @@
+"""The selecting loss ``tokensel_ppo_loss`` against verl's stock ``ppo_loss`` (CPU).
+
+Micro-batches come from ``tests/loss_inputs.py`` (verl's no-padding layout, as the engines hand it to
+the loss). Actor configs are verl's own ``ppo_trainer`` Hydra tree, composed with
+``initialize_config_module("verl.trainer.config")``, converted by verl's ``omega_conf_to_dataclass``:
+stock ``FSDPActorConfig`` for the reference, ``TokenselFSDPActorConfig`` (``_target_`` swapped, plus
+``token_selector`` / ``token_selection``) for ours.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import pickle
+from functools import partial
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from omegaconf import open_dict
+
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.config import FSDPActorConfig
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import no_padding_2_padding
+
+import verl_tokensel.verl_glue.loss as loss_mod
+from verl_tokensel.core.config import PRESETS
+from verl_tokensel.verl_glue.actor_config import StockLossGuard, TokenselFSDPActorConfig, TokenselMcoreActorConfig
+from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+
+try:
+    from loss_inputs import make_micro_batch
+except ImportError:  # tests/ imported as a package
+    from .loss_inputs import make_micro_batch
+
+OUR_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
+OUR_MCORE_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig"
+SELECTION_TARGET = "verl_tokensel.core.config.TokenSelectionConfig"
+SELECTING_PRESETS = [p for p in PRESETS if p != "none"]
+SCORES = ["entropy", "gmts", "grad_norm", "random"]
+
+
+# --------------------------------------------------------------------------------------------
+# configs from verl's own Hydra tree
+# --------------------------------------------------------------------------------------------
+_TREES: dict[str, object] = {}
+_CONFIGS: dict[str, object] = {}
+
+
+def _tree(name: str):
+    if name not in _TREES:
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            _TREES[name] = compose(name)
+    return _TREES[name]
+
+
+def actor_config(selector=None, selection=None, *, megatron=False, fresh=False, **actor):
+    """Stock actor config when ``selector`` is None, else ours with ``token_selector=selector``.
+
+    ``actor``: extra ``actor_rollout_ref.actor.*`` keys (use_kl_loss, entropy_coeff, ...).
+    """
+    key = repr((selector, sorted((selection or {}).items()), megatron, sorted(actor.items())))
+    if not fresh and key in _CONFIGS:
+        return _CONFIGS[key]
+    cfg = copy.deepcopy(_tree("ppo_megatron_trainer" if megatron else "ppo_trainer"))
+    node = cfg.actor_rollout_ref.actor
+    with open_dict(node):
+        if not megatron:
+            node.strategy = "fsdp2"
+        node.ppo_micro_batch_size_per_gpu = 2
+        for k, v in actor.items():
+            node[k] = v
+        if selector is not None:
+            node._target_ = OUR_MCORE_ACTOR if megatron else OUR_ACTOR
+            node.token_selector = selector
+            node.token_selection = {"_target_": SELECTION_TARGET, **(selection or {})}
+    out = omega_conf_to_dataclass(node)
+    if selector is None:
+        assert type(out) is FSDPActorConfig or megatron
+    else:
+        assert type(out) is (TokenselMcoreActorConfig if megatron else TokenselFSDPActorConfig)
+    if not fresh:
+        _CONFIGS[key] = out
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# micro-batches and helpers
+# --------------------------------------------------------------------------------------------
+def micro_batch(seed=0, batch=6, resp_len=16, noise=0.15, with_ref=False, **kw):
+    """A micro-batch from tests/loss_inputs.py, made near on-policy: old_log_probs = log_prob + noise,
+    so that most tokens are unclipped (omega != 0) and some are clipped (omega == 0)."""
+    mo, data, lp = make_micro_batch(batch=batch, resp_len=resp_len, seed=seed, with_ref=with_ref, **kw)
+    # the drivers also send the global batch size (seq-mean-* modes need it when dp_size > 1)
+    tu.assign_non_tensor(data, global_batch_size=batch * data["dp_size"])
+    g = torch.Generator().manual_seed(1000 + seed)
+    lp_pad = no_padding_2_padding(mo["log_probs"], data).detach()
+    rm = data["response_mask"].to(lp_pad.dtype)
+    data["old_log_probs"] = (lp_pad + torch.randn(lp_pad.shape, generator=g) * noise) * rm
+    if with_ref:
+        data["ref_log_prob"] = (lp_pad + torch.randn(lp_pad.shape, generator=g) * 0.5) * rm
+    return mo, data, lp
+
+
+def padded(values: torch.Tensor, data) -> torch.Tensor:
+    """Per-token values over the full sequences (log-prob layout) -> (batch, response_len)."""
+    return no_padding_2_padding(values, data)
+
+
+def run(loss_fn, cfg, mo, data, lp):
+    loss, metrics = loss_fn(cfg, mo, data)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.detach(), grad, metrics
+
+
+def vanilla_token_grad(cfg, mo, data) -> torch.Tensor:
+    """d/dlog_prob of verl's vanilla token losses, per token (token-sum): minus omega."""
+    lp = padded(mo["log_probs"], data).detach().requires_grad_(True)
+    loss, _ = get_policy_loss_fn("vanilla")(
+        old_log_prob=data["old_log_probs"], log_prob=lp, advantages=data["advantages"],
+        response_mask=data["response_mask"].bool(), loss_agg_mode="token-sum", config=cfg)
+    (g,) = torch.autograd.grad(loss, lp)
+    return g
+
+
+def vanilla_token_loss(cfg, lp, old, adv) -> torch.Tensor:
+    """Hand-written PPO/DAPO dual-clip token loss (independent of verl's code)."""
+    r = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    low, high, c = cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c
+    l = torch.maximum(-adv * r, -adv * torch.clamp(r, 1 - low, 1 + high))
+    return torch.where(adv < 0, torch.minimum(l, -adv * c), l)
+
+
+@pytest.fixture
+def masks(monkeypatch):
+    """Records every mask the selecting loss computes."""
+    seen = []
+    orig = loss_mod.select_tokens
+
+    def spy(*args, **kwargs):
+        m = orig(*args, **kwargs)
+        seen.append(m.clone())
+        return m
+
+    monkeypatch.setattr(loss_mod, "select_tokens", spy)
+    return seen
+
+
+def _metric(metrics, key):
+    m = metrics[key]
+    return float(m.aggregate()) if hasattr(m, "aggregate") else float(m)
+
+
+# --------------------------------------------------------------------------------------------
+# bit-identity with stock verl
+# --------------------------------------------------------------------------------------------
+_STOCK_SETTINGS = [
+    {},
+    {"use_kl_loss": True, "entropy_coeff": 0.013},
+    {"use_kl_loss": True, "kl_loss_type": "k1", "entropy_coeff": -0.002, "loss_agg_mode": "seq-mean-token-mean"},
+    {"loss_agg_mode": "token-sum", "clip_ratio_high": 0.28, "clip_ratio_c": 10.0},
+]
+
+
+def _ids(settings):
+    return ",".join(f"{k}={v}" for k, v in settings.items()) or "default"
+
+
+@pytest.mark.parametrize("settings", _STOCK_SETTINGS, ids=_ids)
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_selector_none_is_stock_bitwise(settings, dp_size):
+    stock = actor_config(None, **settings)
+    ours = actor_config("none", **settings)
+    assert ours.selection is None
+    for seed in range(3):
+        mo, data, lp = micro_batch(seed, with_ref=True, with_sum_pi_squared=True, dp_size=dp_size)
+        ls, gs, ms = run(ppo_loss, stock, mo, data, lp)
+        lo, go, mo_ = run(tokensel_ppo_loss, ours, mo, data, lp)
+        assert torch.equal(lo, ls) and torch.equal(go, gs)
+        assert gs.abs().sum() > 0
+        assert set(mo_) == set(ms)  # no tokensel/* metrics when off
+
+
+@pytest.mark.parametrize("settings", _STOCK_SETTINGS, ids=_ids)
+@pytest.mark.parametrize("score", SCORES)
+def test_ratio_one_normaliser_all_is_stock_bitwise(score, settings, masks):
+    stock = actor_config(None, **settings)
+    ours = actor_config("gmts", {"score": score, "ratio": 1.0, "normaliser": "all"}, **settings)
+    assert ours.selection.score == score
+    for seed in range(3):
+        mo, data, lp = micro_batch(seed, with_ref=True, with_sum_pi_squared=(seed % 2 == 0), dp_size=1 + seed % 2)
+        ls, gs, _ = run(ppo_loss, stock, mo, data, lp)
+        lo, go, metrics = run(tokensel_ppo_loss, ours, mo, data, lp)
+        assert torch.equal(lo, ls), (lo, ls)
+        assert torch.equal(go, gs)
+        assert torch.equal(masks[-1], data["response_mask"].bool())
+        assert _metric(metrics, "tokensel/selected_fraction") == 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# every preset: gradient only on the selected tokens, exactly ceil(rho * N) of them
+# --------------------------------------------------------------------------------------------
+def _expected_mask(preset, cfg, mo, data):
+    """Independent top-k of the preset's score (scores built here from entropy and autograd omega)."""
+    sel = PRESETS[preset]
+    valid = data["response_mask"].bool()
+    omega = -vanilla_token_grad(cfg, mo, data)
+    ent = padded(mo["entropy"], data)
+    if sel.score == "entropy":
+        score = ent
+    elif sel.score == "gmts":
+        score = ent * omega.abs()
+    elif sel.score == "grad_norm":
+        p = padded(mo["log_probs"], data).detach().double().exp()
+        S = padded(mo["sum_pi_squared"], data).double()
+        # ||e_a - p||^2 = (1 - p_a)^2 + sum_{j != a} p_j^2, the latter within [0, (1 - p_a)^2]
+        rest = torch.minimum((S - p * p).clamp(min=0), (1 - p) ** 2)
+        score = omega.abs() * torch.sqrt((1 - p) ** 2 + rest)
+    else:
+        return None
+    key = score.double()[valid]
+    key = -key if sel.direction == "top" else key
+    k = math.ceil(sel.ratio * int(valid.sum()) - 1e-9)
+    chosen = torch.zeros_like(key, dtype=torch.bool)
+    chosen[torch.sort(key, stable=True).indices[:k]] = True
+    out = torch.zeros_like(valid)
+    out[valid] = chosen
+    return out
+
+
+@pytest.mark.parametrize("preset", SELECTING_PRESETS)
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_preset_gradient_only_on_selected_tokens(preset, dp_size, masks):
+    cfg = actor_config(preset)
+    sel = PRESETS[preset]
+    assert cfg.selection == sel
+    for seed in range(4):
+        mo, data, lp = micro_batch(seed, batch=8, resp_len=20, with_sum_pi_squared=True, dp_size=dp_size,
+                                   batch_num_tokens=None if seed % 2 else 1000)
+        n_before = len(masks)
+        loss, grad, metrics = run(tokensel_ppo_loss, cfg, mo, data, lp)
+        assert len(masks) == n_before + 1
+        mask = masks[-1]
+        valid = data["response_mask"].bool()
+        n_valid = int(valid.sum())
+        k = math.ceil(round(sel.ratio * n_valid, 9))
+        assert int(mask.sum()) == k and not (mask & ~valid).any()
+
+        g = padded(grad, data)
+        omega = -vanilla_token_grad(cfg, mo, data)
+        nonzero_omega = omega != 0
+        assert nonzero_omega[valid].float().mean() > 0.5  # the batch is mostly unclipped ...
+        assert (~nonzero_omega & valid).any()  # ... with some clipped tokens
+        # exactly zero on unselected valid tokens, non-zero exactly on selected tokens with omega != 0
+        assert torch.equal(g[valid & ~mask], torch.zeros_like(g[valid & ~mask]))
+        assert torch.equal((g != 0) & valid, mask & nonzero_omega)
+        assert int(((g != 0) & valid).sum()) == int((mask & nonzero_omega).sum())
+        if sel.score in ("gmts", "grad_norm"):
+            # |omega|-weighted scores rank clipped tokens (score 0) last: all k carry gradient
+            assert int(((g != 0) & valid).sum()) == k
+        # the gradient on a selected token has the sign of -omega (loss decreases along omega)
+        assert (torch.sign(g[mask & nonzero_omega]) == -torch.sign(omega[mask & nonzero_omega])).all()
+
+        assert _metric(metrics, "tokensel/selected_fraction") == pytest.approx(k / n_valid, abs=1e-12)
+        assert _metric(metrics, "tokensel/selected_tokens") == k
+        assert _metric(metrics, "tokensel/valid_tokens") == n_valid
+
+        expected = _expected_mask(preset, cfg, mo, data)
+        if expected is not None:
+            assert torch.equal(mask, expected), preset
+
+
+def test_random_preset_is_seeded_and_order_free(masks):
+    cfg = actor_config("random")
+    mo, data, lp = micro_batch(3, batch=8, resp_len=20)
+    run(tokensel_ppo_loss, cfg, mo, data, lp)
+    run(tokensel_ppo_loss, cfg, mo, data, lp)
+    assert torch.equal(masks[0], masks[1])  # rerun: same draw
+    run(tokensel_ppo_loss, actor_config("random", {"seed": 5}), mo, data, lp)
+    assert not torch.equal(masks[0], masks[2])  # another seed: another draw
+    assert int(masks[2].sum()) == int(masks[0].sum())
+
+
+@pytest.mark.parametrize("mask_kl_loss", [False, True])
+def test_kl_and_entropy_terms_follow_their_mask_knobs(mask_kl_loss, masks):
+    cfg = actor_config("gmts", {"mask_kl_loss": mask_kl_loss}, use_kl_loss=True, kl_loss_coef=0.1,
+                       entropy_coeff=0.01)
+    mo, data, lp = micro_batch(2, batch=8, resp_len=20, with_ref=True)
+    _, grad, metrics = run(tokensel_ppo_loss, cfg, mo, data, lp)
+    mask, valid = masks[-1], data["response_mask"].bool()
+    g = padded(grad, data)
+    if mask_kl_loss:
+        assert torch.equal(g[valid & ~mask], torch.zeros_like(g[valid & ~mask]))
+    else:
+        # unselected tokens still get the KL gradient: coef * d low_var_kl / dlogp / N = coef*(1 - ref/pi)/N
+        lp_pad = padded(mo["log_probs"], data).detach()
+        expected = 0.1 * -torch.expm1(data["ref_log_prob"] - lp_pad) / int(valid.sum())
+        torch.testing.assert_close(g[valid & ~mask], expected[valid & ~mask], rtol=1e-5, atol=1e-8)
+    assert "kl_loss" in metrics and "actor/entropy_loss" in metrics
+
+
+# --------------------------------------------------------------------------------------------
+# normalisers
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dp_size,bnt_factor", [(1, 1), (2, 2), (2, 3.5), (4, 1.7)])
+def test_normaliser_selected_hand_value(dp_size, bnt_factor, masks):
+    cfg = actor_config("forking")  # entropy top 20%, normaliser=selected, token-mean
+    assert cfg.selection.normaliser == "selected" and cfg.loss_agg_mode == "token-mean"
+    for seed in range(3):
+        mo, data, lp = make_and_set_bnt(seed, dp_size, bnt_factor)
+        loss, grad, _ = run(tokensel_ppo_loss, cfg, mo, data, lp)
+        mask, valid = masks[-1], data["response_mask"].bool()
+        n_valid, n_sel, bnt = int(valid.sum()), int(mask.sum()), data["batch_num_tokens"]
+        lp_pad = padded(lp, data)  # differentiable
+        tok = vanilla_token_loss(cfg, lp_pad, data["old_log_probs"], data["advantages"])
+        # sum over selected of the vanilla token loss / n_selected * n_valid * dp_size / batch_num_tokens
+        expected = tok[mask].sum() / n_sel * n_valid * dp_size / bnt
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
+        (g_expected,) = torch.autograd.grad(expected, lp)
+        torch.testing.assert_close(grad, g_expected, rtol=1e-5, atol=1e-8)
+
+
+def make_and_set_bnt(seed, dp_size, bnt_factor):
+    mo, data, lp = micro_batch(seed, batch=8, resp_len=20, dp_size=dp_size)
+    n_valid = int(data["response_mask"].sum())
+    tu.assign_non_tensor(data, batch_num_tokens=int(round(n_valid * bnt_factor)))
+    return mo, data, lp
+
+
+def test_normaliser_all_keeps_stock_forward_value(masks):
+    stock = actor_config(None)
+    for preset in ("gmts", "grad_norm"):
+        cfg = actor_config(preset)
+        assert cfg.selection.normaliser == "all"
+        mo, data, lp = micro_batch(1, batch=8, resp_len=20, dp_size=2, batch_num_tokens=777)
+        ls, gs, _ = run(ppo_loss, stock, mo, data, lp)
+        lo, go, metrics = run(tokensel_ppo_loss, cfg, mo, data, lp)
+        assert torch.equal(lo, ls)  # forward = full-token surrogate, stock denominator
+        mask = masks[-1]
+        # on the selected tokens the gradient is stock's, bit for bit
+        assert torch.equal(padded(go, data)[mask], padded(gs, data)[mask])
+        assert _metric(metrics, "actor/pg_loss") == pytest.approx(float(ls))
+
+
+# --------------------------------------------------------------------------------------------
+# extra padding
+# --------------------------------------------------------------------------------------------
+def _padded_twin(seed, extra):
+    """The same micro-batch as ``micro_batch(seed)`` with ``extra`` more response padding columns."""
+    mo0, d0, lp0 = micro_batch(seed, batch=8, resp_len=20, with_sum_pi_squared=True)
+    mo1, d1, _ = make_micro_batch(batch=8, resp_len=20, seed=seed, extra_pad=extra, with_sum_pi_squared=True)
+    assert torch.equal(d0["input_ids"].values(), d1["input_ids"].values())
+    pad = torch.nn.functional.pad
+    for k in ("old_log_probs", "advantages"):
+        d1[k] = pad(d0[k], (0, extra))
+    assert torch.equal(d1["response_mask"][:, :-extra], d0["response_mask"]) and not d1["response_mask"][:, -extra:].any()
+    offsets = d1["input_ids"].offsets()
+    lp1 = lp0.detach().clone().requires_grad_(True)
+    mo1 = {
+        "log_probs": torch.nested.nested_tensor_from_jagged(lp1, offsets),
+        "entropy": torch.nested.nested_tensor_from_jagged(mo0["entropy"].values().clone(), offsets),
+        "sum_pi_squared": torch.nested.nested_tensor_from_jagged(mo0["sum_pi_squared"].values().clone(), offsets),
+    }
+    return (mo0, d0, lp0), (mo1, d1, lp1)
+
+
+@pytest.mark.parametrize("preset", SELECTING_PRESETS)
+def test_extra_padding_changes_nothing(preset, masks):
+    cfg = actor_config(preset)
+    extra = 5
+    for seed in range(2):
+        (mo0, d0, lp0), (mo1, d1, lp1) = _padded_twin(seed, extra)
+        l0, g0, m0 = run(tokensel_ppo_loss, cfg, mo0, d0, lp0)
+        l1, g1, m1 = run(tokensel_ppo_loss, cfg, mo1, d1, lp1)
+        mask0, mask1 = masks[-2], masks[-1]
+        assert mask1.shape[1] == mask0.shape[1] + extra
+        assert torch.equal(mask1[:, :-extra], mask0) and not mask1[:, -extra:].any()
+        torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
+        torch.testing.assert_close(g1, g0, rtol=1e-6, atol=0)
+        assert torch.equal(g1 != 0, g0 != 0)
+        assert _metric(m1, "tokensel/selected_fraction") == _metric(m0, "tokensel/selected_fraction")
+
+
+# --------------------------------------------------------------------------------------------
+# called the way verl's Megatron engine calls it
+# --------------------------------------------------------------------------------------------
+def megatron_postprocess(loss_function, model_output, data, dp_group=None):
+    """``MegatronEngineWithLMHead.postprocess_micro_batch_func`` (verl 0.9.1, transformer_impl.py), the
+    training branch without per-token loss: call the loss with keyword arguments and the DP group, then
+    ``scaled_loss = loss * data["num_micro_batch"]`` (Megatron's pp schedule divides by the micro-batch
+    count again)."""
+    loss, metrics = loss_function(model_output=model_output, data=data, dp_group=dp_group)
+    scaled_loss = loss * data["num_micro_batch"]
+    return scaled_loss, {"loss": loss.detach().item(), "metrics": metrics}
+
+
+@pytest.mark.parametrize("preset", ["forking", "gmts"])
+@pytest.mark.parametrize("num_micro_batch", [3, 4])
+def test_megatron_call_two_tp_ranks(preset, num_micro_batch, masks):
+    # each TP rank has its own config object (its own process), built from verl's megatron tree
+    per_rank = []
+    for tp_rank in range(2):
+        cfg = actor_config(preset, megatron=True, fresh=True)
+        loss_function = partial(tokensel_ppo_loss, config=cfg)  # as engine_workers binds ppo_loss
+        mo, data, lp = micro_batch(7, batch=8, resp_len=20, dp_size=2, batch_num_tokens=400)
+        tu.assign_non_tensor(data, num_micro_batch=num_micro_batch)
+        scaled, out = megatron_postprocess(loss_function, mo, data)
+        (g_scaled,) = torch.autograd.grad(scaled, lp)
+        per_rank.append((scaled.detach(), out, g_scaled, masks[-1]))
+    (s0, o0, g0, m0), (s1, o1, g1, m1) = per_rank
+    assert torch.equal(m0, m1) and torch.equal(s0, s1) and torch.equal(g0, g1) and o0["loss"] == o1["loss"]
+    assert _metric(o0["metrics"], "tokensel/selected_fraction") == _metric(o1["metrics"], "tokensel/selected_fraction")
+
+    # FSDP-style: the engine back-propagates the loss itself; Megatron's loss is num_micro_batch x that
+    fsdp_cfg = actor_config(preset)
+    mo, data, lp = micro_batch(7, batch=8, resp_len=20, dp_size=2, batch_num_tokens=400)
+    loss, g_fsdp, _ = run(tokensel_ppo_loss, fsdp_cfg, mo, data, lp)
+    assert torch.equal(masks[-1], m0)
+    assert o0["loss"] == loss.item()
+    torch.testing.assert_close(s0, loss * num_micro_batch, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g0, g_fsdp * num_micro_batch, rtol=1e-6, atol=0)
+    if num_micro_batch == 4:  # a power of two scales exactly
+        assert torch.equal(g0, g_fsdp * 4)
+    assert (g0 != 0).any()
+
+
+# --------------------------------------------------------------------------------------------
+# the StockLossGuard
+# --------------------------------------------------------------------------------------------
+def test_stock_loss_refuses_a_selector_config():
+    cfg = actor_config("forking", fresh=True)
+    assert isinstance(cfg.global_batch_info, StockLossGuard)
+    mo, data, lp = micro_batch(0)
+    with pytest.raises(RuntimeError, match=r"verl_tokensel\.main_ppo"):
+        ppo_loss(cfg, mo, data)
+    # the selecting loss works with the same config, and closes the guard behind it
+    loss, _, _ = run(tokensel_ppo_loss, cfg, mo, data, lp)
+    assert torch.isfinite(loss)
+    assert not cfg.global_batch_info.active
+    with pytest.raises(RuntimeError, match="token_selector=forking"):
+        ppo_loss(cfg, mo, data)
+
+
+def test_stock_loss_accepts_selector_none():
+    cfg = actor_config("none", fresh=True)
+    stock = actor_config(None)
+    mo, data, lp = micro_batch(0)
+    ls, gs, _ = run(ppo_loss, stock, mo, data, lp)
+    lo, go, _ = run(ppo_loss, cfg, mo, data, lp)
+    assert torch.equal(lo, ls) and torch.equal(go, gs)
+
+
+def test_guard_closes_after_an_error_in_the_selecting_loss():
+    cfg = actor_config("forking", fresh=True)
+    mo, data, lp = micro_batch(0)
+    del mo["entropy"]  # the entropy score then has nothing to rank
+    with pytest.raises(ValueError, match="entropy"):
+        tokensel_ppo_loss(cfg, mo, data)
+    assert not cfg.global_batch_info.active
+    with pytest.raises(RuntimeError, match=r"verl_tokensel\.main_ppo"):
+        ppo_loss(cfg, micro_batch(0)[0], data)
+
+
+@pytest.mark.parametrize("selector", ["forking", "none"])
+def test_guard_survives_pickling(selector):
+    cfg = actor_config(selector, fresh=True)
+    dumpers = [pickle]
+    try:
+        import cloudpickle  # what Ray uses to ship the config to the workers
+
+        dumpers.append(cloudpickle)
+    except ImportError:  # pragma: no cover
+        pass
+    mo, data, lp = micro_batch(0)
+    ref_loss, ref_grad, _ = run(tokensel_ppo_loss, cfg, mo, data, lp)
+    for dumper in dumpers:
+        cfg2 = pickle.loads(dumper.dumps(cfg))
+        assert type(cfg2) is TokenselFSDPActorConfig
+        assert isinstance(cfg2.global_batch_info, StockLossGuard)
+        assert cfg2.selection == cfg.selection
+        if selector == "none":
+            assert cfg2.global_batch_info.selector is None
+            ppo_loss(cfg2, mo, data)  # does not raise
+        else:
+            assert cfg2.global_batch_info.selector == selector and not cfg2.global_batch_info.active
+            with pytest.raises(RuntimeError, match=r"verl_tokensel\.main_ppo"):
+                ppo_loss(cfg2, mo, data)
+        loss, grad, _ = run(tokensel_ppo_loss, cfg2, mo, data, lp)
+        assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
