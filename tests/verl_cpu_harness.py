@@ -106,6 +106,13 @@ def setup_cpu_process(
         torch.set_num_threads(num_threads)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return env
+    if (
+        master_port is None
+        and os.environ.get("MASTER_PORT")
+        and os.environ.get("RANK") == str(rank)
+        and os.environ.get("WORLD_SIZE") == str(world_size)
+    ):
+        master_port = int(os.environ["MASTER_PORT"])  # a launcher (run_distributed) already chose it
     values = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
@@ -255,6 +262,7 @@ def make_training_worker(
     world_size: int = 1,
     master_port: Optional[int] = None,
     seed: int = 0,
+    num_threads: Optional[int] = 1,
     **config_kwargs,
 ) -> CpuActor:
     """Build verl's real ``TrainingWorker`` (FSDP2, CPU) for ``model_dir`` (default: the tiny model).
@@ -264,8 +272,10 @@ def make_training_worker(
     ``loss_agg_mode``, ``entropy_coeff``, ``rollout_n``, ``ppo_epochs``, ``temperature``). The worker's
     loss is ``loss_fn`` if given, else ``partial(ppo_loss, config=actor_config)``. ``lr=0`` keeps the
     weights fixed (AdamW with lr 0 changes nothing), handy to compare gradients of several losses.
+    ``num_threads`` sets ``torch.set_num_threads`` for the process (1 is fastest for the tiny model and
+    robust when other jobs share the cores; None leaves it alone).
     """
-    setup_cpu_process(rank=rank, world_size=world_size, master_port=master_port)
+    setup_cpu_process(rank=rank, world_size=world_size, master_port=master_port, num_threads=num_threads)
     if model_dir is None:
         model_dir = tiny_assets.build_tiny_model_dir()
 
@@ -691,7 +701,8 @@ def split_for_dp(batch, world_size: int) -> list:
     """Split a driver batch across DP ranks like verl's dispatch (``BatchData(td).chunk``)."""
     from verl.protocol import BatchData
 
-    return BatchData(batch).chunk(chunks=world_size)
+    # chunk_tensordict returns locked TensorDicts; the copies a Ray worker receives are not locked
+    return [c.unlock_() if c.is_locked else c for c in BatchData(batch).chunk(chunks=world_size)]
 
 
 def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
@@ -701,6 +712,41 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+
+
+def dp_train_step(
+    rank: int,
+    world_size: int,
+    model_dir: str,
+    worker_kwargs: Optional[dict] = None,
+    n: int = 8,
+    seed: int = 0,
+    fmt: str = "v1",
+    real_old_log_probs: bool = True,
+    batch_kwargs: Optional[dict] = None,
+) -> dict:
+    """One rank of a data-parallel update (use with :func:`run_distributed`).
+
+    Every rank builds the same global driver batch (same seed), takes its DP shard like verl's dispatch,
+    optionally runs the real old-log-prob pass on it, and runs one ``train_mini_batch`` capturing the
+    full (all-reduced) gradients. Returns a picklable dict: loss, grad_norm, grads, max_abs_param_delta,
+    n_local, metrics (plain values only).
+    """
+    actor = make_training_worker(model_dir, rank=rank, world_size=world_size, **(worker_kwargs or {}))
+    full = make_update_batch(actor, n=n, seed=seed, fmt=fmt, **(batch_kwargs or {}))
+    shard = split_for_dp(full, world_size)[rank]
+    if real_old_log_probs:
+        compute_old_log_probs(actor, shard)
+    r = run_train_step(actor, shard, capture_grads=True)
+    plain = {k: v for k, v in r.metrics.items() if isinstance(v, (int, float, str, list))}
+    return {
+        "loss": r.loss,
+        "grad_norm": r.grad_norm,
+        "grads": r.grads,
+        "max_abs_param_delta": r.max_abs_param_delta,
+        "n_local": int(shard.batch_size[0]),
+        "metrics": plain,
+    }
 
 
 def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 300.0) -> list:
@@ -741,6 +787,7 @@ __all__ = [
     "compute_old_log_probs",
     "cpu_actor_overrides",
     "default_loss_fn",
+    "dp_train_step",
     "free_port",
     "full_params",
     "make_actor_config",
