@@ -63,8 +63,25 @@ def _assert_grads_close(a: dict, b: dict, rtol=1e-4, atol=1e-6, what=""):
 
 
 # --------------------------------------------------------------------------------------------------
-# platform
+# assets and platform
 # --------------------------------------------------------------------------------------------------
+
+
+def test_tiny_assets_roundtrip(tiny_model_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert tiny_assets.build_tiny_model_dir(tiny_model_dir) == str(tiny_model_dir)  # cached by path
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    cfg = AutoConfig.from_pretrained(tiny_model_dir)
+    text = "Question: What is 12 plus 30? Answer: 12 + 30 = 42. \\boxed{42} (héllo, wörld)"
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text and len(ids) < len(text)  # byte-level BPE: lossless, and it merges
+    assert cfg.model_type == "qwen2" and cfg.vocab_size == len(tok) and 256 < len(tok) <= 512
+    assert tok.eos_token_id is not None and tok.pad_token_id is not None
+    chat = tok.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert chat.endswith("<|im_start|>assistant\n")
+
 
 
 def test_cpu_platform_is_selected_and_sane():
@@ -191,16 +208,36 @@ def _reference_grads(model_dir):
 
 
 def test_all_modes_and_formats_give_the_same_gradient(tiny_model_dir):
+    """Every engine mode x driver format: same loss and gradient; a custom per-token field and the
+    entropy (calculate_entropy) reach the loss function with the right shapes."""
     ref = _reference_grads(tiny_model_dir)
     for use_dynamic_bsz, use_remove_padding in COMBOS:
         actor = H.make_training_worker(tiny_model_dir, use_dynamic_bsz=use_dynamic_bsz,
                                        use_remove_padding=use_remove_padding, lr=0.0, clip_grad=1e6, **WORKER_KW)
-        formats = ("v1", "v0") if use_remove_padding else ("v1",)
-        for fmt in formats:
-            batch = H.make_update_batch(actor, fmt=fmt, **BATCH_KW)
+        base = H.default_loss_fn(actor.actor_config)
+        for fmt in ("v1", "v0"):
+            probe = H.make_ppo_batch(actor.tokenizer, n=BATCH_KW["n"], seed=BATCH_KW["seed"])
+            select = [(torch.arange(len(r)) % 2).float() for r in probe["responses"].unbind()]
+            batch = H.make_update_batch(actor, fmt=fmt, calculate_entropy=True,
+                                        extra_token_fields={"token_select_mask": select}, **BATCH_KW)
             H.compute_old_log_probs(actor, batch)
-            r = H.run_train_step(actor, batch, capture_grads=True)
+            seen = {"select_sum": 0.0, "calls": 0}
+
+            def spy_loss(model_output, data, dp_group=None):
+                from verl.workers.utils.padding import no_padding_2_padding
+
+                assert "entropy" in model_output, "calculate_entropy did not reach the engine"
+                ent = no_padding_2_padding(model_output["entropy"], data)
+                sel = data["token_select_mask"]
+                sel = sel.to_padded_tensor(0.0) if sel.is_nested else sel
+                assert sel.shape[0] == ent.shape[0] and sel.shape[1] <= ent.shape[1]
+                seen["select_sum"] += float(sel.sum())
+                seen["calls"] += 1
+                return base(model_output=model_output, data=data, dp_group=dp_group)
+
+            r = H.run_train_step(actor, batch, loss_fn=spy_loss, capture_grads=True)
             what = f"dynbsz={use_dynamic_bsz} rmpad={use_remove_padding} fmt={fmt}"
+            assert seen["calls"] >= 2 and seen["select_sum"] == pytest.approx(float(sum(x.sum() for x in select)))
             assert r.loss == pytest.approx(ref["loss"], rel=1e-5), what
             _assert_grads_close(r.grads, ref["grads"], what=what)
 

@@ -13,6 +13,12 @@ Typical use (one process, world size 1)::
     result = run_train_step(actor, batch, loss_fn=my_loss, capture_grads=True)
     result.loss, result.metrics, result.grads["lm_head.weight"], result.param_delta
 
+Side effects: importing this module sets ``VERL_PLATFORM=cpu``, ``VERL_ENGINE_DEVICE=cuda`` and prepends
+``verl_tokensel.verl_glue.platform_cpu`` to ``VERL_USE_EXTERNAL_MODULES`` in ``os.environ``, then imports
+verl (so test modules must skip on a missing verl BEFORE importing this one, e.g. with
+``importlib.util.find_spec``); building a worker sets ``torch.set_num_threads(1)`` (``num_threads``) and
+creates the process-wide default gloo group, which later workers in the process reuse.
+
 Steps this takes care of (see :func:`setup_cpu_process`):
 
 * ``enable_cpu_mode()`` from :mod:`verl_tokensel.verl_glue.platform_cpu` (``VERL_PLATFORM=cpu``,
@@ -39,12 +45,13 @@ responses, response_mask, loss_mask, input_ids, position_ids, old_log_probs, adv
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 _PLATFORM_MODULE = "verl_tokensel.verl_glue.platform_cpu"
 
@@ -144,7 +151,7 @@ def compose_ppo_config(overrides: Sequence[str] = ()) -> Any:
             GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
             _COMPOSE_CACHE[key] = compose(config_name="ppo_trainer", overrides=list(overrides))
-    return _COMPOSE_CACHE[key].copy()
+    return copy.deepcopy(_COMPOSE_CACHE[key])
 
 
 def cpu_actor_overrides(
