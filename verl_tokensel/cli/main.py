@@ -1,0 +1,38 @@
+"""``verl-tokensel``: the command-line front end. One subcommand per module in this package.
+
+Examples::
+
+    verl-tokensel env          # versions and plugin status, for bug reports
+    verl-tokensel cpu-step     # one real verl FSDP2 actor update per preset on a tiny CPU model
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "env": "verl_tokensel.cli.env",
+    "cpu-step": "verl_tokensel.cli.cpu_step",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="verl-tokensel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    modules = {}
+    for name, mod_name in SUBCOMMANDS.items():
+        mod = importlib.import_module(mod_name)
+        modules[name] = mod
+        sp = sub.add_parser(name, help=mod.HELP, description=mod.__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(sp)
+    args = parser.parse_args(argv)
+    return int(modules[args.command].run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
