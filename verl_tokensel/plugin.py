@@ -1,7 +1,7 @@
 """verl plugin entry point (``verl.plugins`` group), imported by ``import verl`` in every process.
 
-Registers, under ``tokensel_``-prefixed names only: the V1 trainer modes ``tokensel_<mode>``
-(see :mod:`verl_tokensel.verl_glue.install`). verl swallows exceptions raised by plugin imports,
+Registers the V1 trainer modes ``tokensel_<mode>`` (see :mod:`verl_tokensel.verl_glue.install`) and
+verl's ``cpu`` platform (:mod:`verl_tokensel.verl_glue.platform_cpu`, used only with ``VERL_PLATFORM=cpu``). verl swallows exceptions raised by plugin imports,
 so a failure here is printed to stderr (it lands in the driver's and each Ray worker's log) and
 recorded in :data:`LOAD_ERROR`; ``verl-tokensel env`` and the config validation report it too.
 """
@@ -18,6 +18,10 @@ LOAD_ERROR: str | None = None
 def load() -> None:
     global LOAD_ERROR
     try:
+        # register the `cpu` platform before anything below makes verl resolve its platform
+        from verl_tokensel.verl_glue import platform_cpu
+
+        platform_cpu.ensure_registered()
         from verl_tokensel.verl_glue.install import register_v1_trainers
 
         register_v1_trainers()
