@@ -29,11 +29,7 @@ for _mod, _why in [
 
 import torch  # noqa: E402
 
-try:  # tests/ as a package or as a plain folder on sys.path
-    from . import tiny_assets, verl_cpu_harness as H  # type: ignore[no-redef]
-except ImportError:  # pragma: no cover
-    import tiny_assets  # type: ignore[no-redef]
-    import verl_cpu_harness as H  # type: ignore[no-redef]
+from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]  # (use_dynamic_bsz, use_remove_padding)
 COMBO_IDS = [f"dynbsz={d}-rmpad={r}" for d, r in COMBOS]

@@ -24,11 +24,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-try:
-    from . import tiny_assets, verl_cpu_harness as H  # type: ignore[no-redef]
-except ImportError:  # pragma: no cover
-    import tiny_assets  # type: ignore[no-redef]
-    import verl_cpu_harness as H  # type: ignore[no-redef]
+from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]
 COMBO_IDS = [f"dynbsz={d}-rmpad={r}" for d, r in COMBOS]

@@ -7,7 +7,7 @@ drivers send to ``update_actor`` (``TrainingWorker.train_mini_batch``), with a l
 
 Typical use (one process, world size 1)::
 
-    from verl_cpu_harness import make_training_worker, make_update_batch, run_train_step
+    from verl_tokensel.testing.cpu_worker import make_training_worker, make_update_batch, run_train_step
     actor = make_training_worker(model_dir, use_dynamic_bsz=True, use_remove_padding=False)
     batch = make_update_batch(actor, n=8, seed=0)                # what the driver sends
     result = run_train_step(actor, batch, loss_fn=my_loss, capture_grads=True)
@@ -76,10 +76,7 @@ _prime_cpu_env()
 import torch  # noqa: E402
 import verl  # noqa: E402,F401  (imports the CPU platform module first, see _prime_cpu_env)
 
-try:  # tests/ as a package or as a plain folder on sys.path
-    from . import tiny_assets  # type: ignore[no-redef]
-except ImportError:  # pragma: no cover - depends on how pytest imports tests/
-    import tiny_assets  # type: ignore[no-redef]
+from verl_tokensel.testing import tiny_assets  # noqa: E402
 
 from verl_tokensel.verl_glue import platform_cpu  # noqa: E402
 
