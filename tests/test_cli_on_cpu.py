@@ -1,0 +1,44 @@
+"""The README's main-job command and `verl-tokensel env`, run as a user would (subprocess)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def _cli(*args, timeout=600):
+    cmd = [sys.executable, "-m", "verl_tokensel.cli.main", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+
+
+def test_cpu_step_runs_every_preset_and_reports_the_selected_fraction(tmp_path):
+    res = _cli("cpu-step", "--workdir", str(tmp_path), "--presets", "none", "forking", "forking_bottom", "gmts")
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+)\s+([0-9.]+)\s", res.stdout, flags=re.M)}
+    assert rows["none"] == 1.0
+    # ceil(0.2 N) over micro-batch pools of a few dozen tokens: a little above 0.2 / 0.8
+    assert 0.2 <= rows["forking"] < 0.3 and 0.2 <= rows["gmts"] < 0.3
+    assert 0.8 <= rows["forking_bottom"] < 0.9
+
+
+def test_cpu_step_rejects_unknown_preset(tmp_path):
+    res = _cli("cpu-step", "--workdir", str(tmp_path), "--presets", "bogus")
+    assert res.returncode == 2
+    assert "bogus" in res.stderr and "forking" in res.stderr
+
+
+def test_env_reports_versions_and_plugin():
+    res = _cli("env")
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert re.search(r"^verl\s+0\.9\.", res.stdout, flags=re.M)
+    assert re.search(r"^verl plugin\s+loaded$", res.stdout, flags=re.M)
+
+
+@pytest.mark.parametrize("sub", ["env", "cpu-step"])
+def test_help_has_worked_examples(sub):
+    res = _cli(sub, "--help")
+    assert res.returncode == 0 and "verl-tokensel " + sub in res.stdout

@@ -1,0 +1,98 @@
+"""One real verl actor update per token selector on a tiny model, on CPU (the embedded default job).
+
+Builds, with no download, a byte-level BPE tokenizer and a random-init Qwen2 (cached under
+``--workdir``), starts verl's real ``TrainingWorker`` with the FSDP2 engine on verl's CPU platform,
+computes old log-probs with the real log-prob pass, then runs one ``update_actor`` mini-batch per
+preset with the selecting loss and prints what each preset did.
+
+Examples::
+
+    verl-tokensel cpu-step
+    verl-tokensel cpu-step --presets none forking gmts --n 16 --dynamic-bsz
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+HELP = "run one real verl FSDP2 actor update per preset on a tiny CPU model"
+DEFAULT_PRESETS = ("none", "forking", "forking_bottom", "random", "gmts", "grad_norm")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS), help="token_selector presets to run")
+    parser.add_argument("--n", type=int, default=8, help="responses in the mini-batch (default 8)")
+    parser.add_argument("--dynamic-bsz", action="store_true", help="use_dynamic_bsz=True (token-budget micro-batches)")
+    parser.add_argument("--no-remove-padding", action="store_true", help="use_remove_padding=False")
+    parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "verl_tokensel"),
+                        help="where the tiny model is cached")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _progress(msg: str) -> None:
+    print(f"[cpu-step {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _scalar(v):
+    if isinstance(v, list):
+        v = [float(x) for x in v]
+        return sum(v) / len(v) if v else float("nan")
+    return float(v) if v is not None else float("nan")
+
+
+def run(args) -> int:
+    from verl_tokensel.core.config import PRESETS
+
+    bad = [p for p in args.presets if p not in PRESETS]
+    if bad:
+        print(f"error: --presets {bad} unknown; valid: {', '.join(PRESETS)}", file=sys.stderr)
+        return 2
+    _progress("selecting verl's CPU platform and building the tiny model")
+    from omegaconf import OmegaConf
+
+    from verl_tokensel.testing import cpu_worker as H
+    from verl_tokensel.testing import tiny_assets
+    from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+
+    model_dir = tiny_assets.build_tiny_model_dir(Path(args.workdir) / "tiny_qwen2")
+    _progress(f"starting verl's TrainingWorker (FSDP2, CPU) on {model_dir}")
+    actor = H.make_training_worker(model_dir, use_dynamic_bsz=args.dynamic_bsz,
+                                   use_remove_padding=not args.no_remove_padding, seed=args.seed,
+                                   ppo_mini_batch_size=args.n, ppo_micro_batch_size_per_gpu=2,
+                                   ppo_max_token_len_per_gpu=64, lr=1e-4)
+    from verl.utils.config import omega_conf_to_dataclass
+
+    rows = []
+    for preset in args.presets:
+        node = actor.cfg.actor_rollout_ref.actor.copy()
+        OmegaConf.set_struct(node, False)
+        node._target_ = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
+        node.token_selector = preset
+        node.calculate_entropy = preset in ("forking", "forking_bottom", "gmts")
+        node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig"}
+        config = omega_conf_to_dataclass(node)
+        batch = H.make_update_batch(actor, n=args.n, seed=args.seed + 1, calculate_entropy=True,
+                                    resp_len=(8, 24), group_size=4 if args.n % 4 == 0 else 1)
+        H.compute_old_log_probs(actor, batch)
+        _progress(f"update with token_selector={preset}")
+        result = H.run_train_step(actor, batch, loss_fn=functools.partial(tokensel_ppo_loss, config=config),
+                                  capture_params=True)
+        m = result.metrics
+        if not (result.loss == result.loss) or result.max_abs_param_delta <= 0:
+            print(f"error: token_selector={preset}: loss {result.loss}, max |param delta| "
+                  f"{result.max_abs_param_delta}: the update did not happen", file=sys.stderr)
+            return 1
+        rows.append((preset, _scalar(m.get("tokensel/selected_fraction", 1.0)),
+                     _scalar(m.get("tokensel/entropy_selected")), _scalar(m.get("tokensel/entropy_unselected")),
+                     _scalar(m.get("tokensel/grad_mass_kept", 1.0)), result.loss, result.grad_norm or float("nan")))
+    print()
+    print(f"{'preset':<15}{'selected':>9}{'H sel':>8}{'H unsel':>9}{'grad kept':>10}{'loss':>10}{'grad norm':>11}")
+    for preset, frac, hs, hu, gk, loss, gn in rows:
+        print(f"{preset:<15}{frac:>9.3f}{hs:>8.3f}{hu:>9.3f}{gk:>10.3f}{loss:>10.4f}{gn:>11.4f}")
+    print("\nselected: fraction of response tokens with gradient; H: mean entropy (nats) of selected / unselected"
+          "\ntokens; grad kept: share of the estimated per-token gradient-norm mass on the selected tokens.")
+    return 0
