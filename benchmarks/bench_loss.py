@@ -2,7 +2,7 @@
 
 Run (from the repository root, about a minute)::
 
-    cd /work/main && /work/venv/bin/python benchmarks/bench_loss.py
+    python benchmarks/bench_loss.py
 
 Options: ``--repeats N`` (loss timings per variant, default 40), ``--engine-repeats N`` (train steps per
 variant, default 9), ``--no-engine`` (skip part 2), ``--threads N`` (torch intra-op threads, default 1: on a shared, busy CPU
@@ -16,8 +16,7 @@ its loss w.r.t. the log-probs; variants are interleaved (stock, forking, gmts, g
 grad_norm+spsq, stock, ...) and the median over the repeats is compared with stock's. Target: <= 1.05x.
 
 Part 2 (one real verl actor update step on CPU): verl's ``TrainingWorker`` with the FSDP2 engine and the
-tiny random Qwen2 from ``verl_tokensel.testing.cpu_worker`` (formerly ``tests/verl_cpu_harness.py``;
-part 2 is skipped with a note when neither exists).
+tiny random Qwen2 from ``verl_tokensel.testing.cpu_worker``.
 Same weights every step (lr=0), same batch; the selecting loss is bound as the worker's loss function;
 presets that rank by entropy get ``calculate_entropy=True`` (what the plugin turns on), stock does not.
 Target: <= 1.02x. The tiny model makes the model's share of a step far smaller than in a real run, so
@@ -38,31 +37,16 @@ from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HARNESS = ROOT / "tests" / "verl_cpu_harness.py"
 
 
 def _import_cpu_worker():
-    """verl's real TrainingWorker on CPU: ``verl_tokensel.testing.cpu_worker`` or, in older checkouts,
-    ``tests/verl_cpu_harness.py``. Returns (module or None, why not)."""
-    import importlib.util
+    """verl's real TrainingWorker on CPU (``verl_tokensel.testing.cpu_worker``). Returns (module or None, why not)."""
+    try:
+        import verl_tokensel.testing.cpu_worker as mod
 
-    errors = []
-    if importlib.util.find_spec("verl_tokensel.testing.cpu_worker") is not None:
-        try:
-            import verl_tokensel.testing.cpu_worker as mod
-
-            return mod, None
-        except Exception as e:  # pragma: no cover
-            errors.append(f"verl_tokensel.testing.cpu_worker: {type(e).__name__}: {e}")
-    if HARNESS.exists():
-        sys.path.insert(0, str(HARNESS.parent))
-        try:
-            import verl_cpu_harness as mod
-
-            return mod, None
-        except Exception as e:  # pragma: no cover
-            errors.append(f"tests/verl_cpu_harness.py: {type(e).__name__}: {e}")
-    return None, "; ".join(errors) or "neither verl_tokensel.testing.cpu_worker nor tests/verl_cpu_harness.py exists"
+        return mod, None
+    except Exception as e:  # pragma: no cover
+        return None, f"verl_tokensel.testing.cpu_worker: {type(e).__name__}: {e}"
 
 
 # The CPU worker helper must select verl's CPU platform before verl is imported: import it first.

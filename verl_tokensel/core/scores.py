@@ -56,6 +56,7 @@ class ScoreInputs:
     kl_coef: float = 0.0
     kl_type: str = "low_var_kl"
     seed: int = 0
+    omega_cache: Optional[torch.Tensor] = None  # filled by omega(); scores and metrics share it
 
 
 def policy_gradient_weight(
@@ -112,6 +113,8 @@ def kl_gradient_weight(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_ty
 
 def omega(inp: ScoreInputs) -> torch.Tensor:
     """Total gradient weight of a token: policy part plus, when a KL loss is on, the KL part."""
+    if inp.omega_cache is not None:
+        return inp.omega_cache
     if inp.old_log_prob is None or inp.advantages is None:
         raise ValueError("omega needs old_log_prob and advantages")
     w = policy_gradient_weight(
@@ -119,6 +122,7 @@ def omega(inp: ScoreInputs) -> torch.Tensor:
     )
     if inp.kl_coef and inp.ref_log_prob is not None:
         w = w + inp.kl_coef * kl_gradient_weight(inp.log_prob, inp.ref_log_prob, inp.kl_type)
+    inp.omega_cache = w
     return w
 
 

@@ -29,7 +29,7 @@ DIRECTIONS = ("top", "bottom")
 def budget(ratio: float, n: int) -> int:
     """Number of tokens kept from a pool of ``n``: ``ceil(ratio * n)`` clamped to ``[0, n]``.
 
-    A 1e-9 slack absorbs binary rounding (0.2 * 5 = 1.0000000000000002 must give 1, not 2).
+    A 1e-9 slack absorbs binary rounding (0.07 * 100 = 7.000000000000001 must give 7, not 8).
     """
     if n <= 0 or ratio <= 0:
         return 0
@@ -37,22 +37,33 @@ def budget(ratio: float, n: int) -> int:
 
 
 def _rank_keys(values: torch.Tensor, direction: str) -> torch.Tensor:
-    """Keys whose ascending stable sort gives the selection order (NaN last)."""
-    v = values.double()
+    """Keys whose ascending order is the selection order (NaN last). Negation is exact in float32."""
+    v = values if values.dtype in (torch.float32, torch.float64) else values.float()
     key = -v if direction == "top" else v
     return torch.nan_to_num(key, nan=math.inf)
 
 
 def _first_k(values: torch.Tensor, k: int, direction: str) -> torch.Tensor:
-    """Bool mask over a 1-D ``values`` marking the k first in selection order (stable)."""
-    out = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    """Bool mask over a 1-D ``values`` marking the k first in selection order, ties by position.
+
+    O(N): ``topk`` finds the k-th key; every strictly better key is kept and the remaining places go to
+    the earliest tokens whose key equals it (exactly what a stable sort would keep).
+    """
+    n = values.shape[0]
     if k <= 0:
-        return out
-    if k >= values.shape[0]:
-        out[:] = True
-        return out
-    order = torch.sort(_rank_keys(values, direction), stable=True).indices
-    out[order[:k]] = True
+        return torch.zeros(n, dtype=torch.bool, device=values.device)
+    if k >= n:
+        return torch.ones(n, dtype=torch.bool, device=values.device)
+    key = _rank_keys(values, direction)
+    kth = torch.topk(key, k, largest=False, sorted=False).values.max()
+    out = key < kth
+    ties = key == kth
+    need = k - int(out.sum())
+    n_ties = int(ties.sum())
+    if need == n_ties:
+        return out | ties
+    # keep the earliest `need` tied positions
+    out |= ties & (torch.cumsum(ties, 0) <= need)
     return out
 
 
@@ -96,16 +107,31 @@ def select_tokens(
             mask[i, idx[_first_k(scores[i, idx], budget(ratio, n), direction)]] = True
         return mask
 
-    pooled = scores[valid]  # row-major order of the valid tokens
-    if scope == "micro_batch" or _world(dp_group) == 1:
-        if scope not in ("micro_batch", "micro_batch_dp"):
-            raise ValueError(f"unknown scope {scope!r}; valid: {list(SCOPES)}")
-        mask[valid] = _first_k(pooled, budget(ratio, pooled.numel()), direction)
-        return mask
-    if scope != "micro_batch_dp":
+    if scope not in ("micro_batch", "micro_batch_dp"):
         raise ValueError(f"unknown scope {scope!r}; valid: {list(SCOPES)}")
-    mask[valid] = _select_across_ranks(pooled, ratio, direction, dp_group)
+    if scope == "micro_batch" or _world(dp_group) == 1:
+        return _first_k_padded(scores, valid, budget(ratio, int(valid.sum())), direction)
+    mask[valid] = _select_across_ranks(scores[valid], ratio, direction, dp_group)
     return mask
+
+
+def _first_k_padded(scores: torch.Tensor, valid: torch.Tensor, k: int, direction: str) -> torch.Tensor:
+    """:func:`_first_k` over the valid entries of a padded tensor, without gathering them first.
+
+    Padding gets the worst key (+inf); where a valid NaN (also +inf) ties with padding, only valid
+    positions are counted, so padding is never selected.
+    """
+    if k <= 0:
+        return torch.zeros_like(valid)
+    key = _rank_keys(scores, direction).masked_fill(~valid, math.inf).flatten()
+    flat_valid = valid.flatten()
+    kth = torch.topk(key, k, largest=False, sorted=False).values.max()
+    out = key < kth
+    ties = (key == kth) & flat_valid
+    need = k - int(out.sum())
+    if need < int(ties.sum()):
+        ties &= torch.cumsum(ties, 0) <= need
+    return (out | ties).view_as(valid)
 
 
 def _world(group: Optional[dist.ProcessGroup]) -> int:
@@ -149,33 +175,45 @@ def selection_stats(
 ) -> dict[str, float]:
     """Scalar metrics of one selection (local to the caller's tokens).
 
-    Returns selected fraction, count, threshold (lowest kept score for top, highest for bottom),
-    mean entropy of selected vs unselected tokens and, when ``grad_mass`` (a per-token estimate of
-    the gradient norm) is given, the share of that mass the selection keeps.
+    Returns selected fraction and counts, the selected scores' range (its minimum is the threshold
+    for ``top``, its maximum for ``bottom``), mean entropy of selected vs unselected tokens and, when
+    ``grad_mass`` (a per-token estimate of the gradient norm) is given, the share of that mass the
+    selection keeps. One host synchronisation for all of them.
     """
     valid = valid_mask.to(torch.bool)
-    n_valid = int(valid.sum())
     sel = mask & valid
     unsel = valid & ~mask
-    n_sel = int(sel.sum())
+    f = scores.float()
+    zero = f.new_zeros(())
+    parts = [valid.sum().float(), sel.sum().float(), unsel.sum().float(),
+             torch.where(sel, f, f.new_tensor(math.inf)).nan_to_num(nan=math.inf).amin() if f.numel() else zero,
+             torch.where(sel, f, f.new_tensor(-math.inf)).nan_to_num(nan=-math.inf).amax() if f.numel() else zero,
+             (torch.isnan(f) & valid).sum().float()]
+    if entropy is not None:
+        e = entropy.detach().float()
+        parts += [(e * sel).sum(), (e * unsel).sum()]
+    if grad_mass is not None:
+        g = grad_mass.detach().float().nan_to_num(nan=0.0)
+        parts += [(g * valid).sum(), (g * sel).sum()]
+    vals = torch.stack(parts).tolist()
+    n_valid, n_sel, n_unsel, smin, smax, n_nan = vals[:6]
     out = {
         "selected_fraction": n_sel / n_valid if n_valid else 0.0,
-        "selected_tokens": float(n_sel),
-        "valid_tokens": float(n_valid),
+        "selected_tokens": n_sel,
+        "valid_tokens": n_valid,
+        "nan_scores": n_nan,
     }
     if n_sel:
-        kept = scores[sel].double()
-        out["threshold_min_selected_score"] = float(kept.nan_to_num(nan=math.inf).min())
-        out["threshold_max_selected_score"] = float(kept.nan_to_num(nan=-math.inf).max())
+        out["threshold_min_selected_score"] = smin
+        out["threshold_max_selected_score"] = smax
+    rest = vals[6:]
     if entropy is not None:
-        ent = entropy.detach().double()
+        e_sel, e_unsel, rest = rest[0], rest[1], rest[2:]
         if n_sel:
-            out["entropy_selected"] = float(ent[sel].mean())
-        if int(unsel.sum()):
-            out["entropy_unselected"] = float(ent[unsel].mean())
+            out["entropy_selected"] = e_sel / n_sel
+        if n_unsel:
+            out["entropy_unselected"] = e_unsel / n_unsel
     if grad_mass is not None and n_valid:
-        g = grad_mass.detach().double().nan_to_num(nan=0.0)
-        total = float(g[valid].sum())
-        out["grad_mass_kept"] = float(g[sel].sum()) / total if total > 0 else 0.0
-    out["nan_scores"] = float(torch.isnan(scores[valid].double()).sum()) if n_valid else 0.0
+        total, kept = rest
+        out["grad_mass_kept"] = kept / total if total > 0 else 0.0
     return out

@@ -198,10 +198,13 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         metrics["kl_coef"] = config.kl_loss_coef
 
     # ---- selection metrics (per micro-batch, averaged over micro-batches and ranks) ----
-    try:  # per-token gradient-norm estimate, for the "share of gradient mass kept" metric
-        grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
-    except ValueError:  # a KL type without a gradient-weight formula (only possible for non-omega scores)
-        grad_mass = None
+    if sel.score == "grad_norm":
+        grad_mass = scores
+    else:
+        try:  # per-token gradient-norm estimate, for the "share of gradient mass kept" metric
+            grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
+        except ValueError:  # a KL type without a gradient-weight formula (only for non-omega scores)
+            grad_mass = None
     stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass)
     for key, value in stats.items():
         metrics[METRIC_PREFIX + key] = Metric(value=value, aggregation=AggregationType.MEAN)
