@@ -46,6 +46,7 @@ def _scalar(v):
 
 def run(args) -> int:
     from verl_tokensel.core.config import PRESETS
+    from verl_tokensel.core.scores import SCORE_REGISTRY
 
     bad = [p for p in args.presets if p not in PRESETS]
     if bad:
@@ -72,7 +73,8 @@ def run(args) -> int:
         OmegaConf.set_struct(node, False)
         node._target_ = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
         node.token_selector = preset
-        node.calculate_entropy = preset in ("forking", "forking_bottom", "gmts")
+        sel = PRESETS[preset]
+        node.calculate_entropy = sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
         node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig"}
         config = omega_conf_to_dataclass(node)
         batch = H.make_update_batch(actor, n=args.n, seed=args.seed + 1, calculate_entropy=True,

@@ -1,4 +1,4 @@
-"""Token-selection knobs and presets. Pure Python: no verl, no torch.
+"""Token-selection knobs and presets. No verl import.
 
 Two keys on ``actor_rollout_ref.actor`` drive everything:
 
@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
-SCORES = ("entropy", "gmts", "grad_norm", "random")
+from verl_tokensel.core.scores import SCORE_REGISTRY
+
 DIRECTIONS = ("top", "bottom")
 SCOPES = ("micro_batch", "micro_batch_dp", "sequence")
 NORMALISERS = ("all", "selected")
@@ -24,8 +25,6 @@ NORMALISERS = ("all", "selected")
 # verl's token-level clipped surrogate.
 OMEGA_LOSS_MODES = ("vanilla",)
 OMEGA_KL_TYPES = ("kl", "k1", "mse", "k2", "low_var_kl", "k3")
-SCORES_NEEDING_ENTROPY = ("entropy", "gmts")
-SCORES_NEEDING_OMEGA = ("gmts", "grad_norm")
 
 
 class TokenSelectionConfigError(ValueError):
@@ -81,7 +80,7 @@ class TokenSelectionConfig:
     )
     score: Optional[str] = field(
         default=None,
-        metadata={"help": f"Per-token ranking score: one of {', '.join(SCORES)}.",
+        metadata={"help": f"Per-token ranking score: one of {', '.join(SCORE_REGISTRY)} (or a registered one).",
                   "paper": "entropy (80/20); gmts (GMTS)"},
     )
     direction: Optional[str] = field(
@@ -183,7 +182,7 @@ def resolve_selection(
     ratio = sel.ratio
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not (0 < ratio <= 1):
         raise _err("token_selection.ratio", ratio, "a number in (0, 1]")
-    _check_choice("token_selection.score", sel.score, SCORES)
+    _check_choice("token_selection.score", sel.score, tuple(SCORE_REGISTRY))
     _check_choice("token_selection.direction", sel.direction, DIRECTIONS)
     _check_choice("token_selection.scope", sel.scope, SCOPES)
     _check_choice("token_selection.normaliser", sel.normaliser, NORMALISERS)
@@ -200,7 +199,8 @@ def resolve_selection(
             f"actor_rollout_ref.actor.loss_agg_mode is {loss_agg_mode!r}; a mean over selected tokens is only "
             "defined for token-mean. Fix: set token_selection.normaliser=all or loss_agg_mode=token-mean.",
         )
-    if sel.score in SCORES_NEEDING_ENTROPY and not (calculate_entropy or entropy_coeff != 0 or
+    spec = SCORE_REGISTRY[sel.score]
+    if spec.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or
                                                      overrides.auto_enable_entropy):
         raise _err(
             "calculate_entropy",
@@ -210,7 +210,7 @@ def resolve_selection(
             "when calculate_entropy=true or entropy_coeff != 0, and token_selection.auto_enable_entropy=false. "
             "Fix: set actor_rollout_ref.actor.calculate_entropy=true or token_selection.auto_enable_entropy=true.",
         )
-    if sel.score in SCORES_NEEDING_OMEGA:
+    if spec.needs_omega:
         if loss_mode not in OMEGA_LOSS_MODES:
             raise _err(
                 "policy_loss.loss_mode",
@@ -227,6 +227,23 @@ def resolve_selection(
                 f"token_selection.score={sel.score} adds the KL term's gradient weight to omega.",
             )
     return sel
+
+
+def register_preset(name: str, selection: Selection) -> Selection:
+    """Add a ``token_selector`` preset; refuses to overwrite an existing name.
+
+    The registration must run in every process that converts the actor config (driver, TaskRunner,
+    workers): put it in a module listed in ``VERL_USE_EXTERNAL_MODULES`` or in your own
+    ``verl.plugins`` entry point. ``score`` must name a registered score.
+    """
+    if name in PRESETS:
+        raise ValueError(f"token_selector preset {name!r} already exists; pick another name")
+    if not isinstance(selection, Selection):
+        raise TypeError(f"register_preset needs a Selection, got {type(selection).__name__}")
+    if selection.score not in SCORE_REGISTRY:
+        raise ValueError(f"preset {name!r} uses unknown score {selection.score!r}; valid: {sorted(SCORE_REGISTRY)}")
+    PRESETS[name] = selection
+    return selection
 
 
 def knob_table_rows() -> list[tuple[str, str, str, str]]:

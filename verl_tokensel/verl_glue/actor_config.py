@@ -103,7 +103,9 @@ class _TokenSelectMixin:
     @property
     def needs_entropy(self) -> bool:
         sel = self.selection
-        return sel is not None and sel.score in ("entropy", "gmts")
+        from verl_tokensel.core.scores import SCORE_REGISTRY
+
+        return sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
 
 
 @dataclass
