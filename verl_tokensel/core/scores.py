@@ -169,13 +169,27 @@ def seeded_uniform(row_keys: torch.Tensor, length: int, seed: int) -> torch.Tens
 
 
 def row_keys_from_tokens(input_ids_rows: list[torch.Tensor]) -> torch.Tensor:
-    """A deterministic int64 key per response from its token ids (order-independent of the batch)."""
-    keys = []
-    for ids in input_ids_rows:
-        ids = ids.to(torch.int64).flatten()
-        h = _mix64(ids + torch.arange(ids.numel(), dtype=torch.int64, device=ids.device) * 0x632BE5AB)
-        keys.append(int(h.sum().item()) if ids.numel() else 0)
-    return torch.tensor(keys, dtype=torch.int64)
+    """A deterministic int64 key per response from its token ids (independent of the batch order)."""
+    if not input_ids_rows:
+        return torch.zeros(0, dtype=torch.int64)
+    lengths = torch.tensor([r.numel() for r in input_ids_rows], dtype=torch.int64)
+    values = torch.cat([r.to(torch.int64).flatten().cpu() for r in input_ids_rows])
+    return row_keys_from_packed(values, torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]))
+
+
+def row_keys_from_packed(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """:func:`row_keys_from_tokens` for packed rows: ``values`` (total,) token ids, ``offsets`` (rows + 1,).
+
+    Each token is hashed with its position in its row and the hashes are summed per row (wrapping
+    int64), so the key does not depend on where the row sits in the batch. Vectorised: no Python loop.
+    """
+    values = values.to(torch.int64)
+    offsets = offsets.to(device=values.device, dtype=torch.int64)
+    lengths = offsets.diff()
+    row = torch.repeat_interleave(torch.arange(lengths.numel(), device=values.device), lengths)
+    pos = torch.arange(values.numel(), device=values.device, dtype=torch.int64) - offsets[:-1][row]
+    h = _mix64(values + pos * 0x632BE5AB)
+    return torch.zeros(lengths.numel(), dtype=torch.int64, device=values.device).index_add_(0, row, h)
 
 
 ScoreFn = Callable[[ScoreInputs], torch.Tensor]
@@ -263,6 +277,7 @@ __all__ = [
     "omega",
     "policy_gradient_weight",
     "register_score",
+    "row_keys_from_packed",
     "row_keys_from_tokens",
     "seeded_uniform",
 ]

@@ -48,11 +48,15 @@ METRIC_PREFIX = "tokensel/"
 
 def _row_keys(data: TensorDict, batch: int) -> torch.Tensor:
     """An int64 key per response from its full token ids (stable across ranks, splits and reruns)."""
-    from verl_tokensel.core.scores import row_keys_from_tokens
+    from verl_tokensel.core.scores import row_keys_from_packed, row_keys_from_tokens
 
     ids = data["input_ids"]
-    rows = list(ids.unbind(0)) if getattr(ids, "is_nested", False) else [ids[i] for i in range(batch)]
-    return row_keys_from_tokens([r.detach().cpu() for r in rows]).to(ids.device if not ids.is_nested else "cpu")
+    if getattr(ids, "is_nested", False):
+        return row_keys_from_packed(ids.values(), ids.offsets())
+    if "attention_mask" in data.keys():  # padded rows: hash only the real tokens
+        attn = data["attention_mask"].bool()
+        return row_keys_from_tokens([ids[i][attn[i]] for i in range(batch)])
+    return row_keys_from_tokens([ids[i] for i in range(batch)])
 
 
 def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared, padded, data) -> ScoreInputs:
