@@ -124,12 +124,46 @@ def start_local_ray(config=None, *, num_cpus: int = 4, num_gpus: int = 1, extra_
 
 
 @contextlib.contextmanager
+def _sigalrm_deferred() -> Iterator[None]:
+    """Hold back SIGALRM (pytest-timeout's ``signal`` method) for the duration; re-raise it on exit.
+
+    ``ray.init`` interrupted halfway (inside ``ray._private.node.Node.__init__``) leaves Ray's
+    DashboardAgent/RuntimeEnvAgent processes running with no way to reach them from ``ray.shutdown()``.
+    ``ray.init`` has its own start-up timeouts, so deferring the alarm cannot turn a hang into a block.
+    """
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+    previous = signal.getsignal(signal.SIGALRM)
+    if not callable(previous):
+        yield
+        return
+    fired: list = []
+    signal.signal(signal.SIGALRM, lambda signum, frame: fired.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        if fired:
+            previous(*fired[0])
+
+
+@contextlib.contextmanager
 def local_ray(config=None, **kwargs) -> Iterator[dict]:
-    """:func:`start_local_ray` ... ``ray.shutdown()`` (only the instance started here)."""
+    """:func:`start_local_ray` ... ``ray.shutdown()`` (only the instance started here).
+
+    The shutdown also runs when start-up fails or a timeout fires at any point after ``ray.init`` began.
+    """
     import ray
 
-    info = start_local_ray(config, **kwargs)
+    if ray.is_initialized():
+        raise RuntimeError("local_ray: Ray is already initialised in this process; not starting another")
     try:
+        with _sigalrm_deferred():
+            info = start_local_ray(config, **kwargs)
         yield info
     finally:
         ray.shutdown()
