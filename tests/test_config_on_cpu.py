@@ -174,3 +174,20 @@ def test_nan_ratio_really_nan():
     actor_cfg = _compose(overrides=[f"{SEL}=forking"])
     assert math.isnan(float("nan"))  # sanity of the parametrised case above
     assert OmegaConf.select(actor_cfg, "actor_rollout_ref.actor.token_selection.ratio") is None
+
+
+def test_v1_trainer_mode_without_tokensel_prefix_fails_on_driver():
+    res = _cli("verl_tokensel.main_ppo", "actor_rollout_ref.actor.token_selector=forking",
+               "trainer.v1.trainer_mode=sync", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2")
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert "trainer.v1.trainer_mode='sync' is invalid" in out and "tokensel_sync" in out
+    assert "Started a local Ray instance" not in out
+
+
+def test_validate_driver_config_accepts_stock_and_v0():
+    from verl_tokensel.verl_glue.install import validate_driver_config
+
+    validate_driver_config(_compose(overrides=["trainer.v1.trainer_mode=sync"]))  # selector none
+    validate_driver_config(_compose(overrides=[f"{SEL}=gmts", "trainer.use_v1=false", "trainer.v1.trainer_mode=sync"]))
+    validate_driver_config(_compose(overrides=[f"{SEL}=gmts"]))

@@ -23,6 +23,7 @@ from verl_tokensel.verl_glue.install import (
     TokenselCheckpointEngineManager,
     prepare_driver_config,
     register_v1_trainers,
+    validate_driver_config,
 )
 
 
@@ -59,6 +60,7 @@ def run(config: DictConfig) -> None:
     from verl.utils.device import auto_set_device
 
     register_v1_trainers()
+    validate_driver_config(config)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if config.trainer.use_v1:

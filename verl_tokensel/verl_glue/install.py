@@ -38,6 +38,28 @@ logger = logging.getLogger(__name__)
 TRAINER_MODE_PREFIX = "tokensel_"
 
 
+def validate_driver_config(config: DictConfig) -> None:
+    """Driver checks that need keys outside the actor node (run before Ray starts).
+
+    With a selector on and the V1 driver, ``trainer.v1.trainer_mode`` must be one of our modes,
+    otherwise nothing would install the selecting loss.
+    """
+    selector = OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None)
+    if selector in (None, "none") or not OmegaConf.select(config, "trainer.use_v1", default=True):
+        return
+    mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
+    valid = [TRAINER_MODE_PREFIX + m for m in ("sync", "colocate_async", "separate_async")]
+    if mode not in valid:
+        raise ValueError(
+            f"trainer.v1.trainer_mode={mode!r} is invalid with actor_rollout_ref.actor.token_selector={selector}; "
+            f"valid values: {', '.join(valid)}. Only these modes install the selecting loss on the actor workers "
+            f"(each wraps verl's mode of the same name). Fix: trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode}"
+            if mode in ("sync", "colocate_async", "separate_async") else
+            f"trainer.v1.trainer_mode={mode!r} is invalid with actor_rollout_ref.actor.token_selector={selector}; "
+            f"valid values: {', '.join(valid)}."
+        )
+
+
 def prepare_driver_config(config: DictConfig) -> None:
     """Driver-side adjustments, in place: turn on entropy for the update pass when needed."""
     from verl.utils.config import omega_conf_to_dataclass
