@@ -12,7 +12,11 @@ import pytest
 
 def _cli(*args, timeout=600):
     cmd = [sys.executable, "-m", "verl_tokensel.cli.main", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    # a fresh process, as a user's shell would start it: no rank/rendezvous variables that other tests'
+    # in-process verl workers put into this process's environment
+    leaked = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in leaked}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_cpu_step_runs_every_preset_and_reports_the_selected_fraction(tmp_path):

@@ -63,6 +63,7 @@ def run(args) -> int:
     _progress(f"starting verl's TrainingWorker (FSDP2, CPU) on {model_dir}")
     actor = H.make_training_worker(model_dir, use_dynamic_bsz=args.dynamic_bsz,
                                    use_remove_padding=not args.no_remove_padding, seed=args.seed,
+                                   master_port=H.free_port(),
                                    ppo_mini_batch_size=args.n, ppo_micro_batch_size_per_gpu=2,
                                    ppo_max_token_len_per_gpu=64, lr=1e-4)
     from verl.utils.config import omega_conf_to_dataclass

@@ -528,13 +528,28 @@ def make_update_batch(
     calculate_entropy: Optional[bool] = None,
     **batch_kwargs,
 ):
-    """:func:`make_ppo_batch` + :func:`add_driver_meta` using the actor's own config (mini-batch size,
-    rollout.n, epochs, seed, shuffle, temperature, entropy flag). ``n`` defaults to one mini-batch."""
-    a = actor.cfg.actor_rollout_ref.actor
-    rollout_n = int(actor.cfg.actor_rollout_ref.rollout.n)
+    """:func:`make_config_batch` with the actor's own config and tokenizer. ``n`` defaults to one mini-batch."""
+    return make_config_batch(actor.cfg, actor.tokenizer, n=n, seed=seed, fmt=fmt,
+                             calculate_entropy=calculate_entropy, **batch_kwargs)
+
+
+def make_config_batch(
+    cfg,
+    tokenizer,
+    n: Optional[int] = None,
+    seed: int = 0,
+    fmt: str = "v1",
+    calculate_entropy: Optional[bool] = None,
+    **batch_kwargs,
+):
+    """:func:`make_ppo_batch` + :func:`add_driver_meta` with the meta a driver derives from ``cfg``
+    (mini-batch size, rollout.n, epochs, seed, shuffle, temperature and ``calculate_entropy``, which
+    defaults to ``actor.calculate_entropy or entropy_coeff != 0`` as in verl's drivers)."""
+    a = cfg.actor_rollout_ref.actor
+    rollout_n = int(cfg.actor_rollout_ref.rollout.n)
     if n is None:
         n = int(a.ppo_mini_batch_size) * rollout_n
-    batch = make_ppo_batch(actor.tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)
+    batch = make_ppo_batch(tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)
     if calculate_entropy is None:
         calculate_entropy = bool(a.calculate_entropy or a.entropy_coeff != 0)
     return add_driver_meta(
@@ -544,7 +559,7 @@ def make_update_batch(
         ppo_epochs=int(a.ppo_epochs),
         data_loader_seed=int(a.data_loader_seed),
         shuffle=bool(a.shuffle),
-        temperature=float(actor.cfg.actor_rollout_ref.rollout.temperature),
+        temperature=float(cfg.actor_rollout_ref.rollout.temperature),
         calculate_entropy=calculate_entropy,
         fmt=fmt,
     )

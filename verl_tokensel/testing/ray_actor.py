@@ -29,7 +29,7 @@ import os
 import time
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_tokensel.testing import cpu_worker as H  # noqa: F401  (selects the CPU platform first)
+from verl_tokensel.testing import cpu_worker as H  # selects the CPU platform first
 from verl_tokensel.verl_glue import platform_cpu
 
 ACTOR_ROLE = "actor"
@@ -236,23 +236,8 @@ def make_driver_batch(config, n: Optional[int] = None, seed: int = 0, fmt: str =
     """
     from verl_tokensel.testing import tiny_assets
 
-    a = config.actor_rollout_ref.actor
-    rollout_n = int(config.actor_rollout_ref.rollout.n)
-    if n is None:
-        n = int(a.ppo_mini_batch_size) * rollout_n
     tokenizer = tiny_assets.load_tiny_tokenizer(config.actor_rollout_ref.model.path)
-    batch = H.make_ppo_batch(tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)
-    return H.add_driver_meta(
-        batch,
-        ppo_mini_batch_size=int(a.ppo_mini_batch_size),
-        rollout_n=rollout_n,
-        ppo_epochs=int(a.ppo_epochs),
-        data_loader_seed=int(a.data_loader_seed),
-        shuffle=bool(a.shuffle),
-        temperature=float(config.actor_rollout_ref.rollout.temperature),
-        calculate_entropy=bool(a.calculate_entropy or a.entropy_coeff != 0),
-        fmt=fmt,
-    )
+    return H.make_config_batch(config, tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)
 
 
 def metrics_of(output) -> dict:
