@@ -41,3 +41,17 @@ def test_verl_plugin_entry_point_declared_and_loads():
 
     assert plugin.LOAD_ERROR is None
     assert get_trainer_cls("tokensel_sync").__name__ == "TokenselPPOTrainerSync"
+
+
+def test_broken_plugin_import_is_loud():
+    """verl swallows plugin import errors; ours must still reach the user's terminal."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['verl_tokensel.verl_glue.install'] = None\n"
+            "import verl\n"
+            "import verl_tokensel.plugin as p\n"
+            "assert p.LOAD_ERROR is not None\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "verl_tokensel: the verl plugin failed to load, token selection is NOT active" in res.stderr
