@@ -204,18 +204,22 @@ class ScoreSpec:
     needs_entropy: bool
     needs_omega: bool
     help: str
+    needs_row_keys: bool = False
 
 
 SCORE_REGISTRY: dict[str, ScoreSpec] = {}
 
 
-def register_score(name: str, *, needs_entropy: bool, needs_omega: bool, help: str):
-    """Decorator registering a score; refuses to overwrite an existing name."""
+def register_score(name: str, *, needs_entropy: bool, needs_omega: bool, help: str, needs_row_keys: bool = False):
+    """Decorator registering a score; refuses to overwrite an existing name.
+
+    ``needs_row_keys``: the score reads :attr:`ScoreInputs.row_keys` (one int64 per response).
+    """
 
     def deco(fn: ScoreFn) -> ScoreFn:
         if name in SCORE_REGISTRY:
             raise ValueError(f"score {name!r} is already registered; pick another name")
-        SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help)
+        SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help, needs_row_keys)
         return fn
 
     return deco
@@ -250,7 +254,8 @@ def grad_norm_score(inp: ScoreInputs) -> torch.Tensor:
     return omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
 
 
-@register_score("random", needs_entropy=False, needs_omega=False, help="seeded uniform draw (control)")
+@register_score("random", needs_entropy=False, needs_omega=False, help="seeded uniform draw (control)",
+                needs_row_keys=True)
 def random_score(inp: ScoreInputs) -> torch.Tensor:
     if inp.row_keys is None:
         raise ValueError("the random score needs row_keys (one int64 per response)")

@@ -77,9 +77,9 @@ def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared
         kl_type=config.kl_loss_type,
         seed=sel.seed,
     )
-    if sel.score == "random":
+    if spec.needs_row_keys:
         inp.row_keys = _row_keys(data, log_prob.shape[0]).to(log_prob.device)
-    if spec.needs_omega and "rollout_is_weights" in padded.keys():
+    if "rollout_is_weights" in padded.keys():
         # the rollout-correction weight multiplies the token loss, hence its gradient
         inp.advantages = inp.advantages * padded["rollout_is_weights"]
     return inp
