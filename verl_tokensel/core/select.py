@@ -4,9 +4,9 @@ Semantics (shared by every scope):
 - the pool is the valid tokens of the scope (padding is never selected and never counted);
 - ``direction="top"`` keeps exactly ``k = ceil(ratio * N)`` highest-scoring tokens of a pool of
   ``N`` valid tokens (``N > 0`` and ``ratio > 0`` give ``k >= 1``), ``"bottom"`` the ``k`` lowest;
-- ties are broken deterministically by position: the earlier token (row-major over
-  ``(batch, response_len)``, then by data-parallel rank) wins; NaN scores rank last in both
-  directions, so they are only selected when nothing else is left;
+- scores are compared as float32; ties are broken deterministically by position: the earlier
+  token (by data-parallel rank, then row-major over ``(batch, response_len)``) wins; NaN scores
+  rank strictly last in both directions, so they are only selected when nothing else is left;
 - ``ratio == 1`` keeps every valid token.
 
 Scopes implemented here: ``micro_batch`` (one rank), ``micro_batch_dp`` (the union of the
@@ -21,6 +21,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from verl_tokensel.core.dist_topk import ordered_keys, topk_mask_distributed
+
+_KEY_MAX = 0xFFFFFFFF
 
 SCOPES = ("micro_batch", "micro_batch_dp", "sequence")
 DIRECTIONS = ("top", "bottom")
@@ -37,10 +41,15 @@ def budget(ratio: float, n: int) -> int:
 
 
 def _rank_keys(values: torch.Tensor, direction: str) -> torch.Tensor:
-    """Keys whose ascending order is the selection order (NaN last). Negation is exact in float32."""
-    v = values if values.dtype in (torch.float32, torch.float64) else values.float()
-    key = -v if direction == "top" else v
-    return torch.nan_to_num(key, nan=math.inf)
+    """int64 keys, larger = selected first: the float32 order of the scores (reversed for bottom), NaN lowest.
+
+    Shared with the distributed path (:func:`verl_tokensel.core.dist_topk.ordered_keys`), so every
+    scope ranks identically.
+    """
+    key = ordered_keys(values)
+    if direction == "bottom":
+        key = torch.where(key == 0, key, _KEY_MAX - key)
+    return key
 
 
 def _first_k(values: torch.Tensor, k: int, direction: str) -> torch.Tensor:
@@ -49,22 +58,7 @@ def _first_k(values: torch.Tensor, k: int, direction: str) -> torch.Tensor:
     O(N): ``topk`` finds the k-th key; every strictly better key is kept and the remaining places go to
     the earliest tokens whose key equals it (exactly what a stable sort would keep).
     """
-    n = values.shape[0]
-    if k <= 0:
-        return torch.zeros(n, dtype=torch.bool, device=values.device)
-    if k >= n:
-        return torch.ones(n, dtype=torch.bool, device=values.device)
-    key = _rank_keys(values, direction)
-    kth = torch.topk(key, k, largest=False, sorted=False).values.max()
-    out = key < kth
-    ties = key == kth
-    need = k - int(out.sum())
-    n_ties = int(ties.sum())
-    if need == n_ties:
-        return out | ties
-    # keep the earliest `need` tied positions
-    out |= ties & (torch.cumsum(ties, 0) <= need)
-    return out
+    return _first_k_padded(values, torch.ones_like(values, dtype=torch.bool), k, direction)
 
 
 def select_tokens(
@@ -118,16 +112,17 @@ def select_tokens(
 def _first_k_padded(scores: torch.Tensor, valid: torch.Tensor, k: int, direction: str) -> torch.Tensor:
     """:func:`_first_k` over the valid entries of a padded tensor, without gathering them first.
 
-    Padding gets the worst key (+inf); where a valid NaN (also +inf) ties with padding, only valid
-    positions are counted, so padding is never selected.
+    Padding gets key -1, below every real key (NaN included), so it is never selected.
     """
+    n_valid = int(valid.sum())
     if k <= 0:
-        return torch.zeros_like(valid)
-    key = _rank_keys(scores, direction).masked_fill(~valid, math.inf).flatten()
-    flat_valid = valid.flatten()
-    kth = torch.topk(key, k, largest=False, sorted=False).values.max()
-    out = key < kth
-    ties = (key == kth) & flat_valid
+        return torch.zeros_like(valid, dtype=torch.bool)
+    if k >= n_valid:
+        return valid.clone().to(torch.bool)
+    key = _rank_keys(scores, direction).masked_fill(~valid, -1).flatten()
+    kth = torch.topk(key, k, largest=True, sorted=False).values.min()
+    out = key > kth
+    ties = key == kth
     need = k - int(out.sum())
     if need < int(ties.sum()):
         ties &= torch.cumsum(ties, 0) <= need
@@ -143,27 +138,15 @@ def _world(group: Optional[dist.ProcessGroup]) -> int:
 def _select_across_ranks(
     local: torch.Tensor, ratio: float, direction: str, group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """Exact pooled top-k over all ranks: gather scores, sort once, keep this rank's slice.
+    """Exact pooled selection over all ranks by radix select (no all-gather of the scores).
 
-    Every rank computes the same global order (rank-major, then local order), so the masks of all
-    ranks together equal :func:`select_tokens` of one process over the concatenation.
+    The masks of all ranks together equal :func:`select_tokens` of one process over the rank-ordered
+    concatenation (ties: lower rank first, then local order).
     """
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
-    dev = local.device
-    n_local = torch.tensor([local.numel()], dtype=torch.int64, device=dev)
-    sizes = [torch.zeros_like(n_local) for _ in range(world)]
-    dist.all_gather(sizes, n_local, group=group)
-    sizes_l = [int(s.item()) for s in sizes]
-    width = max(sizes_l) if sizes_l else 0
-    padded = torch.full((width,), math.nan, dtype=torch.float64, device=dev)
-    padded[: local.numel()] = local.double()
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    pool = torch.cat([g[:s] for g, s in zip(gathered, sizes_l)])
-    chosen = _first_k(pool, budget(ratio, pool.numel()), direction)
-    start = sum(sizes_l[:rank])
-    return chosen[start : start + sizes_l[rank]]
+    n = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
+    dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
+    k = budget(ratio, int(n.item()))
+    return topk_mask_distributed(local, k, group, largest=direction == "top")
 
 
 def selection_stats(
