@@ -15,6 +15,8 @@ import sys
 SUBCOMMANDS = {
     "env": "verl_tokensel.cli.env",
     "cpu-step": "verl_tokensel.cli.cpu_step",
+    "analyze": "verl_tokensel.cli.analyze",
+    "compare": "verl_tokensel.cli.compare",
 }
 
 
