@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "cpu-step": "verl_tokensel.cli.cpu_step",
     "analyze": "verl_tokensel.cli.analyze",
     "compare": "verl_tokensel.cli.compare",
+    "view": "verl_tokensel.cli.view",
 }
 
 
