@@ -27,6 +27,8 @@ import torch
 from verl_tokensel.core.scores import logit_grad_norm
 
 DEFAULT_CHUNK = 8192
+# chunk sums below this are recomputed without their max term (see _streaming_stats)
+_PEAKED_SUM = 1.01
 
 
 @dataclass
@@ -60,54 +62,97 @@ def streaming_token_stats(
     """(logp_a, entropy, sum_p2) of ``softmax(hidden @ weight.T / T)``, chunked over the vocabulary.
 
     Args:
-        hidden: ``(tokens, d)`` hidden states (any float dtype).
+        hidden: ``(tokens, d)`` hidden states (any float dtype; the matmul runs in float32).
         weight: ``(vocab, d)`` LM-head weight.
         targets: ``(tokens,)`` token ids whose log-prob is wanted.
         bias: optional ``(vocab,)`` LM-head bias.
-    Returns float32 ``(tokens,)`` tensors.
+        temperature: ``T > 0``.
+        chunk_size: vocabulary columns per chunk (``> 0``; values above ``vocab`` mean one chunk).
+    Returns float32 ``(tokens,)`` tensors. Runs without autograd (analysis only).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
-    n, vocab = hidden.shape[0], weight.shape[0]
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    vocab = weight.shape[0]
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
         raise ValueError(f"target ids outside the model's vocabulary [0, {vocab})")
+    with torch.no_grad():
+        return _streaming_stats(hidden, weight, targets.reshape(-1), bias, float(temperature), min(chunk_size, vocab))
+
+
+def _streaming_stats(hidden, weight, targets, bias, temperature, chunk):
+    n, vocab = hidden.shape[0], weight.shape[0]
     dev = hidden.device
-    f64 = torch.float64
-    m = torch.full((n,), -float("inf"), dtype=f64, device=dev)
-    s = torch.zeros(n, dtype=f64, device=dev)
-    u = torch.zeros(n, dtype=f64, device=dev)
-    q = torch.zeros(n, dtype=f64, device=dev)
-    z_target = torch.zeros(n, dtype=f64, device=dev)
-    h = hidden.float()
-    for start in range(0, vocab, chunk_size):
-        stop = min(vocab, start + chunk_size)
-        z = h @ weight[start:stop].float().T
-        if bias is not None:
-            z = z + bias[start:stop].float()
-        if temperature != 1.0:
-            z = z / temperature
-        cmax = z.max(dim=-1).values.double()
+    f32, f64 = torch.float32, torch.float64
+    inv_t = 1.0 / temperature
+    h = hidden.to(f32)
+    b = None if bias is None else bias.to(device=dev, dtype=f32)
+    targets = targets.to(dev)
+    n_chunks = -(-vocab // chunk)
+    if n == 0 or n_chunks == 0:
+        empty = torch.zeros(n, dtype=f32, device=dev)
+        return empty, empty.clone(), empty.clone()
+
+    # Bucket the targets by vocabulary chunk once (one host sync), so each chunk gathers its own.
+    chunk_of = torch.div(targets, chunk, rounding_mode="floor")
+    order = torch.argsort(chunk_of, stable=True)
+    bounds = [0] + torch.bincount(chunk_of, minlength=n_chunks).cumsum(0).tolist()
+    z_target = torch.empty(n, dtype=f32, device=dev)
+
+    # Two reusable (tokens x chunk) float32 buffers: no per-chunk allocation (fresh large
+    # allocations page-fault on every chunk on CPU) and no float64 per-element work.
+    zbuf = torch.empty(n * chunk, dtype=f32, device=dev)
+    ebuf = torch.empty(n * chunk, dtype=f32, device=dev)
+    m = s = u = q = None  # float64 (tokens,) accumulators; m is the running max of the *raw* logits
+    for k in range(n_chunks):
+        start = k * chunk
+        stop = min(vocab, start + chunk)
+        width = stop - start
+        z = zbuf[: n * width].view(n, width)
+        e = ebuf[: n * width].view(n, width)
+        w_t = weight[start:stop].to(f32).T
+        if b is None:
+            torch.mm(h, w_t, out=z)
+        else:
+            torch.addmm(b[start:stop], h, w_t, out=z)
+        lo, hi = bounds[k], bounds[k + 1]
+        if hi > lo:
+            idx = order[lo:hi]
+            z_target[idx] = z[idx, targets[idx] - start]
+        cmax = z.amax(dim=-1, keepdim=True)
+        z.sub_(cmax)  # raw differences first (exact-ish for large logits), then the temperature
+        if inv_t != 1.0:
+            z.mul_(inv_t)
+        torch.exp(z, out=e)  # in (0, 1], the chunk max maps to exactly 1
+        s_c = e.sum(-1)
+        # A chunk whose own max dominates it has s_c = 1 + eps, and float32 keeps eps only to ~6e-8
+        # absolute: that would cost log s (hence H and log p of a near-certain token) its relative
+        # precision. Such rows hold exactly one e == 1 (two would make s_c >= 2): sum the others alone.
+        s_c = s_c.to(f64)
+        peaked = (s_c < _PEAKED_SUM).nonzero().squeeze(-1)
+        if peaked.numel():
+            rest = e.index_select(0, peaked)
+            s_c[peaked] = rest.masked_fill_(rest >= 1.0, 0.0).sum(-1).to(f64).add_(1.0)
+        u_c = z.mul_(e).sum(-1).to(f64)  # sum e (z - cmax) / T
+        q_c = e.mul_(e).sum(-1).to(f64)  # sum e^2
+        cmax = cmax.squeeze(-1).to(f64)
+        if m is None:
+            m, s, u, q = cmax, s_c, u_c, q_c
+            continue
+        # Combine (float64, tokens-sized): rescale both the running sums and the chunk's sums to the new max.
         m_new = torch.maximum(m, cmax)
-        # rescale the running sums to the new max (exp(-inf) = 0 on the first chunk)
-        scale = torch.exp(m - m_new)
-        shift = (m - m_new)  # <= 0
-        u = torch.where(s > 0, (u + s * shift) * scale, u)
-        s = s * scale
-        q = q * scale.square()
-        zc = z.double() - m_new.unsqueeze(-1)
-        e = torch.exp(zc)
-        s = s + e.sum(-1)
-        u = u + (e * zc).sum(-1)
-        q = q + e.square().sum(-1)
+        d_old = (m - m_new).mul_(inv_t)  # <= 0
+        d_new = (cmax - m_new).mul_(inv_t)  # <= 0
+        a_old, a_new = torch.exp(d_old), torch.exp(d_new)
+        u = (u + s * d_old).mul_(a_old).add_((u_c + s_c * d_new).mul_(a_new))
+        s = (s * a_old).add_(s_c * a_new)
+        q = (q * a_old.square()).add_(q_c * a_new.square())
         m = m_new
-        in_chunk = (targets >= start) & (targets < stop)
-        if in_chunk.any():
-            idx = in_chunk.nonzero(as_tuple=True)[0]
-            z_target[idx] = z[idx, targets[idx] - start].double()
-    log_z = m + torch.log(s)
-    entropy = torch.log(s) - u / s
+    log_s = torch.log(s)
+    logp = (z_target.to(f64) - m).mul_(inv_t).sub_(log_s)
+    entropy = log_s - u / s
     sum_p2 = q / s.square()
-    logp = z_target - log_z
     return logp.float(), entropy.clamp(min=0).float(), sum_p2.float()
 
 
