@@ -24,6 +24,15 @@ from verl_tokensel.cli.main import main as cli_main
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models: one intra-op thread is fastest and immune to a busy machine (OpenMP spin-waits)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def ts(entropy, grad_norm=None, token_ids=None) -> TokenScores:
     h = torch.tensor(entropy, dtype=torch.float32)
     g = torch.tensor(grad_norm if grad_norm is not None else [1.0] * len(entropy), dtype=torch.float32)
@@ -311,6 +320,7 @@ def test_analyze_end_to_end_subprocess(tmp_path, tiny_model):
     _write_jsonl(dump / "2.jsonl", rows[12:])
     out = tmp_path / "report"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
     res = subprocess.run([sys.executable, "-m", "verl_tokensel.cli.main", "analyze", "--model", tiny_model,
                           "--data", str(dump), "--out", str(out), "--chunk-size", "100"],
                          capture_output=True, text=True, timeout=300, env=env)
