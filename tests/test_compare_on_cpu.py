@@ -129,3 +129,11 @@ def test_compare_help_has_worked_examples(capsys):
         cli_main(["compare", "--help"])
     assert ex.value.code == 0
     assert "verl-tokensel compare --model-a" in capsys.readouterr().out
+
+
+def test_top_level_help_lists_analyze_and_compare(capsys):
+    with pytest.raises(SystemExit) as ex:
+        cli_main(["--help"])  # argparse %-formats subcommand help: a bare "%" would crash here
+    assert ex.value.code == 0
+    text = capsys.readouterr().out
+    assert "analyze" in text and "compare" in text and "top-20% overlap" in text

@@ -22,7 +22,6 @@ Definitions (all over the valid response tokens of every scored answer, entropie
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -164,13 +163,25 @@ def forking_tokens(token_ids: torch.Tensor, selected: torch.Tensor, *, top: int 
     ``occurrences`` (all occurrences), ``forking_rate`` = count / occurrences. Ordered by count
     (descending), then token id.
     """
-    ids = token_ids.flatten().tolist()
-    sel = selected.flatten().tolist()
-    total = Counter(ids)
-    chosen = Counter(t for t, s in zip(ids, sel) if s)
-    ranked = sorted(chosen.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
-    return [{"token_id": int(t), "text": decode(int(t)) if decode else None, "count": int(c),
-             "occurrences": int(total[t]), "forking_rate": c / total[t]} for t, c in ranked]
+    ids = token_ids.flatten().long()
+    sel = selected.flatten().bool()
+    if ids.numel() == 0 or not bool(sel.any()):
+        return []
+    if int(ids.min()) < 0:
+        raise ValueError("negative token id")
+    # vectorised counts (tens of millions of tokens): bincount over the id range
+    total = torch.bincount(ids)
+    chosen = torch.bincount(ids[sel], minlength=total.numel())
+    present = chosen.nonzero().flatten()
+    counts = chosen[present]
+    # order: count descending, then token id ascending (present is ascending; a stable sort keeps it)
+    order = torch.sort(-counts, stable=True).indices[:top]
+    out = []
+    for t, c in zip(present[order].tolist(), counts[order].tolist()):
+        occ = int(total[t])
+        out.append({"token_id": int(t), "text": decode(int(t)) if decode else None, "count": int(c),
+                    "occurrences": occ, "forking_rate": c / occ})
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 
-HELP = "compare per-token entropies of two models on the same responses (top-20% overlap, entropy change)"
+HELP = "compare per-token entropies of two models on the same responses (top-20%% overlap, entropy change)"
 
 
 def add_arguments(parser) -> None:
