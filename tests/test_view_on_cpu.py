@@ -220,9 +220,14 @@ def _chromium(*args, tmp: Path, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**_env(), "HOME": str(tmp)})
 
 
-def test_page_renders_in_headless_chromium(assets, forking_page, tmp_path):
+@pytest.fixture(scope="module")  # module scope: resolved before the (module-scoped) page is built
+def chromium():
     if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
         pytest.skip("Debian package chromium not installed; .ci/run installs it")
+    return CHROMIUM
+
+
+def test_page_renders_in_headless_chromium(chromium, assets, forking_page, tmp_path):
     import numpy as np
     from PIL import Image
 
