@@ -142,14 +142,16 @@ def test_jaccard_entropy_top_vs_gmts_top_and_grad_mass_by_hand():
 
 
 def test_grpo_advantages_from_rewards_by_group():
-    adv = stats.grpo_advantages([1.0, 0.0, 5.0, 1.0, 1.0, 5.0], ["a", "a", "b", "a", "a", "b"])
-    sd = math.sqrt(0.75 * 0.25)  # population std of 1 0 1 1
+    adv = stats.grpo_advantages([1.0, 0.0, 5.0, 1.0, 1.0, 5.0, 2.0], ["a", "a", "b", "a", "a", "b", "c"])
+    sd = math.sqrt(0.75 / 3)  # unbiased std of 1 0 1 1: squared deviations sum to 0.75, over 4 - 1
     assert adv[0] == pytest.approx(0.25 / (sd + 1e-6)) and adv[3] == adv[4] == adv[0]
     assert adv[1] == pytest.approx(-0.75 / (sd + 1e-6))
     assert adv[2] == 0.0 and adv[5] == 0.0  # all-equal group: no signal
+    assert adv[6] == pytest.approx(2.0 / (1.0 + 1e-6))  # a group of one: mean 0, std 1 (verl's rule)
     rec = lambda reward, adv, g: aio.ResponseRecord("p", "r", reward, adv, g, "x")  # noqa: E731
     a, src = stats.resolve_advantages([rec(1.0, None, "a"), rec(0.0, None, "a")])
-    assert a == pytest.approx([0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6)]) and "GRPO" in src
+    sd2 = math.sqrt(0.5)  # unbiased std of 1 0
+    assert a == pytest.approx([0.5 / (sd2 + 1e-6), -0.5 / (sd2 + 1e-6)]) and "GRPO" in src
     a, src = stats.resolve_advantages([rec(1.0, 0.3, "a"), rec(0.0, -2.0, "a")])
     assert a == [0.3, -2.0] and "advantage" in src
     a, src = stats.resolve_advantages([rec(None, None, "a")])

@@ -41,7 +41,12 @@ GRPO_EPS = 1e-6
 
 
 def grpo_advantages(rewards: Sequence[float], groups: Sequence) -> list[float]:
-    """GRPO advantage of each response: ``(r - mean_g) / (std_g + 1e-6)``, population std over its group."""
+    """verl's ``compute_grpo_outcome_advantage`` (``norm_adv_by_std_in_grpo=True``) on scalar rewards.
+
+    Per prompt group: ``(r - mean_g) / (std_g + 1e-6)`` with the unbiased (n - 1) std, as torch's
+    ``std()`` in verl; a group of one response has mean 0 and std 1 (verl's special case), so its
+    advantage is its reward.
+    """
     if len(rewards) != len(groups):
         raise ValueError(f"{len(rewards)} rewards but {len(groups)} group ids")
     by_group: dict = {}
@@ -49,8 +54,11 @@ def grpo_advantages(rewards: Sequence[float], groups: Sequence) -> list[float]:
         by_group.setdefault(g, []).append(float(r))
     moments = {}
     for g, vals in by_group.items():
-        a = np.asarray(vals, dtype=np.float64)
-        moments[g] = (float(a.mean()), float(a.std()))  # ddof=0: population std
+        if len(vals) == 1:
+            moments[g] = (0.0, 1.0)
+        else:
+            t = torch.tensor(vals, dtype=torch.float32)
+            moments[g] = (float(t.mean()), float(t.std()))
     return [(float(r) - moments[g][0]) / (moments[g][1] + GRPO_EPS) for r, g in zip(rewards, groups)]
 
 
@@ -62,7 +70,8 @@ def resolve_advantages(records) -> tuple[Optional[list[float]], str]:
         return [float(r.advantage) for r in records], "the input's advantage column"
     if all(r.reward is not None for r in records):
         return (grpo_advantages([r.reward for r in records], [r.group for r in records]),
-                "GRPO from rewards per prompt group: (r - mean_g) / (std_g + 1e-6), population std")
+                "GRPO from rewards per prompt group, as verl computes it: (r - mean_g) / (std_g + 1e-6), "
+                "unbiased std; a group of one response gets A = r")
     return None, ("the input has neither an advantage nor a reward/score column, so GMTS scores and "
                   "exact gradient norms (which scale with |A|) cannot be computed")
 

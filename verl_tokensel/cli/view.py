@@ -42,7 +42,6 @@ SHADE_HELP = {
     "gmts": "H_t * |A| (GMTS delta, on-policy)",
     "random": "the seeded uniform draw of the random control",
 }
-GRPO_EPS = 1e-6  # verl's compute_grpo_outcome_advantage epsilon
 
 
 def shade_choices() -> list[str]:
@@ -78,24 +77,10 @@ def _error(msg: str) -> int:
 
 
 def verl_grpo_advantages(rewards, groups) -> list[float]:
-    """verl's ``compute_grpo_outcome_advantage`` (norm_adv_by_std_in_grpo=True) on scalar rewards.
+    """verl's GRPO advantages (see :func:`verl_tokensel.analysis.stats.grpo_advantages`)."""
+    from verl_tokensel.analysis.stats import grpo_advantages
 
-    Per group: ``(r - mean) / (std + 1e-6)`` with torch's unbiased std; a group of one response has
-    mean 0 and std 1 (verl's special case), so its advantage is its reward.
-    """
-    import torch
-
-    by_group: dict = {}
-    for r, g in zip(rewards, groups):
-        by_group.setdefault(g, []).append(float(r))
-    moments = {}
-    for g, vals in by_group.items():
-        if len(vals) == 1:
-            moments[g] = (0.0, 1.0)
-        else:
-            t = torch.tensor(vals, dtype=torch.float32)
-            moments[g] = (float(t.mean()), float(t.std()))
-    return [(float(r) - moments[g][0]) / (moments[g][1] + GRPO_EPS) for r, g in zip(rewards, groups)]
+    return grpo_advantages(rewards, groups)
 
 
 def _advantages(records) -> tuple[list[float], str]:
