@@ -4,6 +4,10 @@ Examples::
 
     verl-tokensel env          # versions and plugin status, for bug reports
     verl-tokensel cpu-step     # one real verl FSDP2 actor update per preset on a tiny CPU model
+    verl-tokensel tiny-model --out /tmp/tiny          # the embedded tiny model, built locally
+    verl-tokensel analyze --model /tmp/tiny --data examples/data/rollouts --out /tmp/report
+    verl-tokensel compare --model-a /tmp/tiny --model-b /tmp/tiny1 --data examples/data/rollouts --out /tmp/cmp
+    verl-tokensel view --model /tmp/tiny --data examples/data/rollouts --out /tmp/view.html --preset gmts
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ SUBCOMMANDS = {
     "analyze": "verl_tokensel.cli.analyze",
     "compare": "verl_tokensel.cli.compare",
     "view": "verl_tokensel.cli.view",
+    "tiny-model": "verl_tokensel.cli.tiny_model",
 }
 
 
