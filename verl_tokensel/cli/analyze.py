@@ -37,7 +37,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data", required=True, help="rollout dump dir, dump .jsonl, or .parquet/.jsonl table")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, *.png")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
-    parser.add_argument("--chunk-size", type=int, default=8192, help="vocabulary chunk of the scorer (default 8192)")
+    from verl_tokensel.analysis.scorer import DEFAULT_CHUNK
+
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
+                        help=f"vocabulary chunk of the scorer (default {DEFAULT_CHUNK})")
     parser.add_argument("--max-responses", type=int, default=None,
                         help="score only the first N responses (advantages still use whole groups)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to score (default cpu)")
