@@ -25,17 +25,30 @@ _PASSES = 32 // _BITS
 _BINS = 1 << _BITS
 
 
-def ordered_keys(values: torch.Tensor) -> torch.Tensor:
-    """int64 keys in [0, 2^32) whose integer order is the float32 order of ``values``; NaN -> 0 (lowest).
+_INT32_MIN = -(2**31)
+NAN_KEY = _INT32_MIN + 1  # below every number; _INT32_MIN itself is left free for padding
 
-    Positive floats get the sign bit set; negative floats are bit-inverted, so larger floats map to
-    larger keys. -0.0 is folded into +0.0 first (they compare equal, so they must tie).
+
+def ordered_keys32(values: torch.Tensor, largest: bool = True) -> torch.Tensor:
+    """int32 keys, larger = selected first: the float32 order of ``values`` (reversed when not
+    ``largest``), NaN -> :data:`NAN_KEY` (below every number in both directions).
+
+    Negative floats get all bits but the sign flipped, which makes signed-int32 order equal float
+    order; -0.0 is folded into +0.0 first (they compare equal, so they must tie). No real float maps
+    to ``NAN_KEY`` or below (only NaN bit patterns would).
     """
     f = values.detach().float().contiguous() + 0.0  # IEEE: -0.0 + 0.0 == +0.0
-    bits = f.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    neg = bits >= 0x80000000
-    keys = torch.where(neg, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
-    return torch.where(torch.isnan(f), torch.zeros_like(keys), keys)
+    bits = f.view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    if not largest:
+        key = torch.bitwise_not(key)
+    return key.masked_fill_(torch.isnan(f), NAN_KEY)
+
+
+def ordered_keys(values: torch.Tensor) -> torch.Tensor:
+    """int64 keys in [0, 2^32) whose integer order is the float32 order of ``values``; NaN -> 0 (lowest)."""
+    keys = ordered_keys32(values).to(torch.int64) - _INT32_MIN
+    return keys.masked_fill_(torch.isnan(values.detach().float()), 0)
 
 
 def _world(group) -> int:
@@ -53,13 +66,17 @@ def _all_reduce(t: torch.Tensor, group, world: int) -> torch.Tensor:
 def kth_largest_key(keys: torch.Tensor, k: int, group: Optional[dist.ProcessGroup] = None) -> int:
     """The k-th largest key (1-based) of the union over ``group``; every rank gets the same int.
 
+    ``keys``: int64 keys in [0, 2^32) (:func:`ordered_keys`) or int32 keys (:func:`ordered_keys32`);
+    the result is in the unsigned [0, 2^32) space either way.
+
     ``group=None`` means the default group when torch.distributed is initialised, else one process.
-    ``k`` must be in [1, total]; identical on every rank. Cost: 4 all-reduces of 256 int64.
+    ``k`` must be in [1, total]; identical on every rank. Cost: 4 all-reduces of 256 int64; per item, int32 work only.
     """
     world = _world(group)
     prefix = 0
     remaining = k
-    cand = keys
+    # unsigned view: int64 keys are already in [0, 2^32); int32 signed keys get their sign bit flipped
+    cand = keys if keys.dtype == torch.int64 else keys ^ _INT32_MIN
     for p in range(_PASSES):
         shift = 32 - _BITS * (p + 1)
         digit = (cand >> shift) & (_BINS - 1)
@@ -88,9 +105,7 @@ def topk_mask_distributed(
     single process selecting over the rank-ordered concatenation with ties broken by position.
     """
     values = values.flatten()
-    keys = ordered_keys(values)
-    if not largest:
-        keys = torch.where(keys == 0, keys, 0xFFFFFFFF - keys)  # NaN (key 0) stays lowest
+    keys = ordered_keys32(values, largest)
     world = _world(group)
     rank = dist.get_rank(group) if world > 1 else 0
     total = int(_all_reduce(torch.tensor([keys.numel()], dtype=torch.int64, device=keys.device), group, world).item())
@@ -98,7 +113,7 @@ def topk_mask_distributed(
         return torch.zeros_like(values, dtype=torch.bool)
     if k >= total:
         return torch.ones_like(values, dtype=torch.bool)
-    kth = kth_largest_key(keys, k, group)
+    kth = kth_largest_key(keys, k, group) + _INT32_MIN  # back to the signed int32 space of `keys`
     greater = keys > kth
     ties = keys == kth
     counts = torch.zeros(2 * world, dtype=torch.int64, device=keys.device)

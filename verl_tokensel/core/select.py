@@ -22,9 +22,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.dist_topk import ordered_keys, topk_mask_distributed
+from verl_tokensel.core.dist_topk import ordered_keys32, topk_mask_distributed
 
-_KEY_MAX = 0xFFFFFFFF
+_PAD_KEY = -(2**31)  # below every key, NaN included
 
 SCOPES = ("micro_batch", "micro_batch_dp", "sequence")
 DIRECTIONS = ("top", "bottom")
@@ -41,15 +41,9 @@ def budget(ratio: float, n: int) -> int:
 
 
 def _rank_keys(values: torch.Tensor, direction: str) -> torch.Tensor:
-    """int64 keys, larger = selected first: the float32 order of the scores (reversed for bottom), NaN lowest.
-
-    Shared with the distributed path (:func:`verl_tokensel.core.dist_topk.ordered_keys`), so every
-    scope ranks identically.
-    """
-    key = ordered_keys(values)
-    if direction == "bottom":
-        key = torch.where(key == 0, key, _KEY_MAX - key)
-    return key
+    """int32 keys, larger = selected first: the float32 order of the scores (reversed for bottom),
+    NaN below every number. Shared with the distributed path, so every scope ranks identically."""
+    return ordered_keys32(values, largest=direction == "top")
 
 
 def _first_k(values: torch.Tensor, k: int, direction: str) -> torch.Tensor:
@@ -112,14 +106,14 @@ def select_tokens(
 def _first_k_padded(scores: torch.Tensor, valid: torch.Tensor, k: int, direction: str) -> torch.Tensor:
     """:func:`_first_k` over the valid entries of a padded tensor, without gathering them first.
 
-    Padding gets key -1, below every real key (NaN included), so it is never selected.
+    Padding gets the lowest int32, below every real key (NaN included), so it is never selected.
     """
     n_valid = int(valid.sum())
     if k <= 0:
         return torch.zeros_like(valid, dtype=torch.bool)
     if k >= n_valid:
         return valid.clone().to(torch.bool)
-    key = _rank_keys(scores, direction).masked_fill(~valid, -1).flatten()
+    key = _rank_keys(scores, direction).masked_fill(~valid, _PAD_KEY).flatten()
     kth = torch.topk(key, k, largest=True, sorted=False).values.min()
     out = key > kth
     ties = key == kth
