@@ -191,3 +191,16 @@ def test_validate_driver_config_accepts_stock_and_v0():
     validate_driver_config(_compose(overrides=["trainer.v1.trainer_mode=sync"]))  # selector none
     validate_driver_config(_compose(overrides=[f"{SEL}=gmts", "trainer.use_v1=false", "trainer.v1.trainer_mode=sync"]))
     validate_driver_config(_compose(overrides=[f"{SEL}=gmts"]))
+
+
+def test_readme_recipe_snippet_composes(tmp_path):
+    from hydra import initialize_config_dir
+
+    readme = (ROOT / "README.md").read_text()
+    snippet = readme.split("In your own recipe YAML", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_recipe.yaml").write_text(snippet)
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        cfg = compose("my_recipe", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.selection.score == "gmts" and actor.selection.ratio == 0.2
+    assert cfg.trainer.v1.trainer_mode == "tokensel_sync"
