@@ -136,10 +136,10 @@ def logit_grad_norm(log_prob: torch.Tensor, sum_pi_squared: Optional[torch.Tenso
     is returned (ranking-equivalent within a factor sqrt(2)).
     """
     with torch.no_grad():
+        if sum_pi_squared is None:  # expm1 keeps full relative precision in float32
+            return -torch.expm1(log_prob.float().clamp(max=0.0))
         lp = log_prob.double().clamp(max=0.0)
         one_minus_pa = -torch.expm1(lp)
-        if sum_pi_squared is None:
-            return one_minus_pa.float()
         rest = sum_pi_squared.double() - torch.exp(2.0 * lp)
         rest = torch.minimum(rest.clamp(min=0.0), one_minus_pa.square())
         return torch.sqrt(one_minus_pa.square() + rest).float()
