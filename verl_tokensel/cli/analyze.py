@@ -37,12 +37,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data", required=True, help="rollout dump dir, dump .jsonl, or .parquet/.jsonl table")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, *.png")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    add_scoring_arguments(parser, max_help="score only the first N responses (advantages still use whole groups)")
+
+
+def add_scoring_arguments(parser, max_help: str = "score only the first N responses") -> None:
+    """The scorer options shared by analyze and compare."""
     from verl_tokensel.analysis.scorer import DEFAULT_CHUNK
 
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
                         help=f"vocabulary chunk of the scorer (default {DEFAULT_CHUNK})")
-    parser.add_argument("--max-responses", type=int, default=None,
-                        help="score only the first N responses (advantages still use whole groups)")
+    parser.add_argument("--max-responses", type=int, default=None, help=max_help)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to score (default cpu)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="model dtype (bfloat16 only with --device cuda)")

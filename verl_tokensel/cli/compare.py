@@ -33,19 +33,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model-b", required=True, help="model B (e.g. the RL-trained model), local HF directory")
     parser.add_argument("--data", required=True, help="rollout dump dir, dump .jsonl, or .parquet/.jsonl table")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, the PNG")
-    from verl_tokensel.analysis.scorer import DEFAULT_CHUNK
+    from verl_tokensel.cli.analyze import add_scoring_arguments
 
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
-                        help=f"vocabulary chunk of the scorer (default {DEFAULT_CHUNK})")
-    parser.add_argument("--max-responses", type=int, default=None, help="score only the first N responses")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to score (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="model dtype (bfloat16 only with --device cuda)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default 1.0)")
-
-
-def _f(v, digits: int = 4) -> str:
-    return "n/a" if v is None or v != v else f"{v:.{digits}g}"
+    add_scoring_arguments(parser)
 
 
 def run(args) -> int:
@@ -54,7 +44,7 @@ def run(args) -> int:
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.report import require_matplotlib, write_comparison
     from verl_tokensel.analysis.stats import compare_entropies, top_mask
-    from verl_tokensel.cli.analyze import _error, check_common_args, score_with_progress
+    from verl_tokensel.cli.analyze import _error, _f, check_common_args, score_with_progress
 
     t0 = time.time()
     try:
