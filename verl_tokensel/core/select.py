@@ -67,7 +67,7 @@ def select_tokens(
     """Select tokens by score.
 
     Args:
-        scores: ``(batch, response_len)`` float scores (any dtype; compared in float64).
+        scores: ``(batch, response_len)`` float scores (any dtype; compared as float32).
         valid_mask: ``(batch, response_len)`` bool, True on real response tokens.
         ratio: fraction of the pool to keep, in ``(0, 1]``.
         scope: one of :data:`SCOPES`.
@@ -85,20 +85,16 @@ def select_tokens(
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}; valid: {list(DIRECTIONS)}")
     valid = valid_mask.to(torch.bool)
-    mask = torch.zeros_like(valid)
 
     if scope == "sequence":
-        for i in range(valid.shape[0]):
-            row_valid = valid[i]
-            n = int(row_valid.sum())
-            idx = row_valid.nonzero(as_tuple=True)[0]
-            mask[i, idx[_first_k(scores[i, idx], budget(ratio, n), direction)]] = True
-        return mask
-
+        rows = [_first_k_padded(scores[i], valid[i], budget(ratio, int(valid[i].sum())), direction)
+                for i in range(valid.shape[0])]
+        return torch.stack(rows) if rows else torch.zeros_like(valid)
     if scope not in ("micro_batch", "micro_batch_dp"):
         raise ValueError(f"unknown scope {scope!r}; valid: {list(SCOPES)}")
     if scope == "micro_batch" or _world(dp_group) == 1:
         return _first_k_padded(scores, valid, budget(ratio, int(valid.sum())), direction)
+    mask = torch.zeros_like(valid)
     mask[valid] = _select_across_ranks(scores[valid], ratio, direction, dp_group)
     return mask
 
