@@ -201,7 +201,7 @@ def test_grpo_advantages_match_verl():
     import torch
     from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
 
-    from verl_tokensel.cli.view import verl_grpo_advantages
+    from verl_tokensel.analysis.stats import grpo_advantages as verl_grpo_advantages
 
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.25]
     groups = ["a", "a", "b", "b", "b", "c", "a"]

@@ -67,10 +67,10 @@ def resolve_advantages(records) -> tuple[Optional[list[float]], str]:
     if not records:
         return None, "no responses"
     if all(r.advantage is not None for r in records):
-        return [float(r.advantage) for r in records], "the input's advantage column"
+        return [float(r.advantage) for r in records], "from the data's advantage column"
     if all(r.reward is not None for r in records):
         return (grpo_advantages([r.reward for r in records], [r.group for r in records]),
-                "GRPO from rewards per prompt group, as verl computes it: (r - mean_g) / (std_g + 1e-6), "
+                "GRPO from the rewards per prompt group, as verl computes it: (r - mean_g) / (std_g + 1e-6), "
                 "unbiased std; a group of one response gets A = r")
     return None, ("the input has neither an advantage nor a reward/score column, so GMTS scores and "
                   "exact gradient norms (which scale with |A|) cannot be computed")

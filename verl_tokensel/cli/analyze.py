@@ -73,10 +73,11 @@ def check_common_args(args) -> None:
         raise AnalysisInputError(f"{out}: --out exists and is not a directory")
 
 
-def score_with_progress(model, pairs, args, desc: str):
+def score_with_progress(model, pairs, *, desc: str, temperature: float, device, chunk_size=None):
+    """:func:`~verl_tokensel.analysis.scorer.score_responses` with a progress bar on stderr."""
     from tqdm import tqdm
 
-    from verl_tokensel.analysis.scorer import score_responses
+    from verl_tokensel.analysis.scorer import DEFAULT_CHUNK, score_responses
 
     with tqdm(total=len(pairs), desc=desc, unit="resp", file=sys.stderr, mininterval=0.5) as bar:
         done = [0]
@@ -85,8 +86,8 @@ def score_with_progress(model, pairs, args, desc: str):
             bar.update(i - done[0])
             done[0] = i
 
-        return score_responses(model, pairs, temperature=args.temperature, chunk_size=args.chunk_size,
-                               device=args.device, progress=progress)
+        return score_responses(model, pairs, temperature=temperature, chunk_size=chunk_size or DEFAULT_CHUNK,
+                               device=device, progress=progress)
 
 
 def _f(v, digits: int = 4) -> str:
@@ -118,7 +119,8 @@ def run(args) -> int:
     print(f"scoring {len(pairs)} responses ({sum(len(r) for _, r in pairs)} tokens) from {args.data} "
           f"under {args.model} on {args.device}", file=sys.stderr)
     try:
-        scores = score_with_progress(model, pairs, args, "analyze")
+        scores = score_with_progress(model, pairs, desc="analyze", temperature=args.temperature,
+                                     device=args.device, chunk_size=args.chunk_size)
     except ValueError as e:
         return _error(f"{args.data}: {e}")
 

@@ -73,7 +73,8 @@ def run(args) -> int:
         except io.AnalysisInputError as e:
             return _error(str(e))
         try:
-            scores[name] = score_with_progress(model, pairs, args, f"model {name}")
+            scores[name] = score_with_progress(model, pairs, desc=f"model {name}", temperature=args.temperature,
+                                               device=args.device, chunk_size=args.chunk_size)
         except ValueError as e:
             return _error(f"{args.data} under {path}: {e}")
         del model

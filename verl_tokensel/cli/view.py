@@ -27,9 +27,7 @@ Examples::
 
 from __future__ import annotations
 
-import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -71,26 +69,14 @@ def add_arguments(parser) -> None:
                         help="model dtype (bfloat16 only on cuda)")
 
 
-def _error(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
-
-
-def verl_grpo_advantages(rewards, groups) -> list[float]:
-    """verl's GRPO advantages (see :func:`verl_tokensel.analysis.stats.grpo_advantages`)."""
-    from verl_tokensel.analysis.stats import grpo_advantages
-
-    return grpo_advantages(rewards, groups)
-
-
 def _advantages(records) -> tuple[list[float], str]:
-    if all(r.advantage is not None for r in records):
-        return [float(r.advantage) for r in records], "from the data's advantage column"
-    if all(r.reward is not None for r in records):
-        return (verl_grpo_advantages([r.reward for r in records], [r.group for r in records]),
-                "GRPO from the rewards per prompt group, as verl computes it: (r - mean_g) / (std_g + 1e-6), "
-                "unbiased std; a group of one response gets A = r")
-    return [1.0] * len(records), "A = 1 for every response: the data has no advantage and no reward/score column"
+    """The analysis advantages (:func:`~verl_tokensel.analysis.stats.resolve_advantages`), or A = 1."""
+    from verl_tokensel.analysis.stats import resolve_advantages
+
+    advantages, source = resolve_advantages(records)
+    if advantages is None:
+        return [1.0] * len(records), "A = 1 for every response: the data has no advantage and no reward/score column"
+    return advantages, source
 
 
 def token_texts(tokenizer, prompt_ids, response_ids, window: int = 6) -> list[str]:
@@ -129,6 +115,7 @@ def token_texts(tokenizer, prompt_ids, response_ids, window: int = 6) -> list[st
 
 
 def run(args) -> int:
+    from verl_tokensel.cli.analyze import _error, score_with_progress
     from verl_tokensel.core.config import PRESETS
 
     if args.preset not in PRESETS:
@@ -185,18 +172,7 @@ def run(args) -> int:
         return _error(str(e))
     advantages, adv_source = _advantages(records)
 
-    from tqdm import tqdm
-
-    from verl_tokensel.analysis.scorer import score_responses
-
-    with tqdm(total=len(pairs), desc="scoring", unit="resp", file=sys.stderr) as bar:
-        done = [0]
-
-        def progress(k: int) -> None:
-            bar.update(k - done[0])
-            done[0] = k
-
-        scored = score_responses(model, pairs, temperature=args.temperature, device=device, progress=progress)
+    scored = score_with_progress(model, pairs, desc="scoring", temperature=args.temperature, device=device)
 
     page = build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, sel, shade, n_total)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -223,14 +199,14 @@ def selection_ranks(scores, valid, direction: str, scope: str):
     """
     import torch
 
-    key = scores.double()
-    key = -key if direction == "top" else key
-    key = torch.nan_to_num(key, nan=math.inf, posinf=math.inf, neginf=-math.inf)
+    from verl_tokensel.core.select import _rank_keys
+
+    key = _rank_keys(scores, direction)  # larger = kept first, NaN last: the selector's own order
     ranks = torch.zeros(scores.shape, dtype=torch.int64)
     rows = [list(range(scores.shape[0]))] if scope != "sequence" else [[i] for i in range(scores.shape[0])]
     for pool in rows:
         k = key[pool][valid[pool]]  # row-major valid entries of the pool
-        order = torch.sort(k, stable=True).indices
+        order = torch.sort(k, descending=True, stable=True).indices
         r = torch.empty_like(order)
         r[order] = torch.arange(1, order.numel() + 1)
         sub = torch.zeros(valid[pool].shape, dtype=torch.int64)
