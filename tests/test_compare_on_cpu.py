@@ -16,13 +16,7 @@ from verl_tokensel.cli.main import main as cli_main
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    """Tiny models: one intra-op thread is fastest and immune to a busy machine (OpenMP spin-waits)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _ts(entropy, ids=None):
