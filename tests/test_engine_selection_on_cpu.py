@@ -32,7 +32,6 @@ WORKER_KW = dict(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, ppo_max_
                  lr=0.0, clip_grad=1e9)
 BATCH_KW = dict(n=8, seed=3, resp_len=(4, 12))
 PRESETS = ["forking", "forking_bottom", "random", "gmts", "grad_norm"]
-TARGET = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
 
 
 @pytest.fixture(scope="module")
@@ -49,20 +48,6 @@ def _worker(model_dir, dyn, rmpad):
         _WORKERS[key] = H.make_training_worker(model_dir, use_dynamic_bsz=dyn, use_remove_padding=rmpad,
                                                **WORKER_KW)
     return _WORKERS[key]
-
-
-def _selecting_config(actor, preset, extra=()):
-    from verl.utils.config import omega_conf_to_dataclass
-
-    node = actor.cfg.actor_rollout_ref.actor.copy()
-    from omegaconf import OmegaConf
-
-    OmegaConf.set_struct(node, False)
-    node._target_ = TARGET
-    node.token_selector = preset
-    node.calculate_entropy = True  # what the tokensel trainers turn on for entropy scores
-    node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig", **dict(extra)}
-    return omega_conf_to_dataclass(node)
 
 
 class _Recorder:
@@ -100,7 +85,8 @@ class _Recorder:
 def _run(actor, preset, extra=()):
     from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
-    cfg = _selecting_config(actor, preset, extra)
+    # calculate_entropy on for every preset: the batch carries entropy either way
+    cfg = H.selecting_actor_config(actor, preset, calculate_entropy=True, **dict(extra))
     batch = H.make_update_batch(actor, calculate_entropy=True, **BATCH_KW)
     H.compute_old_log_probs(actor, batch)  # on-policy: r = 1, nothing clipped
     rec = _Recorder(actor)

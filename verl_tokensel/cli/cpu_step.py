@@ -46,15 +46,12 @@ def _scalar(v):
 
 def run(args) -> int:
     from verl_tokensel.core.config import PRESETS
-    from verl_tokensel.core.scores import SCORE_REGISTRY
 
     bad = [p for p in args.presets if p not in PRESETS]
     if bad:
         print(f"error: --presets {bad} unknown; valid: {', '.join(PRESETS)}", file=sys.stderr)
         return 2
     _progress("selecting verl's CPU platform and building the tiny model")
-    from omegaconf import OmegaConf
-
     from verl_tokensel.testing import cpu_worker as H
     from verl_tokensel.testing import tiny_assets
     from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
@@ -66,18 +63,9 @@ def run(args) -> int:
                                    master_port=H.free_port(),
                                    ppo_mini_batch_size=args.n, ppo_micro_batch_size_per_gpu=2,
                                    ppo_max_token_len_per_gpu=64, lr=1e-4)
-    from verl.utils.config import omega_conf_to_dataclass
-
     rows = []
     for preset in args.presets:
-        node = actor.cfg.actor_rollout_ref.actor.copy()
-        OmegaConf.set_struct(node, False)
-        node._target_ = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
-        node.token_selector = preset
-        sel = PRESETS[preset]
-        node.calculate_entropy = sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
-        node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig"}
-        config = omega_conf_to_dataclass(node)
+        config = H.selecting_actor_config(actor, preset)
         batch = H.make_update_batch(actor, n=args.n, seed=args.seed + 1, calculate_entropy=True,
                                     resp_len=(8, 24), group_size=4 if args.n % 4 == 0 else 1)
         H.compute_old_log_probs(actor, batch)

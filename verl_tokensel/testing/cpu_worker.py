@@ -248,6 +248,30 @@ class CpuActor:
         self.worker.set_loss_fn(loss_fn)
 
 
+def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Optional[bool] = None, **knobs):
+    """The actor's own config as our ``TokenselFSDPActorConfig`` with ``token_selector=preset``.
+
+    ``knobs`` go to ``token_selection.*``. ``calculate_entropy`` defaults to what the tokensel
+    trainers turn on (``True`` when the preset's score needs entropy).
+    """
+    from omegaconf import OmegaConf
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl_tokensel.core.config import PRESETS
+    from verl_tokensel.core.scores import SCORE_REGISTRY
+
+    if calculate_entropy is None:
+        sel = PRESETS[preset]
+        calculate_entropy = sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
+    node = actor.cfg.actor_rollout_ref.actor.copy()
+    OmegaConf.set_struct(node, False)
+    node._target_ = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
+    node.token_selector = preset
+    node.calculate_entropy = calculate_entropy
+    node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig", **knobs}
+    return omega_conf_to_dataclass(node)
+
+
 def default_loss_fn(actor_config) -> Callable:
     """verl's default actor loss as ``ActorRolloutRefWorker.init_model`` binds it."""
     from verl.workers.utils.losses import ppo_loss
