@@ -129,7 +129,6 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     else:
         metric_aggregation = AggregationType.MEAN
 
-    input_data = data
     fields = ["response_mask", "old_log_probs", "advantages"]
     if "rollout_is_weights" in data:
         fields.append("rollout_is_weights")
@@ -142,44 +141,36 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     rollout_is_weights = padded.get("rollout_is_weights", None)
 
     # ---- score and select (no gradient) ----
-    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, input_data)
+    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data)
     scores = compute_score(sel.score, inp)
     mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
                          dp_group=dp_group)
     if observer is not None:
-        observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": input_data})
+        observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data})
 
     # ---- policy loss, via verl's registered loss for loss_mode ----
     policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
     gated_log_prob = torch.where(mask, log_prob, log_prob.detach())
+    loss_mask = response_mask
+    saved = info["batch_num_tokens"]
     if sel.normaliser == "selected":
-        n_valid = int(response_mask.sum())
         n_sel = int(mask.sum())
-        saved = info["batch_num_tokens"]
-        if n_sel > 0 and saved is not None:
-            info["batch_num_tokens"] = saved * n_sel / n_valid
-        try:
-            pg_loss, pg_metrics = policy_loss_fn(
-                old_log_prob=old_log_prob,
-                log_prob=gated_log_prob,
-                advantages=advantages,
-                response_mask=mask if n_sel > 0 else response_mask,
-                loss_agg_mode=config.loss_agg_mode,
-                config=config,
-                rollout_is_weights=rollout_is_weights,
-            )
-        finally:
-            info["batch_num_tokens"] = saved
-    else:
+        if n_sel > 0:
+            loss_mask = mask
+            if saved is not None:
+                info["batch_num_tokens"] = saved * n_sel / int(response_mask.sum())
+    try:
         pg_loss, pg_metrics = policy_loss_fn(
             old_log_prob=old_log_prob,
             log_prob=gated_log_prob,
             advantages=advantages,
-            response_mask=response_mask,
+            response_mask=loss_mask,
             loss_agg_mode=config.loss_agg_mode,
             config=config,
             rollout_is_weights=rollout_is_weights,
         )
+    finally:
+        info["batch_num_tokens"] = saved
 
     metrics = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
