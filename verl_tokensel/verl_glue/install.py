@@ -36,6 +36,8 @@ from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 logger = logging.getLogger(__name__)
 
 TRAINER_MODE_PREFIX = "tokensel_"
+# verl's built-in V1 trainer modes; each gets a tokensel_<mode> twin
+BASE_TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 
 
 def validate_driver_config(config: DictConfig) -> None:
@@ -48,16 +50,14 @@ def validate_driver_config(config: DictConfig) -> None:
     if selector in (None, "none") or not OmegaConf.select(config, "trainer.use_v1", default=True):
         return
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
-    valid = [TRAINER_MODE_PREFIX + m for m in ("sync", "colocate_async", "separate_async")]
+    valid = [TRAINER_MODE_PREFIX + m for m in BASE_TRAINER_MODES]
     if mode not in valid:
-        raise ValueError(
-            f"trainer.v1.trainer_mode={mode!r} is invalid with actor_rollout_ref.actor.token_selector={selector}; "
-            f"valid values: {', '.join(valid)}. Only these modes install the selecting loss on the actor workers "
-            f"(each wraps verl's mode of the same name). Fix: trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode}"
-            if mode in ("sync", "colocate_async", "separate_async") else
-            f"trainer.v1.trainer_mode={mode!r} is invalid with actor_rollout_ref.actor.token_selector={selector}; "
-            f"valid values: {', '.join(valid)}."
-        )
+        msg = (f"trainer.v1.trainer_mode={mode!r} is invalid with actor_rollout_ref.actor.token_selector={selector}; "
+               f"valid values: {', '.join(valid)}.")
+        if mode in BASE_TRAINER_MODES:
+            msg += (" Only these modes install the selecting loss on the actor workers (each wraps verl's mode of "
+                    f"the same name). Fix: trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode}")
+        raise ValueError(msg)
 
 
 def prepare_driver_config(config: DictConfig) -> None:
@@ -90,15 +90,8 @@ def install_actor_loss(actor_wg, config: DictConfig) -> None:
 
 
 # ----------------------------------------------------------------------------- V1 driver
-_REGISTERED = False
-
-
 def register_v1_trainers() -> None:
     """Register ``tokensel_<mode>`` for each of verl's built-in V1 trainer modes (idempotent)."""
-    global _REGISTERED
-    if _REGISTERED:
-        return
-    from verl.trainer.ppo.v1 import trainer_base
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY, register_trainer
 
     # import verl's built-in trainers so the registry is complete
@@ -106,7 +99,7 @@ def register_v1_trainers() -> None:
     import verl.trainer.ppo.v1.trainer_separate_async  # noqa: F401
     import verl.trainer.ppo.v1.trainer_sync  # noqa: F401
 
-    for base_mode in ("sync", "colocate_async", "separate_async"):
+    for base_mode in BASE_TRAINER_MODES:
         base = TRAINER_REGISTRY[base_mode]
         name = TRAINER_MODE_PREFIX + base_mode
         if name in TRAINER_REGISTRY:
@@ -121,8 +114,6 @@ def register_v1_trainers() -> None:
         )
         register_trainer(name)(cls)
         globals()[cls.__name__] = cls  # picklable by qualified name
-    _REGISTERED = True
-    del trainer_base
 
 
 class _TokenselTrainerMixin:
