@@ -150,6 +150,13 @@ def within_across(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor],
     }
 
 
+def pooled_entropy(scores) -> torch.Tensor:
+    """Every response token's entropy, in order, as one float64 tensor (empty when there are none)."""
+    if not scores:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([s.entropy.double().flatten() for s in scores])
+
+
 def top_mask(values: torch.Tensor, ratio: float = TOP_RATIO) -> torch.Tensor:
     """Bool mask of the exact top-``ratio`` of a 1-D tensor via ``select_tokens`` (ties by position)."""
     v = values.detach().flatten()
@@ -300,8 +307,7 @@ def compare_entropies(scores_a, scores_b, *, top_ratio: float = TOP_RATIO) -> di
     for i, (a, b) in enumerate(zip(scores_a, scores_b)):
         if not torch.equal(a.token_ids, b.token_ids):
             raise ValueError(f"response {i}: the two models scored different token ids")
-    h_a = torch.cat([s.entropy.double().flatten() for s in scores_a]) if scores_a else torch.zeros(0, dtype=torch.float64)
-    h_b = torch.cat([s.entropy.double().flatten() for s in scores_b]) if scores_b else torch.zeros(0, dtype=torch.float64)
+    h_a, h_b = pooled_entropy(scores_a), pooled_entropy(scores_b)
     top_a, top_b = top_mask(h_a, top_ratio), top_mask(h_b, top_ratio)
     n_top_a = int(top_a.sum())
     delta = h_b - h_a

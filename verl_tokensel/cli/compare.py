@@ -43,7 +43,7 @@ def run(args) -> int:
 
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.report import require_matplotlib, write_comparison
-    from verl_tokensel.analysis.stats import compare_entropies, top_mask
+    from verl_tokensel.analysis.stats import compare_entropies, pooled_entropy, top_mask
     from verl_tokensel.cli.analyze import _error, _f, check_common_args, score_with_progress
 
     t0 = time.time()
@@ -84,8 +84,7 @@ def run(args) -> int:
     report = compare_entropies(scores["A"], scores["B"])
     report = {"model_a": str(args.model_a), "model_b": str(args.model_b), "data": str(args.data),
               "temperature": args.temperature, **report}
-    h_a = torch.cat([s.entropy.double() for s in scores["A"]]) if pairs else torch.zeros(0, dtype=torch.float64)
-    h_b = torch.cat([s.entropy.double() for s in scores["B"]]) if pairs else torch.zeros(0, dtype=torch.float64)
+    h_a, h_b = pooled_entropy(scores["A"]), pooled_entropy(scores["B"])
     path = write_comparison(args.out, report, h_a, h_b, top_mask(h_a))
 
     o, d = report["overlap"], report["entropy_change"]

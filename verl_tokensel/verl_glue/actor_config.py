@@ -19,6 +19,7 @@ from verl_tokensel.core.config import (
     TokenSelectionConfigError,
     resolve_selection,
 )
+from verl_tokensel.core.scores import SCORE_REGISTRY
 
 
 class StockLossGuard(dict):
@@ -103,8 +104,6 @@ class _TokenSelectMixin:
     @property
     def needs_entropy(self) -> bool:
         sel = self.selection
-        from verl_tokensel.core.scores import SCORE_REGISTRY
-
         return sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
 
 
