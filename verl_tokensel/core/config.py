@@ -19,8 +19,21 @@ from typing import Any, Optional
 from verl_tokensel.core.scores import SCORE_REGISTRY
 
 DIRECTIONS = ("top", "bottom")
-SCOPES = ("micro_batch", "micro_batch_dp", "sequence")
+SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "batch")
 NORMALISERS = ("all", "selected")
+# Where the ranking scores come from, and the scopes each source can fill. A scope wider than one
+# micro-batch needs every score of the pool before the first backward of that pool:
+# - current: the update forward of each micro-batch (scores of the policy being trained);
+# - prepass: a no-grad forward over the rank's PPO mini-batch at its start (the GMTS code's timing),
+#   pooled over the data-parallel ranks by collectives (mini_batch, group) or per response (sequence);
+# - rollout: the old-policy pass verl already runs before the update (entropy, log-probs), with the
+#   driver's advantages; the driver computes the mask and sends it as a per-token field.
+SOURCE_SCOPES = {
+    "current": ("micro_batch", "micro_batch_dp", "sequence"),
+    "prepass": ("mini_batch", "group", "sequence"),
+    "rollout": ("batch", "group", "sequence"),
+}
+SCORE_SOURCES = tuple(SOURCE_SCOPES)
 # Scores that need the PPO gradient weight omega = r * A * 1[not clipped]; its formula assumes
 # verl's token-level clipped surrogate.
 OMEGA_LOSS_MODES = ("vanilla",)
@@ -43,6 +56,7 @@ class Selection:
     seed: int = 0
     mask_entropy_bonus: bool = False
     mask_kl_loss: bool = False
+    score_source: str = "current"
 
 
 # Presets. Each mirrors one reference semantics; see prior-art notes in the README.
@@ -52,14 +66,23 @@ PRESETS: dict[str, Optional[Selection]] = {
     # "Beyond the 80/20 Rule" (arXiv 2506.01939) released code: top 20% current-policy entropy,
     # ceil(0.2 N) over the valid tokens of one micro-batch on one rank, mean over selected tokens
     "forking": Selection(score="entropy", ratio=0.2, direction="top", scope="micro_batch", normaliser="selected"),
+    # "Beyond the 80/20 Rule" paper formula: keep H >= tau over the whole training batch B (top 20% of
+    # its response tokens, old-policy entropy, ranked on the driver), normalise by all response tokens
+    "forking_paper": Selection(
+        score="entropy", ratio=0.2, direction="top", scope="batch", normaliser="all", score_source="rollout"
+    ),
     # the paper's negative control: train on the lowest-entropy 80%
     "forking_bottom": Selection(
         score="entropy", ratio=0.8, direction="bottom", scope="micro_batch", normaliser="selected"
     ),
     # random 20% with the same budget and normaliser as `forking` (control absent from the paper)
     "random": Selection(score="random", ratio=0.2, direction="top", scope="micro_batch", normaliser="selected"),
-    # GMTS (arXiv 2608.30632): delta = H * |r A 1[not clipped]|, top 20%, normalise by all tokens
-    "gmts": Selection(score="gmts", ratio=0.2, direction="top", scope="micro_batch", normaliser="all"),
+    # GMTS (arXiv 2608.30632): delta = H * |r A 1[not clipped]| measured by a no-grad forward at the
+    # start of each PPO mini-batch, top 20% within each prompt group (all its responses, whatever rank
+    # or position they sit at), normalise by all tokens
+    "gmts": Selection(
+        score="gmts", ratio=0.2, direction="top", scope="group", normaliser="all", score_source="prepass"
+    ),
     # exact logit-gradient norm |omega| * ||e_a - p||, top 20%, normalise by all tokens
     "grad_norm": Selection(score="grad_norm", ratio=0.2, direction="top", scope="micro_batch", normaliser="all"),
 }
@@ -90,9 +113,18 @@ class TokenSelectionConfig:
     )
     scope: Optional[str] = field(
         default=None,
-        metadata={"help": f"Pool the budget is taken from: one of {', '.join(SCOPES)} "
-                  "(micro_batch_dp = exact over all data-parallel ranks).",
+        metadata={"help": f"Pool the budget is taken from: one of {', '.join(SCOPES)}. micro_batch_dp and "
+                  "mini_batch are exact over all data-parallel ranks; group = the responses sharing a "
+                  "prompt (uid); batch = the whole training batch of a step. Each score_source allows: "
+                  + "; ".join(f"{k}: {', '.join(v)}" for k, v in SOURCE_SCOPES.items()) + ".",
                   "paper": "batch (80/20 paper), micro_batch (80/20 code), group (GMTS)"},
+    )
+    score_source: Optional[str] = field(
+        default=None,
+        metadata={"help": f"When the scores are measured: one of {', '.join(SCORE_SOURCES)}. current = in the "
+                  "update forward of each micro-batch; prepass = a no-grad forward at the start of each "
+                  "PPO mini-batch; rollout = verl's old-log-prob pass, mask computed on the driver.",
+                  "paper": "rollout (80/20 paper), current (80/20 code), prepass (GMTS)"},
     )
     normaliser: Optional[str] = field(
         default=None,
@@ -185,12 +217,33 @@ def resolve_selection(
     _check_choice("token_selection.score", sel.score, tuple(SCORE_REGISTRY))
     _check_choice("token_selection.direction", sel.direction, DIRECTIONS)
     _check_choice("token_selection.scope", sel.scope, SCOPES)
+    _check_choice("token_selection.score_source", sel.score_source, SCORE_SOURCES)
+    allowed = SOURCE_SCOPES[sel.score_source]
+    if sel.scope not in allowed:
+        fitting = [src for src, scopes in SOURCE_SCOPES.items() if sel.scope in scopes]
+        raise _err(
+            "token_selection.scope",
+            sel.scope,
+            f"{', '.join(allowed)} (with score_source={sel.score_source})",
+            f"scope={sel.scope} needs the scores of its whole pool before the first backward, which "
+            f"score_source={', '.join(fitting)} provides. Fix: set token_selection.score_source="
+            f"{fitting[0]} or pick one of the scopes above.",
+        )
     _check_choice("token_selection.normaliser", sel.normaliser, NORMALISERS)
     if isinstance(sel.seed, bool) or not isinstance(sel.seed, int) or sel.seed < 0:
         raise _err("token_selection.seed", sel.seed, "an integer >= 0")
     _check_bool("token_selection.mask_entropy_bonus", sel.mask_entropy_bonus)
     _check_bool("token_selection.mask_kl_loss", sel.mask_kl_loss)
 
+    if sel.normaliser == "selected" and sel.score_source != "current":
+        raise _err(
+            "token_selection.normaliser",
+            "selected",
+            "all (with any score_source), selected (only with score_source=current)",
+            f"with score_source={sel.score_source} the selection spans more than one micro-batch, so a "
+            "per-micro-batch mean over selected tokens would weight them unequally. Fix: set "
+            "token_selection.normaliser=all (the 80/20 paper's and GMTS' denominator).",
+        )
     if sel.normaliser == "selected" and loss_agg_mode != "token-mean":
         raise _err(
             "token_selection.normaliser",

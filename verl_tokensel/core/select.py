@@ -9,9 +9,12 @@ Semantics (shared by every scope):
   rank strictly last in both directions, so they are only selected when nothing else is left;
 - ``ratio == 1`` keeps every valid token.
 
-Scopes implemented here: ``micro_batch`` (one rank), ``micro_batch_dp`` (the union of the
-micro-batches of all data-parallel ranks, exact, via the ``dp_group`` the engine passes) and
-``sequence`` (per response).
+Scopes: ``micro_batch`` (one rank), ``micro_batch_dp`` (the union of the micro-batches of all
+data-parallel ranks, exact, via the ``dp_group`` the engine passes), ``sequence`` (per response),
+``mini_batch`` and ``batch`` (one pool: the tensor given, pooled over ``dp_group`` when one is
+given) and ``group`` (one pool per ``group_ids`` value, e.g. the responses of one prompt; each keeps
+``ceil(ratio * n_g)`` of its ``n_g`` valid tokens). Which tensor a scope is applied to (a micro-batch,
+a rank's mini-batch, the driver's whole batch) is the caller's business.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from verl_tokensel.core.dist_topk import ordered_keys32, topk_mask_distributed
 
 _PAD_KEY = -(2**31)  # below every key, NaN included
 
-SCOPES = ("micro_batch", "micro_batch_dp", "sequence")
+SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "batch")
+_POOLED_DP = ("micro_batch_dp", "mini_batch", "batch")
 DIRECTIONS = ("top", "bottom")
 
 
@@ -63,6 +67,7 @@ def select_tokens(
     scope: str = "micro_batch",
     direction: str = "top",
     dp_group: Optional[dist.ProcessGroup] = None,
+    group_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Select tokens by score.
 
@@ -72,8 +77,9 @@ def select_tokens(
         ratio: fraction of the pool to keep, in ``(0, 1]``.
         scope: one of :data:`SCOPES`.
         direction: ``"top"`` or ``"bottom"``.
-        dp_group: process group of the data-parallel ranks (``micro_batch_dp`` only; None or a
-            world of one means a single rank).
+        dp_group: process group of the data-parallel ranks (``micro_batch_dp``, ``mini_batch``,
+            ``batch``, ``group``; None or a world of one means a single rank).
+        group_ids: ``(batch,)`` int64 group of each row (``group`` only).
 
     Returns:
         ``(batch, response_len)`` bool mask, a subset of ``valid_mask``.
@@ -90,7 +96,17 @@ def select_tokens(
         rows = [_first_k_padded(scores[i], valid[i], budget(ratio, int(valid[i].sum())), direction)
                 for i in range(valid.shape[0])]
         return torch.stack(rows) if rows else torch.zeros_like(valid)
-    if scope not in ("micro_batch", "micro_batch_dp"):
+    if scope == "group":
+        if group_ids is None or group_ids.shape != valid.shape[:1]:
+            raise ValueError(f"scope='group' needs group_ids of shape ({valid.shape[0]},), got "
+                             f"{None if group_ids is None else tuple(group_ids.shape)}")
+        if _world(dp_group) == 1:
+            return _select_grouped(scores, valid, group_ids, ratio, direction)
+        from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed
+
+        return grouped_topk_mask_distributed(scores, valid, group_ids, ratio, dp_group,
+                                             largest=direction == "top")
+    if scope != "micro_batch" and scope not in _POOLED_DP:
         raise ValueError(f"unknown scope {scope!r}; valid: {list(SCOPES)}")
     if scope == "micro_batch" or _world(dp_group) == 1:
         return _first_k_padded(scores, valid, budget(ratio, int(valid.sum())), direction)
@@ -117,6 +133,34 @@ def _first_k_padded(scores: torch.Tensor, valid: torch.Tensor, k: int, direction
     if need < int(ties.sum()):
         ties &= torch.cumsum(ties, 0) <= need
     return (out | ties).view_as(valid)
+
+
+def _select_grouped(
+    scores: torch.Tensor, valid: torch.Tensor, group_ids: torch.Tensor, ratio: float, direction: str
+) -> torch.Tensor:
+    """Per-group :func:`_first_k_padded`, vectorised: each group keeps ``budget(ratio, n_g)`` tokens.
+
+    Two stable sorts put the valid tokens in (group, key descending, position) order; a token is kept
+    when its rank inside its group is below the group's budget. Same ties and NaN order as every scope.
+    """
+    flat_valid = valid.flatten()
+    idx = flat_valid.nonzero().squeeze(1)
+    out = torch.zeros_like(flat_valid)
+    if idx.numel() == 0:
+        return out.view_as(valid)
+    key = _rank_keys(scores, direction).flatten()[idx]
+    gid = group_ids.to(torch.int64).view(-1, 1).expand_as(valid).flatten()[idx]
+    order = torch.sort(key, descending=True, stable=True).indices
+    order = order[torch.sort(gid[order], stable=True).indices]
+    g_sorted = gid[order]
+    uniq, counts = torch.unique_consecutive(g_sorted, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    budgets = torch.tensor([budget(ratio, int(c)) for c in counts.tolist()], dtype=torch.int64,
+                           device=counts.device)
+    rank_in_group = torch.arange(order.numel(), device=order.device) - torch.repeat_interleave(starts, counts)
+    keep = rank_in_group < torch.repeat_interleave(budgets, counts)
+    out[idx[order[keep]]] = True
+    return out.view_as(valid)
 
 
 def _world(group: Optional[dist.ProcessGroup]) -> int:

@@ -103,8 +103,9 @@ class _TokenSelectMixin:
 
     @property
     def needs_entropy(self) -> bool:
+        """The update forward must return entropy: only when it is where the scores are measured."""
         sel = self.selection
-        return sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
+        return sel is not None and sel.score_source == "current" and SCORE_REGISTRY[sel.score].needs_entropy
 
 
 @dataclass

@@ -44,6 +44,11 @@ from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreInputs, compute_score
 from verl_tokensel.core.select import select_tokens, selection_stats
 
 METRIC_PREFIX = "tokensel/"
+# Per-token fields a driver-side (score_source=rollout) or pre-pass (score_source=prepass) selection
+# adds to the update batch, nested like verl's other per-token fields: the bool mask the loss applies
+# and the float32 scores it was ranked by (for the threshold metrics).
+MASK_FIELD = "token_select_mask"
+SCORE_FIELD = "token_select_score"
 
 
 def _row_keys(data: TensorDict, batch: int) -> torch.Tensor:
@@ -134,6 +139,18 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         fields.append("rollout_is_weights")
     if "ref_log_prob" in data:
         fields.append("ref_log_prob")
+    precomputed = sel.score_source != "current"
+    if precomputed:
+        if MASK_FIELD not in data.keys():
+            raise RuntimeError(
+                f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
+                f"'{MASK_FIELD}' field: the selection that runs before the update (on the driver for "
+                "rollout, at the start of each mini-batch for prepass) did not run. It is installed by "
+                "python -m verl_tokensel.main_ppo (trainer modes tokensel_*); a custom trainer must keep it."
+            )
+        fields.append(MASK_FIELD)
+        if SCORE_FIELD in data.keys():
+            fields.append(SCORE_FIELD)
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
     old_log_prob = padded["old_log_probs"]
@@ -142,9 +159,13 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
 
     # ---- score and select (no gradient) ----
     inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data)
-    scores = compute_score(sel.score, inp)
-    mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
-                         dp_group=dp_group)
+    if precomputed:
+        mask = padded[MASK_FIELD].to(torch.bool) & response_mask
+        scores = padded[SCORE_FIELD].float() if SCORE_FIELD in padded.keys() else torch.zeros_like(log_prob)
+    else:
+        scores = compute_score(sel.score, inp)
+        mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
+                             dp_group=dp_group)
     if observer is not None:
         observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data})
 
