@@ -4,6 +4,7 @@ Examples::
 
     verl-tokensel env          # versions and plugin status, for bug reports
     verl-tokensel cpu-step     # one real verl FSDP2 actor update per preset on a tiny CPU model
+    verl-tokensel demo         # real verl GRPO per preset (none, forking, gmts) on CPU, table + plot
     verl-tokensel tiny-model --out /tmp/tiny          # the embedded tiny model, built locally
     verl-tokensel analyze --model /tmp/tiny --data examples/data/rollouts --out /tmp/report
     verl-tokensel compare --model-a /tmp/tiny --model-b /tmp/tiny1 --data examples/data/rollouts --out /tmp/cmp
@@ -19,6 +20,7 @@ import sys
 SUBCOMMANDS = {
     "env": "verl_tokensel.cli.env",
     "cpu-step": "verl_tokensel.cli.cpu_step",
+    "demo": "verl_tokensel.cli.demo",
     "analyze": "verl_tokensel.cli.analyze",
     "compare": "verl_tokensel.cli.compare",
     "view": "verl_tokensel.cli.view",

@@ -1,0 +1,258 @@
+"""Real verl GRPO on a tiny local model, one run per token selector, then a comparison (CPU, ~10 min).
+
+The embedded-default main job. With no network and no GPU it:
+
+1. builds a tiny random Qwen2 and a byte-level BPE tokenizer locally (``<out>/model``);
+2. writes a verifiable arithmetic dataset in verl's RL parquet format (``<out>/data``);
+3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor,
+   GRPO advantages, reward from ``verl_tokensel.demo.reward``) for ``--steps`` steps once per preset,
+   one after another (logs in ``<out>/logs/<preset>.log``);
+4. prints a table per preset (reward, selected fraction, entropy of selected vs unselected tokens,
+   tokens/s) and writes ``<out>/demo.png`` (reward and selected fraction per step) and
+   ``<out>/results.json``.
+
+The model is random, so rewards stay near 0 and the runs show the plumbing (selection, metrics,
+throughput), not learning. Exits 1 naming the preset, its log and the log's last lines if a run fails.
+
+Examples::
+
+    verl-tokensel demo
+    verl-tokensel demo --out /tmp/demo --presets none,forking,gmts,grad_norm --steps 3
+    verl-tokensel demo --presets forking --steps 2 --timeout 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+HELP = "run real verl GRPO on a tiny local model per preset and compare them (CPU, ~10 min)"
+DEFAULT_PRESETS = ("none", "forking", "gmts")
+REWARD_FN = "pkg://verl_tokensel.demo.reward"
+
+# Run shape: 8 prompts x 4 responses of <= 32 tokens per step, one PPO update per step.
+TRAIN_BATCH_SIZE = 8
+ROLLOUT_N = 4
+MAX_PROMPT_LENGTH = 64
+MAX_RESPONSE_LENGTH = 32
+
+
+def preset_list(value: str) -> list[str]:
+    """argparse type of ``--presets``: comma-separated names from the preset registry."""
+    from verl_tokensel.core.config import PRESETS
+
+    names = [p.strip() for p in value.split(",") if p.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no preset given; valid: {', '.join(PRESETS)}")
+    bad = [p for p in names if p not in PRESETS]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown preset(s) {', '.join(bad)}; valid: {', '.join(PRESETS)} (comma-separated)")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"preset listed twice in {value!r}")
+    return names
+
+
+def _positive(kind):
+    def parse(value: str):
+        try:
+            v = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a number") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+        return v
+
+    return parse
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--out", default="./tokensel_demo",
+                        help="output folder: model, data, logs, results.json, demo.png (default ./tokensel_demo)")
+    parser.add_argument("--presets", type=preset_list, default=list(DEFAULT_PRESETS),
+                        help="comma-separated token_selector presets, run in this order (default none,forking,gmts)")
+    parser.add_argument("--steps", type=_positive(int), default=4, help="training steps per run (default 4)")
+    parser.add_argument("--timeout", type=_positive(float), default=300.0,
+                        help="seconds allowed per run, start-up included (default 300)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, data split and trainer (default 0)")
+
+
+def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path, steps: int,
+                   seed: int = 0) -> list[str]:
+    """The Hydra overrides of one demo run (CPU settings come from the launcher's ``cpu=True``)."""
+    mini = TRAIN_BATCH_SIZE  # one PPO update per step
+    return [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        f"data.train_batch_size={TRAIN_BATCH_SIZE}",
+        f"data.max_prompt_length={MAX_PROMPT_LENGTH}",
+        f"data.max_response_length={MAX_RESPONSE_LENGTH}",
+        f"data.seed={seed}",
+        "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"actor_rollout_ref.actor.token_selector={preset}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini * ROLLOUT_N // 2}",
+        "actor_rollout_ref.actor.optim.lr=1e-4",
+        "actor_rollout_ref.actor.use_kl_loss=False",
+        "actor_rollout_ref.actor.entropy_coeff=0",
+        f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mini * ROLLOUT_N // 2}",
+        f"reward.custom_reward_function.path={REWARD_FN}",
+        "reward.custom_reward_function.name=compute_score",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console]",
+        "trainer.project_name=tokensel_demo",
+        f"trainer.experiment_name={preset}",
+        f"trainer.default_local_dir={out / 'checkpoints' / preset}",
+    ]
+
+
+class _Progress:
+    def __init__(self):
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        el = int(time.monotonic() - self.t0)
+        print(f"[demo {el // 60:d}m{el % 60:02d}s] {msg}", file=sys.stderr, flush=True)
+
+
+def _log_tail(path: Path, n: int = 25) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=n))
+    except OSError as e:
+        return f"(log not readable: {e})\n"
+
+
+def _step_lines(path: Path, seen: int) -> list[str]:
+    """verl's console-logger lines (``step:N - key:value - ...``) after the first ``seen`` of them."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln for ln in f if ln.lstrip().startswith("step:")]
+    except OSError:
+        return []
+    return lines[seen:]
+
+
+def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, progress, label: str,
+             steps: int):
+    """Run one pipeline in a thread; meanwhile report each logged step (and a heartbeat) from its log."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = launch.run_main_ppo(overrides, timeout_s=timeout_s, log_path=str(log_path), cpu=True)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller with the log
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"demo-{label}", daemon=True)
+    t0 = time.monotonic()
+    thread.start()
+    seen, last_note = 0, t0
+    while thread.is_alive():
+        thread.join(timeout=2.0)
+        new = _step_lines(log_path, seen)
+        for line in new:
+            seen += 1
+            progress(f"{label}: step {seen}/{steps} done ({time.monotonic() - t0:.0f} s into the run)")
+        if new:
+            last_note = time.monotonic()
+        elif time.monotonic() - last_note >= 20:
+            last_note = time.monotonic()
+            phase = "starting Ray, the FSDP2 actor and vLLM" if seen == 0 else f"running step {seen + 1}/{steps}"
+            progress(f"{label}: {phase} ({time.monotonic() - t0:.0f} s into the run, timeout {timeout_s:.0f} s)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"], time.monotonic() - t0
+
+
+def run(args) -> int:
+    progress = _Progress()
+    try:
+        from verl_tokensel import launch
+    except ImportError as e:
+        print(f"error: the pipeline launcher verl_tokensel.launch cannot be imported ({e}); "
+              "the demo needs it to run verl. Fix: update verl-tokensel.", file=sys.stderr)
+        return 1
+    from verl_tokensel.demo import report
+    from verl_tokensel.demo.dataset import write_dataset
+    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+
+    out = Path(args.out).resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    progress(f"building the tiny model and tokenizer in {out / 'model'}")
+    model_dir = build_tiny_model_dir(out / "model", seed=args.seed)
+    train, val = write_dataset(out / "data", seed=args.seed)
+    progress(f"wrote {train} and {val}")
+
+    runs, rows = {}, []
+    for i, preset in enumerate(args.presets, 1):
+        label = f"[{i}/{len(args.presets)}] {preset}"
+        log_path = out / "logs" / f"{preset}.log"
+        progress(f"{label}: verl GRPO, {args.steps} steps, log {log_path}")
+        overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed)
+        try:
+            result, wall = _run_one(launch, overrides, log_path, args.timeout, progress, label, args.steps)
+        except Exception as e:  # noqa: BLE001
+            return _fail(preset, log_path, f"the launcher raised {type(e).__name__}: {e}")
+        steps = launch_steps(result)
+        problem = launch_problem(result, args.steps, len(steps))
+        if problem:
+            return _fail(preset, getattr(result, "log_path", None) or log_path, problem)
+        runs[preset] = steps
+        rows.append(report.summarise(preset, steps, wall_s=wall))
+        progress(f"{label}: done in {wall:.0f} s")
+
+    table = report.format_table(rows)
+    png = report.plot(runs, out / "demo.png")
+    (out / "results.json").write_text(json.dumps({"summary": report.to_json(rows), "steps": runs}, indent=1))
+    print()
+    print(table)
+    print()
+    print(report.TABLE_NOTE)
+    print(f"\nplot: {png}\nresults: {out / 'results.json'}\nlogs: {out / 'logs'}")
+    progress(f"all {len(args.presets)} runs done")
+    return 0
+
+
+def launch_steps(result) -> list[dict]:
+    """Per-step metric dicts of a launcher result, in step order."""
+    steps = getattr(result, "steps", None)
+    if steps is None:
+        steps = getattr(result, "metrics", None) or []
+    if isinstance(steps, dict):  # {step: metrics}
+        steps = [steps[k] for k in sorted(steps)]
+    return [dict(s) for s in steps]
+
+
+def launch_problem(result, want_steps: int, got_steps: int) -> str | None:
+    """Why a launcher result is a failure (None if it is not)."""
+    if getattr(result, "timed_out", False):
+        return "timed out (see --timeout); the process group was killed"
+    rc = getattr(result, "returncode", 0)
+    if rc not in (0, None):
+        return f"exited with code {rc}"
+    if got_steps < want_steps:
+        return f"logged {got_steps} of {want_steps} training steps"
+    return None
+
+
+def _fail(preset: str, log_path, why: str) -> int:
+    log_path = Path(log_path)
+    print(f"\nerror: the {preset!r} run {why}.\nlog: {log_path}\n--- last lines of the log ---\n"
+          f"{_log_tail(log_path)}--- end ---", file=sys.stderr)
+    return 1

@@ -1,0 +1,8 @@
+"""The demo job (``verl-tokensel demo``): real verl GRPO on a tiny local model, one run per preset.
+
+* :mod:`.dataset`: synthetic verifiable arithmetic in verl's RL parquet format;
+* :mod:`.reward`: the custom reward function (exact match, then math-verify);
+* :mod:`.report`: comparison table and plot from verl's per-step metrics.
+
+The command itself is :mod:`verl_tokensel.cli.demo`.
+"""

@@ -1,0 +1,162 @@
+"""Comparison table and plot of the demo runs, from verl's per-step metrics (pure: no verl import).
+
+Input: per preset, the list of per-step metric dicts that verl's trainer logged (``critic/score/mean``,
+``perf/throughput``, ``actor/entropy``, and the plugin's ``tokensel/*`` metrics, which verl may log
+under a prefix such as ``actor/``, so they are looked up by suffix).
+
+Use::
+
+    from verl_tokensel.demo.report import summarise, format_table, plot
+    rows = [summarise(preset, steps) for preset, steps in runs.items()]
+    print(format_table(rows))
+    plot(runs, "demo.png")
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional, Sequence
+
+StepMetrics = Mapping[str, float]
+
+# Name (or suffix) of each quantity in verl's metrics; the first present wins.
+REWARD_KEYS = ("critic/score/mean", "critic/rewards/mean")
+SELECTED_FRACTION_KEY = "tokensel/selected_fraction"
+ENTROPY_SELECTED_KEY = "tokensel/entropy_selected"
+ENTROPY_UNSELECTED_KEY = "tokensel/entropy_unselected"
+ENTROPY_ALL_KEY = "actor/entropy"
+THROUGHPUT_KEY = "perf/throughput"
+
+
+def metric(step: StepMetrics, *names: str) -> Optional[float]:
+    """Value of the first of ``names`` in ``step``, matched exactly or as a ``/``-separated suffix
+    (``tokensel/selected_fraction`` matches ``actor/tokensel/selected_fraction``); None if absent
+    or not a finite number."""
+    for name in names:
+        hits = [v for k, v in step.items() if k == name or k.endswith("/" + name)]
+        for value in hits:
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(value):
+                return value
+    return None
+
+
+def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+@dataclass(frozen=True)
+class PresetSummary:
+    """One row of the comparison table. ``None`` = verl did not log the quantity.
+
+    ``selected_fraction`` is 1.0 for a run without ``tokensel/*`` metrics (preset ``none``: verl's
+    stock loss, every valid token gets gradient). Entropies are in nats; ``entropy_all`` is verl's
+    ``actor/entropy`` (all response tokens, old-policy pass). ``tokens_per_s`` is verl's
+    ``perf/throughput`` averaged over the steps after the first (the first one warms up).
+    """
+
+    preset: str
+    steps: int
+    reward_final: Optional[float]
+    reward_mean: Optional[float]
+    selected_fraction: Optional[float]
+    entropy_selected: Optional[float]
+    entropy_unselected: Optional[float]
+    entropy_all: Optional[float]
+    tokens_per_s: Optional[float]
+    wall_s: Optional[float] = None
+
+
+def summarise(preset: str, steps: Sequence[StepMetrics], wall_s: Optional[float] = None) -> PresetSummary:
+    """Reduce one run's per-step metrics (in step order) to a :class:`PresetSummary`."""
+    rewards = [metric(s, *REWARD_KEYS) for s in steps]
+    fractions = [metric(s, SELECTED_FRACTION_KEY) for s in steps]
+    has_selection = any(f is not None for f in fractions)
+    throughput = [metric(s, THROUGHPUT_KEY) for s in steps]
+    return PresetSummary(
+        preset=preset,
+        steps=len(steps),
+        reward_final=next((r for r in reversed(rewards) if r is not None), None),
+        reward_mean=_mean(rewards),
+        selected_fraction=_mean(fractions) if has_selection else (1.0 if steps else None),
+        entropy_selected=_mean([metric(s, ENTROPY_SELECTED_KEY) for s in steps]),
+        entropy_unselected=_mean([metric(s, ENTROPY_UNSELECTED_KEY) for s in steps]),
+        entropy_all=_mean([metric(s, ENTROPY_ALL_KEY) for s in steps]),
+        tokens_per_s=_mean(throughput[1:] if len(throughput) > 1 else throughput),
+        wall_s=wall_s,
+    )
+
+
+COLUMNS = (  # (header, attribute, format)
+    ("preset", "preset", "{}"),
+    ("steps", "steps", "{:d}"),
+    ("reward last", "reward_final", "{:.3f}"),
+    ("reward mean", "reward_mean", "{:.3f}"),
+    ("selected", "selected_fraction", "{:.3f}"),
+    ("H sel", "entropy_selected", "{:.3f}"),
+    ("H unsel", "entropy_unselected", "{:.3f}"),
+    ("H all", "entropy_all", "{:.3f}"),
+    ("tokens/s", "tokens_per_s", "{:.0f}"),
+    ("wall s", "wall_s", "{:.0f}"),
+)
+
+TABLE_NOTE = (
+    "reward: verl's critic/score/mean (share of correct answers), last step and mean over steps;\n"
+    "selected: fraction of response tokens that got gradient (none = stock verl, all tokens);\n"
+    "H sel / H unsel / H all: mean entropy (nats) of selected / unselected / all response tokens;\n"
+    "tokens/s: verl's perf/throughput, mean over steps after the first; wall s: whole run incl. start-up."
+)
+
+
+def format_table(rows: Sequence[PresetSummary]) -> str:
+    """A fixed-width text table (one line per preset; ``-`` where verl logged nothing)."""
+    cells = [[h for h, _, _ in COLUMNS]]
+    for row in rows:
+        line = []
+        for _, attr, fmt in COLUMNS:
+            value = getattr(row, attr)
+            line.append("-" if value is None else fmt.format(value))
+        cells.append(line)
+    widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
+    lines = []
+    for r in cells:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def to_json(rows: Sequence[PresetSummary]) -> list[dict]:
+    return [asdict(r) for r in rows]
+
+
+def plot(runs: Mapping[str, Sequence[StepMetrics]], path: str | os.PathLike) -> str:
+    """PNG with two panels, reward and selected fraction per step, one line per preset; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_f) = plt.subplots(1, 2, figsize=(10, 4))
+    for preset, steps in runs.items():
+        x = list(range(1, len(steps) + 1))
+        rewards = [metric(s, *REWARD_KEYS) for s in steps]
+        fractions = [metric(s, SELECTED_FRACTION_KEY) for s in steps]
+        if all(f is None for f in fractions):
+            fractions = [1.0] * len(steps)
+        ax_r.plot(x, [math.nan if r is None else r for r in rewards], marker="o", label=preset)
+        ax_f.plot(x, [math.nan if f is None else f for f in fractions], marker="o", label=preset)
+    ax_r.set(title="reward (critic/score/mean)", xlabel="step", ylabel="mean reward")
+    ax_f.set(title="selected fraction of response tokens", xlabel="step", ylabel="fraction", ylim=(0, 1.05))
+    for ax in (ax_r, ax_f):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return str(path)
