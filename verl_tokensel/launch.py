@@ -1,0 +1,308 @@
+"""Run verl's ``main_ppo`` in a subprocess with an outer wall-clock timeout, and read its metrics back.
+
+Why: two failure modes of the verl pipeline hang instead of failing (a weight-sync error inside the
+vLLM server, and Ray resources that never become available, see ``shared/design/verl-0.9.md`` item
+10). Anything that launches the pipeline unattended (tests, ``verl-tokensel demo``) goes through
+:func:`run_main_ppo`, which always ends: on success, on failure, on timeout and on Ctrl-C.
+
+API::
+
+    from pathlib import Path
+    from verl_tokensel.launch import run_main_ppo
+
+    result = run_main_ppo(
+        ["actor_rollout_ref.model.path=/tmp/tiny", "data.train_files=/tmp/d/train.parquet", ...],
+        timeout_s=600, log_path=Path("/tmp/run/main_ppo.log"),   # cpu=True adds trainer.device=cpu
+    )
+    result.ok                 # exit code 0 and not timed out
+    result.raise_for_status() # RuntimeError with the reason and the log tail otherwise
+    result.steps              # [{"step": 1, "actor/pg_loss": ..., "actor/tokensel/selected_fraction": ...}, ...]
+    result.metric("critic/score/mean")   # one float per logged step (missing steps skipped)
+    result.last_stage         # e.g. "waiting for the vLLM server": where a timed-out run was stuck
+
+:func:`run_main_ppo` arguments:
+
+* ``overrides``: Hydra overrides, exactly as on the command line.
+* ``timeout_s``: wall-clock limit of the whole run (Ray start, model load, training, shutdown).
+* ``log_path``: stdout+stderr of the run go there (line-buffered, kept after the run).
+* ``cpu`` (default True): add the one CPU switch ``trainer.device=cpu`` (see
+  :mod:`verl_tokensel.verl_glue.cpu_pipeline`) unless ``trainer.device`` is already in ``overrides``.
+* ``metrics_path``: where verl's ``file`` logger writes one JSON line per step (default:
+  ``<log_path stem>.metrics.jsonl`` next to the log). ``file`` is added to ``trainer.logger`` (keeping
+  ``console``) unless ``overrides`` set ``trainer.logger`` themselves; the path reaches the TaskRunner
+  (where verl's ``Tracking`` lives) through the Ray runtime env (``VERL_FILE_LOGGER_PATH``).
+* ``entry``: the module run with ``python -m`` (``verl_tokensel.main_ppo``, or ``verl.trainer.main_ppo``
+  together with ``--config-path=pkg://verl_tokensel.config --config-name=tokensel_trainer`` in overrides).
+* ``ray_address``: ``"local"`` (default) starts a private Ray instance even if another one runs on
+  this host (Ray's default would join the newest local cluster); ``None`` leaves Ray's own lookup
+  (``RAY_ADDRESS``, then the newest local cluster); any other value is passed as ``ray_init.address``.
+* ``env``: extra environment variables for the run (str values).
+* ``echo``: also copy the run's output to this process's stdout as it arrives.
+
+On timeout or Ctrl-C the run's whole process group gets SIGTERM, then SIGKILL after ``kill_grace_s``,
+and so does every other process that carries this run's marker variable (``VERL_TOKENSEL_RUN_ID``,
+inherited by the Ray head, raylet and Ray workers it started even when they left the process group);
+nothing else on the host is touched. A timed-out run returns ``timed_out=True`` and
+``returncode=124``; Ctrl-C kills, then re-raises ``KeyboardInterrupt``.
+
+Command line (same thing, exit code 124 on timeout)::
+
+    python -m verl_tokensel.launch --timeout 900 --log /tmp/run.log -- <hydra overrides>
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV"]
+
+#: every process started by a run inherits this variable; the kill path finds them by it
+RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
+TIMEOUT_RETURNCODE = 124
+
+#: (regex on one log line, what the pipeline is doing from then on). The LAST stage seen in the log is
+#: reported on timeout, so order does not matter here, only that each pattern marks a stage's start.
+PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
+    (r"ray init kwargs", "starting Ray"),
+    (r"Started a local Ray instance|Connecting to existing Ray cluster", "waiting for Ray resources (TaskRunner)"),
+    (r"Waiting for.*resources|resource_pool|placement group", "waiting for Ray resources (placement groups)"),
+    (r"init_model|Model config after override|FSDP|fsdp", "building the actor (FSDP2 engine)"),
+    (r"vLLMHttpServer|vllm_async_server|Starting vLLM|launch_server|server address", "waiting for the vLLM server"),
+    (r"update_weights|checkpoint engine|weight_loader|sync.*weight", "weight sync (actor -> vLLM)"),
+    (r"Training Progress|step:\d+", "training"),
+    (r"Final validation metrics|final metrics", "finishing"),
+)
+
+
+@dataclass
+class RunResult:
+    """Outcome of one :func:`run_main_ppo` call."""
+
+    #: exit code of the run; 124 when it timed out
+    returncode: int
+    timed_out: bool
+    #: wall-clock seconds from launch to exit (or kill)
+    wall_s: float
+    log_path: Path
+    metrics_path: Path
+    command: list[str]
+    #: one dict per logged training step (verl's metric names plus "step"), in step order
+    steps: list[dict] = field(default_factory=list)
+    #: the last pipeline stage recognised in the log (see PIPELINE_STAGES), None if none
+    last_stage: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    def metric(self, name: str) -> list[float]:
+        """Values of metric ``name`` over the logged steps (steps without it are skipped)."""
+        return [s[name] for s in self.steps if name in s]
+
+    def log_tail(self, n_lines: int = 60) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n_lines:])
+
+    def describe(self) -> str:
+        if self.timed_out:
+            return (f"main_ppo timed out after {self.wall_s:.0f} s, while {self.last_stage or 'starting up'} "
+                    f"(log: {self.log_path})")
+        if self.returncode != 0:
+            return (f"main_ppo exited with code {self.returncode} after {self.wall_s:.0f} s "
+                    f"(last stage: {self.last_stage or 'unknown'}; log: {self.log_path})")
+        return f"main_ppo finished in {self.wall_s:.0f} s, {len(self.steps)} steps logged"
+
+    def raise_for_status(self) -> "RunResult":
+        if not self.ok:
+            raise RuntimeError(self.describe() + "\n--- log tail ---\n" + self.log_tail())
+        return self
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Parse verl's ``file`` logger output (``{"step": n, "data": {...}}`` per line) into flat dicts."""
+    steps: dict[int, dict] = {}
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        step = int(rec.get("step", -1))
+        steps.setdefault(step, {"step": step}).update(rec.get("data", {}))
+    return [steps[k] for k in sorted(steps)]
+
+
+def last_stage(log_text: str) -> Optional[str]:
+    """The stage of :data:`PIPELINE_STAGES` whose pattern matched the latest line of ``log_text``."""
+    compiled = [(re.compile(p), s) for p, s in PIPELINE_STAGES]
+    found = None
+    for line in log_text.splitlines():
+        for rx, stage in compiled:
+            if rx.search(line):
+                found = stage
+    return found
+
+
+def _has_override(overrides: Sequence[str], key: str) -> bool:
+    return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+
+
+def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_path: Path,
+                   ray_address: Optional[str], python: str) -> list[str]:
+    ov = list(overrides)
+    if cpu and not _has_override(ov, "trainer.device"):
+        ov.append("trainer.device=cpu")
+    if not _has_override(ov, "trainer.logger"):
+        ov.append("trainer.logger=[console,file]")
+    ov.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={json.dumps(str(metrics_path))}")
+    if ray_address is not None and not _has_override(ov, "ray_kwargs.ray_init.address"):
+        ov.append(f"++ray_kwargs.ray_init.address={ray_address}")
+    return [python, "-m", entry, *ov]
+
+
+def _marked_pids(marker: str) -> list[int]:
+    """PIDs of this user's processes whose environment carries ``RUN_MARKER_ENV=marker``."""
+    needle = f"{RUN_MARKER_ENV}={marker}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0"):
+                pids.append(int(d.name))
+        except OSError:
+            continue  # gone, or not ours
+    return pids
+
+
+def _kill_run(proc: subprocess.Popen, marker: str, grace_s: float) -> None:
+    """SIGTERM the run's process group and marked processes, SIGKILL what is left after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in _marked_pids(marker):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None and not _marked_pids(marker):
+                return
+            time.sleep(0.2)
+
+
+def _pump(stream, log_fp, echo: bool) -> None:
+    for chunk in iter(lambda: stream.readline(), b""):
+        log_fp.write(chunk)
+        log_fp.flush()
+        if echo:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+
+
+def run_main_ppo(
+    overrides: Sequence[str],
+    *,
+    timeout_s: float,
+    log_path: Path,
+    cpu: bool = True,
+    metrics_path: Optional[Path] = None,
+    entry: str = "verl_tokensel.main_ppo",
+    ray_address: Optional[str] = "local",
+    env: Optional[dict] = None,
+    echo: bool = False,
+    kill_grace_s: float = 10.0,
+    python: str = sys.executable,
+    cwd: Optional[Path] = None,
+) -> RunResult:
+    """Run ``python -m <entry> <overrides>`` with a wall-clock timeout; see the module docstring."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    metrics_path = Path(metrics_path) if metrics_path is not None else log_path.with_name(log_path.stem + ".metrics.jsonl")
+    metrics_path.parent.mkdir(parents=True, exist_ok=True)
+    if metrics_path.exists():
+        metrics_path.unlink()  # never report a previous run's steps
+    cmd = _build_command(entry, overrides, cpu=cpu, metrics_path=metrics_path.resolve(), ray_address=ray_address,
+                         python=python)
+    marker = uuid.uuid4().hex
+    run_env = {**os.environ, **(env or {}), RUN_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1",
+               "VERL_FILE_LOGGER_PATH": str(metrics_path.resolve())}
+    t0 = time.monotonic()
+    timed_out = False
+    with open(log_path, "wb") as log_fp:
+        log_fp.write(("$ " + " ".join(cmd) + "\n").encode())
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=run_env, cwd=cwd, start_new_session=True)
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log_fp, echo), daemon=True)
+        pump.start()
+        try:
+            try:
+                returncode = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                _kill_run(proc, marker, kill_grace_s)
+                returncode = TIMEOUT_RETURNCODE
+            else:
+                # the driver exited; Ray's processes of a local instance may linger a moment: stop them
+                if _marked_pids(marker):
+                    _kill_run(proc, marker, kill_grace_s)
+        except KeyboardInterrupt:
+            _kill_run(proc, marker, kill_grace_s)
+            raise
+        finally:
+            pump.join(timeout=5.0)
+        wall_s = time.monotonic() - t0
+        if timed_out:
+            log_fp.write(f"\n[verl_tokensel.launch] timed out after {timeout_s:.0f} s; process group killed\n".encode())
+    log_text = log_path.read_text(errors="replace")
+    return RunResult(returncode=returncode, timed_out=timed_out, wall_s=wall_s, log_path=log_path,
+                     metrics_path=metrics_path, command=cmd, steps=read_metrics(metrics_path),
+                     last_stage=last_stage(log_text))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m verl_tokensel.launch",
+        description="Run verl_tokensel.main_ppo with an outer timeout (kills the run and its Ray processes).",
+        epilog="example: python -m verl_tokensel.launch --timeout 900 --log /tmp/run.log -- "
+               "actor_rollout_ref.model.path=/tmp/tiny data.train_files=/tmp/d/train.parquet ...",
+    )
+    p.add_argument("--timeout", type=float, required=True, help="wall-clock limit in seconds")
+    p.add_argument("--log", type=Path, required=True, help="log file (stdout+stderr of the run)")
+    p.add_argument("--gpu", action="store_true", help="do not add trainer.device=cpu")
+    p.add_argument("--entry", default="verl_tokensel.main_ppo", help="module run with python -m")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides")
+    args = p.parse_args(argv)
+    result = run_main_ppo(args.overrides, timeout_s=args.timeout, log_path=args.log, cpu=not args.gpu,
+                          entry=args.entry, echo=True)
+    print(result.describe(), file=sys.stderr)
+    return result.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
