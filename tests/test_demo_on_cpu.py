@@ -1,0 +1,307 @@
+"""`verl-tokensel demo`: dataset format, reward function, report, CLI arguments and orchestration.
+
+The orchestration tests replace the pipeline launcher (``verl_tokensel.launch``) with a fake that
+writes verl-style ``step:N - key:value`` lines; the real end-to-end run (three verl pipelines, ~10
+min) is the ``slow`` test at the bottom.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from verl_tokensel.cli import demo as demo_cli
+from verl_tokensel.cli.main import main as cli_main
+from verl_tokensel.demo import report
+from verl_tokensel.demo.dataset import DATA_SOURCE, all_problems, write_dataset
+from verl_tokensel.demo.reward import compute_score, extract_answer
+
+
+# ---------------------------------------------------------------- dataset
+
+def test_dataset_schema_and_split(tmp_path):
+    import pandas as pd
+
+    train, val = write_dataset(tmp_path, n_val=32, seed=0)
+    tr, va = pd.read_parquet(train), pd.read_parquet(val)
+    assert len(tr) + len(va) == len(all_problems()) == 255 and len(va) == 32
+    assert list(tr.columns) == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    for df, split in ((tr, "train"), (va, "val")):
+        assert set(df["data_source"]) == {DATA_SOURCE} and set(df["ability"]) == {"math"}
+        for i, row in enumerate(df.itertuples()):
+            (msg,) = list(row.prompt)
+            assert msg["role"] == "user" and "\\boxed{}" in msg["content"]
+            assert row.reward_model["style"] == "rule"
+            assert row.extra_info["split"] == split and row.extra_info["index"] == i
+            # the ground truth is the value of the question (hand-checkable: "3 * 4" -> "12")
+            assert row.reward_model["ground_truth"] == str(eval(row.extra_info["question"]))  # noqa: S307
+            assert row.extra_info["question"] in msg["content"]
+    assert not set(tr["extra_info"].map(lambda e: e["question"])) & set(va["extra_info"].map(lambda e: e["question"]))
+    # deterministic
+    again = write_dataset(tmp_path / "again", n_val=32, seed=0)
+    assert pd.read_parquet(again[1]).equals(va)
+
+
+def test_dataset_rejects_bad_split(tmp_path):
+    with pytest.raises(ValueError, match="n_val"):
+        write_dataset(tmp_path, n_val=255)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path_factory.mktemp("demo") / "model"))
+
+
+def test_tokenizer_covers_dataset_and_prompts_fit(tmp_path, tiny_tokenizer):
+    """Every prompt and answer round-trips through the tiny tokenizer, and fits max_prompt_length."""
+    from omegaconf import OmegaConf
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    train, val = write_dataset(tmp_path)
+    for question, answer in all_problems():
+        for text in (question, f"\\boxed{{{answer}}}"):
+            assert tiny_tokenizer.decode(tiny_tokenizer(text)["input_ids"]) == text
+    config = OmegaConf.create({"max_prompt_length": demo_cli.MAX_PROMPT_LENGTH, "filter_overlong_prompts": True,
+                               "filter_overlong_prompts_workers": 1, "cache_dir": str(tmp_path / "cache")})
+    for path, n in ((train, 223), (val, 32)):
+        ds = RLHFDataset([path], tiny_tokenizer, config)
+        assert len(ds) == n  # nothing filtered as too long
+        item = ds[3]
+        assert item["raw_prompt"][0]["role"] == "user" and item["reward_model"]["ground_truth"]
+        assert item["data_source"] == DATA_SOURCE
+        ids = tiny_tokenizer.apply_chat_template(item["raw_prompt"], add_generation_prompt=True, tokenize=False)
+        assert len(tiny_tokenizer(ids)["input_ids"]) <= demo_cli.MAX_PROMPT_LENGTH
+
+
+# ---------------------------------------------------------------- reward
+
+@pytest.mark.parametrize("solution, truth, expected", [
+    ("\\boxed{7}", "7", 1.0),
+    ("3 + 4 = 7. The answer is \\boxed{7}.", "7", 1.0),
+    ("so 3 + 4 = 7.", "7", 1.0),               # no box: the last number
+    ("the answer is 07", "7", 1.0),
+    ("\\boxed{ 12 }", "12", 1.0),
+    ("\\boxed{\\frac{14}{2}}", "7", 1.0),       # math-verify path (nested braces)
+    ("7.0", "7", 1.0),                          # math-verify path
+    ("\\boxed{-3}", "-3", 1.0),
+    ("\\boxed{8}", "7", 0.0),
+    ("\\boxed{7} no wait \\boxed{8}", "7", 0.0),  # the last box counts
+    ("7 + 1 = 8", "7", 0.0),
+    ("", "7", 0.0),
+    ("no digits at all", "7", 0.0),
+    ("\\boxed{", "7", 0.0),
+    ("\\boxed{}", "0", 0.0),
+    ("}}{{\\boxed{{{ \\frac{ \\\\ $$ ^_", "7", 0.0),
+])
+def test_reward(solution, truth, expected):
+    assert compute_score(DATA_SOURCE, solution, truth, extra_info={"split": "train", "index": 0}) == expected
+
+
+def test_extract_answer():
+    assert extract_answer("x \\boxed{1} y \\boxed{\\frac{1}{2}} z 9") == "\\frac{1}{2}"
+    assert extract_answer("a 1 b 2.5 c") == "2.5"
+    assert extract_answer("nothing") is None
+
+
+def test_reward_never_raises_on_garbage_and_works_off_the_main_thread():
+    """verl calls reward functions from a thread pool, where math-verify's signal timeouts cannot work."""
+    rng = random.Random(0)
+    alphabet = "0123456789+-*/=\\{}()[]^_$ .,abcxyzboxedfrac\n\x00\u00ff"
+    garbage = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 400))) for _ in range(150)]
+    garbage += [None, 12, b"\xff\xfe", "\\boxed{" * 50, "1" * 5000]
+    results = {}
+
+    def score_all():
+        results["thread"] = [compute_score(DATA_SOURCE, g, "7") for g in garbage]
+
+    t = threading.Thread(target=score_all)
+    t.start()
+    t.join(timeout=120)
+    assert not t.is_alive()
+    assert all(s in (0.0, 1.0) for s in results["thread"])
+    assert compute_score(DATA_SOURCE, "\\boxed{\\frac{21}{3}}", "7") == 1.0  # math-verify, main thread
+    out = []
+    t = threading.Thread(target=lambda: out.append(compute_score(DATA_SOURCE, "\\boxed{\\frac{21}{3}}", "7")))
+    t.start()
+    t.join(timeout=60)
+    assert out == [1.0]
+
+
+def test_reward_loads_through_verl_config_path():
+    """The exact path/name the demo passes reach the function through verl's own loader."""
+    from verl.utils.import_utils import load_extern_object
+
+    fn = load_extern_object(module_path=demo_cli.REWARD_FN, object_name="compute_score")
+    assert fn(DATA_SOURCE, "\\boxed{5}", "5", extra_info=None) == 1.0
+
+
+# ---------------------------------------------------------------- report
+
+def _fake_steps(preset: str, n: int = 3) -> list[dict]:
+    steps = []
+    for i in range(n):
+        m = {"critic/score/mean": 0.1 * i, "perf/throughput": 100.0 * (i + 1), "actor/entropy": 5.0,
+             "training/global_step": i + 1}
+        if preset != "none":
+            m.update({"actor/tokensel/selected_fraction": 0.2, "actor/tokensel/entropy_selected": 5.5,
+                      "actor/tokensel/entropy_unselected": 4.5})
+        steps.append(m)
+    return steps
+
+
+def test_summarise_and_table():
+    none = report.summarise("none", _fake_steps("none"), wall_s=100.0)
+    fork = report.summarise("forking", _fake_steps("forking"))
+    # rewards 0, 0.1, 0.2: last 0.2, mean 0.1; throughput mean over steps 2..3 = (200 + 300) / 2
+    assert fork.reward_final == pytest.approx(0.2) and fork.reward_mean == pytest.approx(0.1)
+    assert fork.tokens_per_s == pytest.approx(250.0) and fork.steps == 3
+    assert fork.selected_fraction == pytest.approx(0.2) and fork.entropy_selected == 5.5 and fork.entropy_unselected == 4.5
+    assert none.selected_fraction == 1.0 and none.entropy_selected is None and none.entropy_all == 5.0
+    table = report.format_table([none, fork])
+    lines = table.splitlines()
+    assert lines[0].split()[0] == "preset" and lines[2].startswith("none") and lines[3].startswith("forking")
+    assert "0.200" in lines[3] and "250" in lines[3] and " - " in lines[2] + " "
+    assert len({len(line) for line in lines}) == 1  # fixed width
+    assert report.summarise("x", []).reward_final is None
+
+
+def test_metric_lookup():
+    assert report.metric({"actor/tokensel/selected_fraction": 0.3}, "tokensel/selected_fraction") == 0.3
+    assert report.metric({"tokensel/selected_fraction": 0.4}, "tokensel/selected_fraction") == 0.4
+    assert report.metric({"x/notsel/selected_fraction": 0.4}, "tokensel/selected_fraction") is None
+    assert report.metric({"critic/rewards/mean": float("nan")}, *report.REWARD_KEYS) is None
+    assert report.metric({"critic/rewards/mean": 0.5}, *report.REWARD_KEYS) == 0.5
+
+
+def test_plot_writes_png(tmp_path):
+    path = report.plot({p: _fake_steps(p) for p in ("none", "forking", "gmts")}, tmp_path / "demo.png")
+    assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------- CLI
+
+def test_help_has_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["demo", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "verl-tokensel demo --out" in out and "--presets" in out and "none,forking,gmts" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--presets", "none,bogus"], "unknown preset(s) bogus; valid: none, forking"),
+    (["--presets", ","], "no preset given"),
+    (["--presets", "gmts,gmts"], "listed twice"),
+    (["--steps", "0"], "must be > 0"),
+    (["--timeout", "abc"], "is not a number"),
+])
+def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys, argv, message):
+    out = tmp_path / "demo"
+    with pytest.raises(SystemExit) as e:
+        cli_main(["demo", "--out", str(out), *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+@dataclass
+class _FakeResult:
+    returncode: int = 0
+    timed_out: bool = False
+    steps: list = field(default_factory=list)
+    log_path: str = ""
+
+
+def _fake_launch(fail_preset: str | None = None):
+    calls = []
+
+    def run_main_ppo(overrides, *, timeout_s, log_path, cpu=True):
+        assert cpu is True and timeout_s > 0
+        ov = dict(o.split("=", 1) for o in overrides)
+        preset = ov["actor_rollout_ref.actor.token_selector"]
+        assert ov["reward.custom_reward_function.path"] == demo_cli.REWARD_FN
+        assert Path(ov["data.train_files"]).exists() and Path(ov["actor_rollout_ref.model.path"]).is_dir()
+        calls.append(preset)
+        n = int(ov["trainer.total_training_steps"])
+        steps = _fake_steps(preset, n)
+        with open(log_path, "w") as f:
+            f.write("starting ray\n")
+            if preset == fail_preset:
+                f.write("Traceback (most recent call last):\nRuntimeError: boom in the actor\n")
+                return _FakeResult(returncode=1, log_path=log_path)
+            for i, m in enumerate(steps, 1):
+                f.write(f"step:{i} - " + " - ".join(f"{k}:{v}" for k, v in m.items()) + "\n")
+        return _FakeResult(steps=steps, log_path=log_path)
+
+    return types.SimpleNamespace(run_main_ppo=run_main_ppo), calls
+
+
+def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys):
+    fake, calls = _fake_launch()
+    monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
+    monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
+    out = tmp_path / "demo"
+    assert cli_main(["demo", "--out", str(out), "--steps", "2"]) == 0
+    assert calls == ["none", "forking", "gmts"]
+    captured = capsys.readouterr()
+    table = [ln for ln in captured.out.splitlines() if ln.startswith(("none", "forking", "gmts"))]
+    assert [ln.split()[0] for ln in table] == ["none", "forking", "gmts"]
+    assert "[1/3] none" in captured.err and "[3/3] gmts: done" in captured.err
+    assert (out / "demo.png").read_bytes()[:4] == b"\x89PNG"
+    results = json.loads((out / "results.json").read_text())
+    assert [r["preset"] for r in results["summary"]] == ["none", "forking", "gmts"]
+    assert results["summary"][1]["selected_fraction"] == pytest.approx(0.2) and len(results["steps"]["gmts"]) == 2
+    assert (out / "data" / "train.parquet").exists() and (out / "model" / "config.json").exists()
+
+
+def test_demo_failure_names_preset_log_and_tail(tmp_path, monkeypatch, capsys):
+    fake, calls = _fake_launch(fail_preset="forking")
+    monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
+    monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
+    out = tmp_path / "demo"
+    assert cli_main(["demo", "--out", str(out), "--steps", "1"]) == 1
+    assert calls == ["none", "forking"]  # stops at the first failure
+    err = capsys.readouterr().err
+    assert "the 'forking' run exited with code 1" in err
+    assert str(out / "logs" / "forking.log") in err and "RuntimeError: boom in the actor" in err
+
+
+def test_launch_problem():
+    assert demo_cli.launch_problem(_FakeResult(timed_out=True), 2, 0).startswith("timed out")
+    assert demo_cli.launch_problem(_FakeResult(returncode=0), 3, 2) == "logged 2 of 3 training steps"
+    assert demo_cli.launch_problem(_FakeResult(returncode=0), 3, 3) is None
+
+
+# ---------------------------------------------------------------- the real thing
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_demo_end_to_end(tmp_path):
+    """Three real verl GRPO pipelines on CPU (~10 min, ~6 GB each, one at a time)."""
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "verl_tokensel.cli.main", "demo", "--out", str(out), "--steps", "2"],
+                          capture_output=True, text=True, timeout=1400, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = {r["preset"]: r for r in results["summary"]}
+    assert set(rows) == {"none", "forking", "gmts"}
+    assert rows["none"]["selected_fraction"] == 1.0
+    for preset in ("forking", "gmts"):
+        assert 0.15 <= rows[preset]["selected_fraction"] <= 0.3, rows[preset]
+        assert rows[preset]["entropy_selected"] is not None
+    assert all(r["steps"] == 2 and r["reward_mean"] is not None for r in rows.values())
+    assert (out / "demo.png").exists()
