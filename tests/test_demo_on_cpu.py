@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -217,36 +216,36 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys, argv, message
     assert not out.exists()
 
 
-@dataclass
-class _FakeResult:
-    returncode: int = 0
-    timed_out: bool = False
-    steps: list = field(default_factory=list)
-    log_path: str = ""
-
-
 def _fake_launch(fail_preset: str | None = None):
+    """A stand-in for verl_tokensel.launch: writes the console and file-logger output verl would."""
+    from verl_tokensel import launch
+
     calls = []
 
-    def run_main_ppo(overrides, *, timeout_s, log_path, cpu=True):
+    def run_main_ppo(overrides, *, timeout_s, log_path, cpu=True, metrics_path=None):
         assert cpu is True and timeout_s > 0
         ov = dict(o.split("=", 1) for o in overrides)
         preset = ov["actor_rollout_ref.actor.token_selector"]
         assert ov["reward.custom_reward_function.path"] == demo_cli.REWARD_FN
         assert Path(ov["data.train_files"]).exists() and Path(ov["actor_rollout_ref.model.path"]).is_dir()
         calls.append(preset)
-        n = int(ov["trainer.total_training_steps"])
-        steps = _fake_steps(preset, n)
-        with open(log_path, "w") as f:
-            f.write("starting ray\n")
+        steps = _fake_steps(preset, int(ov["trainer.total_training_steps"]))
+        returncode = 0
+        with open(log_path, "w") as log, open(metrics_path, "w") as mf:
+            log.write("ray init kwargs: {}\n")
             if preset == fail_preset:
-                f.write("Traceback (most recent call last):\nRuntimeError: boom in the actor\n")
-                return _FakeResult(returncode=1, log_path=log_path)
+                log.write("Traceback (most recent call last):\nRuntimeError: boom in the actor\n")
+                returncode, steps = 1, []
             for i, m in enumerate(steps, 1):
-                f.write(f"step:{i} - " + " - ".join(f"{k}:{v}" for k, v in m.items()) + "\n")
-        return _FakeResult(steps=steps, log_path=log_path)
+                log.write(f"step:{i} - " + " - ".join(f"{k}:{v}" for k, v in m.items()) + "\n")
+                mf.write(json.dumps({"step": i, "data": m}) + "\n")
+        return launch.RunResult(returncode=returncode, timed_out=False, wall_s=1.0, log_path=Path(log_path),
+                                metrics_path=Path(metrics_path), command=[], steps=launch.read_metrics(metrics_path),
+                                last_stage=launch.last_stage(Path(log_path).read_text()))
 
-    return types.SimpleNamespace(run_main_ppo=run_main_ppo), calls
+    fake = types.SimpleNamespace(run_main_ppo=run_main_ppo, read_metrics=launch.read_metrics,
+                                 last_stage=launch.last_stage)
+    return fake, calls
 
 
 def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys):
@@ -275,14 +274,21 @@ def test_demo_failure_names_preset_log_and_tail(tmp_path, monkeypatch, capsys):
     assert cli_main(["demo", "--out", str(out), "--steps", "1"]) == 1
     assert calls == ["none", "forking"]  # stops at the first failure
     err = capsys.readouterr().err
-    assert "the 'forking' run exited with code 1" in err
+    assert "token_selector=forking failed: main_ppo exited with code 1" in err
     assert str(out / "logs" / "forking.log") in err and "RuntimeError: boom in the actor" in err
 
 
-def test_launch_problem():
-    assert demo_cli.launch_problem(_FakeResult(timed_out=True), 2, 0).startswith("timed out")
-    assert demo_cli.launch_problem(_FakeResult(returncode=0), 3, 2) == "logged 2 of 3 training steps"
-    assert demo_cli.launch_problem(_FakeResult(returncode=0), 3, 3) is None
+def test_launch_problem(tmp_path):
+    from verl_tokensel.launch import RunResult
+
+    def result(**kw):
+        base = dict(returncode=0, timed_out=False, wall_s=5.0, log_path=tmp_path / "x.log",
+                    metrics_path=tmp_path / "x.jsonl", command=[], steps=[{"step": 1}, {"step": 2}])
+        return RunResult(**{**base, **kw})
+
+    assert "timed out" in demo_cli.launch_problem(result(timed_out=True, returncode=124), 2)
+    assert demo_cli.launch_problem(result(), 3).startswith("logged 2 of 3 training steps")
+    assert demo_cli.launch_problem(result(), 2) is None
 
 
 # ---------------------------------------------------------------- the real thing

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -85,7 +84,8 @@ def add_arguments(parser) -> None:
 
 def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path, steps: int,
                    seed: int = 0) -> list[str]:
-    """The Hydra overrides of one demo run (CPU settings come from the launcher's ``cpu=True``)."""
+    """The Hydra overrides of one demo run. The launcher adds the CPU switch (``trainer.device=cpu``) and
+    verl's ``file`` logger (per-step metrics)."""
     mini = TRAIN_BATCH_SIZE  # one PPO update per step
     return [
         "algorithm.adv_estimator=grpo",
@@ -114,7 +114,6 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
         "trainer.resume_mode=disable",
-        "trainer.logger=[console]",
         "trainer.project_name=tokensel_demo",
         f"trainer.experiment_name={preset}",
         f"trainer.default_local_dir={out / 'checkpoints' / preset}",
@@ -138,46 +137,46 @@ def _log_tail(path: Path, n: int = 25) -> str:
         return f"(log not readable: {e})\n"
 
 
-def _step_lines(path: Path, seen: int) -> list[str]:
-    """verl's console-logger lines (``step:N - key:value - ...``) after the first ``seen`` of them."""
-    try:
-        with open(path, errors="replace") as f:
-            lines = [ln for ln in f if ln.lstrip().startswith("step:")]
-    except OSError:
-        return []
-    return lines[seen:]
+def _watch(launch, log_path: Path, metrics_path: Path, steps: int, timeout_s: float, progress, label: str,
+           stop: threading.Event) -> None:
+    """Report each step as verl's file logger writes it, and the pipeline stage every 20 s meanwhile."""
+    from verl_tokensel.demo.report import REWARD_KEYS, metric
 
-
-def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, progress, label: str,
-             steps: int):
-    """Run one pipeline in a thread; meanwhile report each logged step (and a heartbeat) from its log."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["result"] = launch.run_main_ppo(overrides, timeout_s=timeout_s, log_path=str(log_path), cpu=True)
-        except BaseException as e:  # noqa: BLE001 - reported by the caller with the log
-            box["error"] = e
-
-    thread = threading.Thread(target=target, name=f"demo-{label}", daemon=True)
-    t0 = time.monotonic()
-    thread.start()
-    seen, last_note = 0, t0
-    while thread.is_alive():
-        thread.join(timeout=2.0)
-        new = _step_lines(log_path, seen)
-        for line in new:
+    t0 = last_note = time.monotonic()
+    seen = 0
+    while not stop.wait(2.0):
+        logged = launch.read_metrics(metrics_path)
+        for m in logged[seen:]:
+            reward = metric(m, *REWARD_KEYS)
+            reward = "-" if reward is None else f"{reward:.3f}"
+            progress(f"{label}: step {m.get('step', seen + 1)}/{steps} done, reward {reward} "
+                     f"({time.monotonic() - t0:.0f} s into the run)")
             seen += 1
-            progress(f"{label}: step {seen}/{steps} done ({time.monotonic() - t0:.0f} s into the run)")
-        if new:
             last_note = time.monotonic()
-        elif time.monotonic() - last_note >= 20:
+        if time.monotonic() - last_note >= 20:
             last_note = time.monotonic()
-            phase = "starting Ray, the FSDP2 actor and vLLM" if seen == 0 else f"running step {seen + 1}/{steps}"
-            progress(f"{label}: {phase} ({time.monotonic() - t0:.0f} s into the run, timeout {timeout_s:.0f} s)")
-    if "error" in box:
-        raise box["error"]
-    return box["result"], time.monotonic() - t0
+            try:
+                stage = launch.last_stage(log_path.read_text(errors="replace"))
+            except OSError:
+                stage = None
+            progress(f"{label}: {stage or 'starting'} ({time.monotonic() - t0:.0f} s into the run, "
+                     f"timeout {timeout_s:.0f} s)")
+
+
+def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, progress, label: str, steps: int):
+    """One pipeline run in this thread (Ctrl-C reaches the launcher, which kills the run); a watcher
+    thread reports progress from the run's metrics file and log."""
+    metrics_path = log_path.with_name(log_path.stem + ".metrics.jsonl")
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(launch, log_path, metrics_path, steps, timeout_s, progress,
+                                                    label, stop), name=f"demo-{label}", daemon=True)
+    watcher.start()
+    try:
+        return launch.run_main_ppo(overrides, timeout_s=timeout_s, log_path=log_path, cpu=True,
+                                   metrics_path=metrics_path)
+    finally:
+        stop.set()
+        watcher.join(timeout=5.0)
 
 
 def run(args) -> int:
@@ -206,16 +205,15 @@ def run(args) -> int:
         progress(f"{label}: verl GRPO, {args.steps} steps, log {log_path}")
         overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed)
         try:
-            result, wall = _run_one(launch, overrides, log_path, args.timeout, progress, label, args.steps)
+            result = _run_one(launch, overrides, log_path, args.timeout, progress, label, args.steps)
         except Exception as e:  # noqa: BLE001
-            return _fail(preset, log_path, f"the launcher raised {type(e).__name__}: {e}")
-        steps = launch_steps(result)
-        problem = launch_problem(result, args.steps, len(steps))
+            return _fail(preset, log_path, f"could not be launched ({type(e).__name__}: {e})")
+        problem = launch_problem(result, args.steps)
         if problem:
-            return _fail(preset, getattr(result, "log_path", None) or log_path, problem)
-        runs[preset] = steps
-        rows.append(report.summarise(preset, steps, wall_s=wall))
-        progress(f"{label}: done in {wall:.0f} s")
+            return _fail(preset, result.log_path, problem)
+        runs[preset] = result.steps
+        rows.append(report.summarise(preset, result.steps, wall_s=result.wall_s))
+        progress(f"{label}: done in {result.wall_s:.0f} s")
 
     table = report.format_table(rows)
     png = report.plot(runs, out / "demo.png")
@@ -229,30 +227,17 @@ def run(args) -> int:
     return 0
 
 
-def launch_steps(result) -> list[dict]:
-    """Per-step metric dicts of a launcher result, in step order."""
-    steps = getattr(result, "steps", None)
-    if steps is None:
-        steps = getattr(result, "metrics", None) or []
-    if isinstance(steps, dict):  # {step: metrics}
-        steps = [steps[k] for k in sorted(steps)]
-    return [dict(s) for s in steps]
-
-
-def launch_problem(result, want_steps: int, got_steps: int) -> str | None:
-    """Why a launcher result is a failure (None if it is not)."""
-    if getattr(result, "timed_out", False):
-        return "timed out (see --timeout); the process group was killed"
-    rc = getattr(result, "returncode", 0)
-    if rc not in (0, None):
-        return f"exited with code {rc}"
-    if got_steps < want_steps:
-        return f"logged {got_steps} of {want_steps} training steps"
+def launch_problem(result, want_steps: int) -> str | None:
+    """Why a launcher :class:`~verl_tokensel.launch.RunResult` is a failure (None if it is not)."""
+    if not result.ok:
+        return result.describe()
+    if len(result.steps) < want_steps:
+        return f"logged {len(result.steps)} of {want_steps} training steps ({result.describe()})"
     return None
 
 
 def _fail(preset: str, log_path, why: str) -> int:
     log_path = Path(log_path)
-    print(f"\nerror: the {preset!r} run {why}.\nlog: {log_path}\n--- last lines of the log ---\n"
+    print(f"\nerror: token_selector={preset} failed: {why}\nlog: {log_path}\n--- last lines of the log ---\n"
           f"{_log_tail(log_path)}--- end ---", file=sys.stderr)
     return 1
