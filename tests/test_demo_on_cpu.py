@@ -291,6 +291,21 @@ def test_launch_problem(tmp_path):
     assert demo_cli.launch_problem(result(), 2) is None
 
 
+def test_demo_overrides_compose(tmp_path):
+    """Every key the demo sets exists in the composed config (Hydra rejects unknown keys)."""
+    import yaml
+
+    overrides = demo_cli.demo_overrides("gmts", "/m", "/d/train.parquet", "/d/val.parquet", tmp_path, steps=3)
+    proc = subprocess.run([sys.executable, "-m", "verl_tokensel.main_ppo", *overrides, "--cfg", "job"],
+                          capture_output=True, text=True, timeout=240, env=dict(os.environ, RAY_ADDRESS=""))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    job = yaml.safe_load(proc.stdout)
+    assert job["reward"]["custom_reward_function"] == {"path": demo_cli.REWARD_FN, "name": "compute_score"}
+    assert job["actor_rollout_ref"]["actor"]["token_selector"] == "gmts"
+    assert job["trainer"]["total_training_steps"] == 3 and job["actor_rollout_ref"]["rollout"]["n"] == demo_cli.ROLLOUT_N
+    assert job["algorithm"]["adv_estimator"] == "grpo"
+
+
 # ---------------------------------------------------------------- the real thing
 
 @pytest.mark.slow
