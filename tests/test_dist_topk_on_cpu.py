@@ -116,3 +116,91 @@ def test_single_process_matches_first_k_and_keys_order():
             for largest in (True, False):
                 assert torch.equal(topk_mask_distributed(v, k, largest=largest),
                                    _first_k(v, min(k, 50), "top" if largest else "bottom"))
+
+
+# ---------------------------------------------------------------------------------------------
+# per-group top-k (scope=group) over ranks
+# ---------------------------------------------------------------------------------------------
+
+
+def _group_cases(world: int, seed: int):
+    """A list of (per-rank (scores, valid, group_ids), ratio, largest); rows of one group spread over ranks."""
+    g = torch.Generator().manual_seed(100 + seed)
+    cases = []
+    for trial in range(30):
+        width = int(torch.randint(1, 9, (1,), generator=g))
+        n_groups = int(torch.randint(1, 6, (1,), generator=g))
+        parts = []
+        for r in range(world):
+            rows = int(torch.randint(0, 7, (1,), generator=g))
+            if trial % 5 == r % 5:
+                rows = 0  # an empty rank
+            s = torch.randint(-3, 4, (rows, width), generator=g).float() * 0.5  # many ties
+            u = torch.rand(rows, width, generator=g)
+            s[u < 0.1] = math.nan
+            s[(u >= 0.1) & (u < 0.15)] = -0.0
+            valid = torch.rand(rows, width, generator=g) < 0.8  # ragged rows, some empty
+            gid = torch.randint(0, n_groups, (rows,), generator=g) * 7919 - 3  # sparse, negative ids too
+            parts.append((s, valid, gid))
+        ratio = [0.05, 0.2, 0.37, 0.5, 0.99, 1.0][trial % 6]
+        cases.append((parts, ratio, bool(trial % 2)))
+    # one big group split over every rank, distinct scores
+    parts = [(torch.randn(40, 16, generator=g), torch.ones(40, 16, dtype=torch.bool),
+              torch.full((40,), 5, dtype=torch.int64)) for _ in range(world)]
+    cases.append((parts, 0.2, True))
+    return cases
+
+
+def _group_worker(rank, world, port, seed, out_dir):
+    from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        results = []
+        for parts, ratio, largest in _group_cases(world, seed):
+            s, valid, gid = parts[rank]
+            results.append(grouped_topk_mask_distributed(s, valid, gid, ratio, largest=largest))
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_grouped_topk_equals_single_process_over_union(world, tmp_path):
+    from verl_tokensel.core.select import _select_grouped, budget
+
+    ctx = mp.start_processes(_group_worker, args=(world, _free_port(), world, str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
+    deadline = time.monotonic() + 180
+    try:
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                raise TimeoutError("gloo ranks did not finish in 180 s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for i, (parts, ratio, largest) in enumerate(_group_cases(world, world)):
+        width = parts[0][0].shape[1]
+        scores = torch.cat([p[0] for p in parts])
+        valid = torch.cat([p[1] for p in parts])
+        gid = torch.cat([p[2] for p in parts])
+        expected = _select_grouped(scores, valid, gid, ratio, "top" if largest else "bottom")
+        got = torch.cat([per_rank[r][i].view(-1, width) for r in range(world)])
+        assert torch.equal(got, expected), (i, ratio, largest)
+        for g in gid.unique().tolist():  # every group keeps exactly ceil(ratio * n_g)
+            rows = gid == g
+            assert int(got[rows].sum()) == budget(ratio, int(valid[rows].sum()))
+
+
+def test_grouped_topk_single_process_is_select_grouped():
+    from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed
+    from verl_tokensel.core.select import _select_grouped
+
+    for parts, ratio, largest in _group_cases(1, 9):
+        s, valid, gid = parts[0]
+        assert torch.equal(grouped_topk_mask_distributed(s, valid, gid, ratio, largest=largest),
+                           _select_grouped(s, valid, gid, ratio, "top" if largest else "bottom"))

@@ -126,3 +126,116 @@ def topk_mask_distributed(
     if take < int(counts[world + rank]):
         ties &= torch.cumsum(ties, 0) <= take
     return greater | ties
+
+
+def _global_group_ids(local_ids: torch.Tensor, group, world: int) -> torch.Tensor:
+    """Sorted unique int64 group ids present on ANY rank (every rank gets the same tensor).
+
+    Only the distinct ids travel (one all-gather of their count, one of the padded ids), so the
+    cost is the number of groups, not the number of tokens.
+    """
+    uniq = torch.unique(local_ids.to(torch.int64))
+    if world == 1:
+        return uniq
+    sizes = [torch.zeros(1, dtype=torch.int64, device=uniq.device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([uniq.numel()], dtype=torch.int64, device=uniq.device), group=group)
+    width = max(int(s.item()) for s in sizes)
+    if width == 0:
+        return uniq
+    padded = torch.zeros(width, dtype=torch.int64, device=uniq.device)
+    padded[: uniq.numel()] = uniq
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.unique(torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)]))
+
+
+def grouped_topk_mask_distributed(
+    scores: torch.Tensor,
+    valid: torch.Tensor,
+    group_ids: torch.Tensor,
+    ratio: float,
+    group: Optional[dist.ProcessGroup] = None,
+    *,
+    largest: bool = True,
+) -> torch.Tensor:
+    """Per-group exact top-``ceil(ratio * n_g)`` over all ranks of ``group``, without gathering scores.
+
+    Args:
+        scores: ``(batch, response_len)`` scores of this rank (compared as float32).
+        valid: ``(batch, response_len)`` bool, True on the tokens that may be selected.
+        group_ids: ``(batch,)`` int64 group of each row; equal ids on different ranks are one group
+            (e.g. the responses of one prompt split across data-parallel ranks).
+        ratio: fraction in ``(0, 1]``; group ``g`` with ``n_g`` valid tokens over all ranks keeps
+            ``budget(ratio, n_g)`` = ``ceil(ratio * n_g)`` of them.
+        largest: keep the highest scores (``top``) or the lowest (``bottom``).
+
+    Returns:
+        ``(batch, response_len)`` bool mask. The masks of all ranks equal the single-process
+        ``select_tokens(..., scope="group")`` over the rank-ordered concatenation of the rows: ties
+        go to the lower rank, then to the earlier token in row-major order; NaN ranks last.
+
+    Cost: one all-gather of the distinct group ids, one all-reduce of per-group counts, 4 radix
+    passes of one all-reduce of a ``(G, 256)`` int32 histogram each (G = number of groups, ~1 KiB
+    per group per pass), and one all-reduce of per-rank tie counts ``(world + 1, G)``.
+    """
+    from verl_tokensel.core.select import budget  # select imports this module at load time
+
+    world = _world(group)
+    rank = dist.get_rank(group) if world > 1 else 0
+    valid = valid.to(torch.bool)
+    device = scores.device
+    flat_valid = valid.flatten()
+    idx = flat_valid.nonzero().squeeze(1)
+    # unsigned [0, 2^32) keys of the valid tokens, larger = selected first
+    ukey = ordered_keys32(scores, largest).flatten()[idx].to(torch.int64) - _INT32_MIN
+    row_gid = group_ids.to(torch.int64).to(device)
+    tok_gid = row_gid.view(-1, 1).expand_as(valid).flatten()[idx]
+
+    gids = _global_group_ids(row_gid, group, world)
+    n_groups = gids.numel()
+    out = torch.zeros_like(flat_valid)
+    if n_groups == 0:
+        return out.view_as(valid)
+    g = torch.searchsorted(gids, tok_gid)  # dense group index of each valid token
+
+    counts = _all_reduce(torch.bincount(g, minlength=n_groups).to(torch.int64), group, world)
+    k = torch.tensor([budget(ratio, int(c)) for c in counts.tolist()], dtype=torch.int64, device=device)
+    # radix select of each group's k-th key; groups keeping all (k == n) or none (n == 0) ride along
+    prefix = torch.zeros(n_groups, dtype=torch.int64, device=device)
+    remaining = k.clamp(min=1)
+    cand = torch.arange(ukey.numel(), device=device)
+    for p in range(_PASSES):
+        shift = 32 - _BITS * (p + 1)
+        digit = (ukey[cand] >> shift) & (_BINS - 1)
+        hist = torch.zeros(n_groups * _BINS, dtype=torch.int32, device=device)
+        hist.index_add_(0, g[cand] * _BINS + digit, torch.ones_like(digit, dtype=torch.int32))
+        hist = _all_reduce(hist, group, world).view(n_groups, _BINS).to(torch.int64)
+        from_top = torch.flip(torch.cumsum(torch.flip(hist, [1]), 1), [1])  # items in bins >= b
+        b = ((from_top >= remaining.unsqueeze(1)).sum(1) - 1).clamp(min=0)
+        above = torch.cat([from_top, torch.zeros_like(from_top[:, :1])], 1).gather(1, (b + 1).unsqueeze(1)).squeeze(1)
+        remaining = (remaining - above).clamp(min=1)
+        prefix |= b << shift
+        cand = cand[digit == b[g[cand]]]
+
+    kth = prefix[g]
+    keep_all = (k >= counts)[g]
+    greater = (ukey > kth) | keep_all
+    ties = (ukey == kth) & ~keep_all
+    tally = torch.zeros(world + 1, n_groups, dtype=torch.int64, device=device)
+    tally[0] = torch.bincount(g[greater], minlength=n_groups)
+    tally[1 + rank] = torch.bincount(g[ties], minlength=n_groups)
+    tally = _all_reduce(tally, group, world)
+    need = (k - tally[0]).clamp(min=0)
+    before = tally[1 : 1 + rank].sum(0)  # ties held by lower ranks come first
+    take = (need - before).clamp(min=0)
+    # the first `take[g]` ties of each group in row-major order on this rank
+    tie_pos = ties.nonzero().squeeze(1)
+    tie_g = g[tie_pos]
+    order = torch.sort(tie_g, stable=True).indices
+    sorted_g = tie_g[order]
+    starts = torch.searchsorted(sorted_g, sorted_g, right=False)
+    rank_in_group = torch.arange(order.numel(), device=device) - starts
+    chosen = torch.zeros_like(ties)
+    chosen[tie_pos[order[rank_in_group < take[sorted_g]]]] = True
+    out[idx] = greater | chosen
+    return out.view_as(valid)
