@@ -180,17 +180,12 @@ def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, pro
 
 
 def run(args) -> int:
-    progress = _Progress()
-    try:
-        from verl_tokensel import launch
-    except ImportError as e:
-        print(f"error: the pipeline launcher verl_tokensel.launch cannot be imported ({e}); "
-              "the demo needs it to run verl. Fix: update verl-tokensel.", file=sys.stderr)
-        return 1
+    from verl_tokensel import launch
     from verl_tokensel.demo import report
     from verl_tokensel.demo.dataset import write_dataset
     from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
 
+    progress = _Progress()
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     progress(f"building the tiny model and tokenizer in {out / 'model'}")
@@ -223,7 +218,7 @@ def run(args) -> int:
     print()
     print(report.TABLE_NOTE)
     print(f"\nplot: {png}\nresults: {out / 'results.json'}\nlogs: {out / 'logs'}")
-    progress(f"all {len(args.presets)} runs done")
+    print(f"total wall time: {time.monotonic() - progress.t0:.0f} s")
     return 0
 
 
