@@ -13,6 +13,12 @@ Typical use (one process, world size 1)::
     result = run_train_step(actor, batch, loss_fn=my_loss, capture_grads=True)
     result.loss, result.metrics, result.grads["lm_head.weight"], result.param_delta
 
+GPU: with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` in the environment BEFORE this module is imported, none
+of the CPU set-up below happens and verl resolves its own CUDA platform (nccl); pass
+``dtype="bf16"``, ``attn_implementation="sdpa"``/``"flash_attention_2"`` and
+``gradient_checkpointing=True`` to :func:`make_training_worker` for verl's usual GPU settings
+(``benchmarks/gpu_check.py`` does).
+
 Side effects: importing this module sets ``VERL_PLATFORM=cpu``, ``VERL_ENGINE_DEVICE=cuda`` and prepends
 ``verl_tokensel.verl_glue.platform_cpu`` to ``VERL_USE_EXTERNAL_MODULES`` in ``os.environ``, then imports
 verl (so test modules must skip on a missing verl BEFORE importing this one, e.g. with
@@ -71,7 +77,16 @@ def _prime_cpu_env() -> None:
         os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join([_PLATFORM_MODULE, *mods])
 
 
-_prime_cpu_env()
+HARNESS_DEVICE_ENV = "VERL_TOKENSEL_HARNESS_DEVICE"
+
+
+def harness_device() -> str:
+    """``cpu`` (default: verl's CPU platform, gloo) or ``cuda`` (verl's own platform), from the environment."""
+    return os.environ.get(HARNESS_DEVICE_ENV, "cpu").strip().lower() or "cpu"
+
+
+if harness_device() == "cpu":
+    _prime_cpu_env()
 
 import torch  # noqa: E402
 import verl  # noqa: E402,F401  (imports the CPU platform module first, see _prime_cpu_env)
@@ -105,7 +120,7 @@ def setup_cpu_process(
     already exists in this process (an earlier worker), the rank/world env are left as they are, because
     verl reuses that group.
     """
-    env = platform_cpu.enable_cpu_mode()
+    env = platform_cpu.enable_cpu_mode() if harness_device() == "cpu" else {}
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -166,15 +181,24 @@ def cpu_actor_overrides(
     entropy_coeff: float = 0.0,
     ppo_epochs: int = 1,
     temperature: float = 1.0,
+    dtype: str = "fp32",
+    attn_implementation: str = "eager",
+    gradient_checkpointing: bool = False,
 ) -> list[str]:
-    """Hydra overrides of ``ppo_trainer`` that make the actor run on CPU with the tiny model."""
+    """Hydra overrides of ``ppo_trainer`` that make the actor run on CPU with the tiny model.
+
+    ``dtype`` is FSDP's compute (``mixed_precision.param_dtype``): ``fp32`` for CPU, ``bf16`` as verl
+    runs on GPU; master weights, gradient reduction and buffers stay fp32 either way (verl's defaults).
+    """
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"dtype={dtype!r}: the harness supports fp32 and bf16")
     a = "actor_rollout_ref.actor"
     m = "actor_rollout_ref.model"
     return [
         f"{m}.path={model_dir}",
         f"{m}.use_remove_padding={use_remove_padding}",
-        f"{m}.enable_gradient_checkpointing=False",
-        f"+{m}.override_config.attn_implementation=eager",
+        f"{m}.enable_gradient_checkpointing={gradient_checkpointing}",
+        f"+{m}.override_config.attn_implementation={attn_implementation}",
         f"actor_rollout_ref.rollout.n={rollout_n}",
         f"actor_rollout_ref.rollout.temperature={temperature}",
         f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz={use_dynamic_bsz}",
@@ -194,7 +218,7 @@ def cpu_actor_overrides(
         f"{a}.optim.total_training_steps=100",
         f"{a}.fsdp_config.model_dtype=fp32",
         f"{a}.fsdp_config.use_torch_compile=False",
-        f"+{a}.fsdp_config.mixed_precision.param_dtype=fp32",
+        f"+{a}.fsdp_config.mixed_precision.param_dtype={dtype}",
         f"+{a}.fsdp_config.mixed_precision.reduce_dtype=fp32",
         f"+{a}.fsdp_config.mixed_precision.buffer_dtype=fp32",
     ]
@@ -297,7 +321,8 @@ def make_training_worker(
 
     ``config_kwargs`` go to :func:`cpu_actor_overrides` (``ppo_mini_batch_size``,
     ``ppo_micro_batch_size_per_gpu``, ``ppo_max_token_len_per_gpu``, ``lr``, ``clip_grad``,
-    ``loss_agg_mode``, ``entropy_coeff``, ``rollout_n``, ``ppo_epochs``, ``temperature``). The worker's
+    ``loss_agg_mode``, ``entropy_coeff``, ``rollout_n``, ``ppo_epochs``, ``temperature``, ``dtype``,
+    ``attn_implementation``, ``gradient_checkpointing``). The worker's
     loss is ``loss_fn`` if given, else ``partial(ppo_loss, config=actor_config)``. ``lr=0`` keeps the
     weights fixed (AdamW with lr 0 changes nothing), handy to compare gradients of several losses.
     ``num_threads`` sets ``torch.set_num_threads`` for the process (1 is fastest for the tiny model and
@@ -336,6 +361,11 @@ def make_training_worker(
     worker = TrainingWorker(config=training_config)
     worker.reset()  # builds model + optimizer (engine.initialize)
     worker.set_loss_fn(loss_fn if loss_fn is not None else default_loss_fn(actor_config))
+    # score_source=prepass: the per-mini-batch selection the tokensel actor workers install (a no-op for
+    # any other loss; see verl_tokensel.verl_glue.prepass)
+    from verl_tokensel.verl_glue.prepass import install_prepass
+
+    install_prepass(worker)
     return CpuActor(
         worker=worker,
         actor_config=actor_config,

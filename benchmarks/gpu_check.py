@@ -1,0 +1,770 @@
+"""GPU check: verl's real FSDP2 actor update on a Qwen3-0.6B-shaped model, token_selector none vs forking vs gmts.
+
+Run on the GPU machine from the repository root (``scripts/gpu_check.sh`` installs the carried wheels
+offline first, then runs this under ``timeout``)::
+
+    python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"        # one GPU, about 3-5 minutes
+
+Here, on a CPU (tiny model, fp32, eager attention; the test suite runs this, < 60 s)::
+
+    python benchmarks/gpu_check.py --tiny --device cpu --out /tmp/gpu_check.json
+
+What it does, in one process, through verl's own ``TrainingWorker`` (``verl_tokensel.testing.cpu_worker``
+with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
+
+1. model: writes a random-init Qwen3 shaped like Qwen3-0.6B (hidden 1024, 28 layers, 16 heads, 8 KV
+   heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings) and a locally trained
+   byte-level BPE tokenizer (``verl_tokensel.testing.tiny_assets``). Nothing is downloaded.
+2. fsdp: FSDP2 engine, bf16 compute (fp32 master weights), ``flash_attention_2`` if ``flash_attn``
+   imports, else ``sdpa``; ``use_remove_padding`` and ``use_dynamic_bsz``, gradient checkpointing
+   (verl's defaults); one mini-batch of 16 responses of 3584..4096 tokens (4 GRPO groups of 4)
+   split into micro-batches of <= 16384 tokens; ``lr=0`` so every step sees the same weights and
+   the old log-probs (the real log-prob pass, once) stay on-policy.
+   Per variant (``none``, ``none+entropy``, ``forking``, ``gmts``; ``none+entropy`` is stock verl
+   with the entropy pass on, which the entropy-scored presets turn on, so the ratio of the loss
+   alone can be read off): a sanity step, warm-up steps, then timed steps interleaved across the
+   variants (none, none+entropy, forking, gmts, none, ...). Reported: median step time and its
+   ratio vs ``none``, peak ``torch.cuda.max_memory_allocated`` over the timed steps and its ratio.
+   Sanity (the step with hooks, not timed): per micro-batch the selected count is exactly
+   ``ceil(0.2 N)`` of its ``N`` valid response tokens (micro_batch scope), the logits' gradient is
+   exactly zero at every unselected response token and non-zero at the selected ones, the loss and
+   gradient norm are finite, and the ``tokensel/*`` metrics reached the step's metrics.
+3. megatron: the same variants through verl's Megatron engine if ``megatron.core`` and ``mbridge``
+   import (TP=PP=1); otherwise skipped with the reason printed.
+
+Output: a table on stdout and a JSON (``--out``, default ``$OUT/gpu_check.json`` when ``$OUT`` is set).
+Time: every phase has a budget (timed rounds stop early when theirs is spent, recorded as
+``rounds_done``); the whole run has a deadline (``--deadline``), past which a watchdog writes the
+partial JSON and exits 3. Exit codes: 0 ok, 1 a sanity check failed, 2 usage or environment error,
+3 deadline exceeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Qwen3-0.6B's architecture (its config.json), random weights
+QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                  head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+                  max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  rms_norm_eps=1e-6)
+TINY_QWEN3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, intermediate_size=128, vocab_size=None, tie_word_embeddings=True,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6)  # vocab = the tiny tokenizer's
+
+DEFAULT_VARIANTS = ("none", "none+entropy", "forking", "gmts")
+EXIT_OK, EXIT_FAILED, EXIT_ENV, EXIT_DEADLINE = 0, 1, 2, 3
+
+
+@dataclasses.dataclass
+class Workload:
+    """One mini-batch per step; sizes in tokens."""
+
+    n: int
+    group_size: int
+    prompt_len: tuple[int, int]
+    resp_len: tuple[int, int]
+    max_token_len: int  # ppo_max_token_len_per_gpu (dynamic bsz budget per micro-batch)
+
+
+GPU_WORKLOAD = Workload(n=16, group_size=4, prompt_len=(128, 512), resp_len=(3584, 4096), max_token_len=16384)
+TINY_WORKLOAD = Workload(n=8, group_size=4, prompt_len=(8, 16), resp_len=(24, 48), max_token_len=128)
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# time: phase budgets and the overall deadline
+# ------------------------------------------------------------------------------------------------
+class Clock:
+    """Phase budgets (soft: loops ask ``left()``) and the run's deadline (hard: a watchdog thread)."""
+
+    def __init__(self, deadline_s: float, results: dict, out_path: str | None):
+        self.t0 = time.monotonic()
+        self.deadline_s = deadline_s
+        self.results = results
+        self.out_path = out_path
+        self.phase = None
+        self.phase_end = math.inf
+        self._watchdog = threading.Timer(deadline_s, self._expire)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _expire(self) -> None:
+        msg = (f"overall deadline of {self.deadline_s:.0f}s exceeded during phase {self.phase!r}; "
+               f"partial results in {self.out_path or '(no --out)'}")
+        self.results["status"] = "deadline_exceeded"
+        self.results["failures"].append(msg)
+        self.results["seconds"] = round(self.elapsed(), 1)
+        write_json(self.results, self.out_path)
+        print(f"gpu_check: ERROR: {msg}", file=sys.stderr, flush=True)
+        os._exit(EXIT_DEADLINE)  # from this thread: the main one may be inside a CUDA call
+
+    def cancel(self) -> None:
+        self._watchdog.cancel()
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        """Seconds left in the current phase (and before the deadline, less a margin for writing out)."""
+        now = time.monotonic()
+        return min(self.phase_end, self.t0 + self.deadline_s - 5.0) - now
+
+    def run_phase(self, name: str, budget_s: float, fn, *args, **kwargs):
+        """Run ``fn`` as phase ``name``; record budget, seconds and status under results["phases"]."""
+        self.phase, t = name, time.monotonic()
+        self.phase_end = t + budget_s
+        rec = self.results["phases"].setdefault(name, {"budget_s": budget_s})
+        log(f"phase {name} (budget {budget_s:.0f}s, {self.deadline_s - self.elapsed():.0f}s to the deadline)")
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec["seconds"] = round(time.monotonic() - t, 2)
+            rec["status"] = "over_budget" if rec["seconds"] > budget_s else "ok"
+            self.phase, self.phase_end = None, math.inf
+
+
+def write_json(results: dict, path: str | None) -> None:
+    if not path:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# phase: environment
+# ------------------------------------------------------------------------------------------------
+def _version(dist: str):
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def check_env(args) -> dict:
+    import torch
+
+    env = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        **{k: _version(k) for k in ("verl", "transformers", "tensordict", "verl-tokensel", "flash-attn",
+                                    "megatron-core", "mbridge", "ray")},
+        "device": args.device,
+    }
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise EnvironmentError(f"--device cuda but torch {torch.__version__} sees no CUDA device "
+                                   "(CPU-only torch build, or no GPU): run with --device cpu --tiny here")
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), gpu_count=torch.cuda.device_count())
+    return env
+
+
+def pick_attention(args) -> str:
+    if args.attn != "auto":
+        return args.attn
+    if args.device == "cpu":
+        return "eager"
+    return "flash_attention_2" if importlib.util.find_spec("flash_attn") is not None else "sdpa"
+
+
+# ------------------------------------------------------------------------------------------------
+# phase: model
+# ------------------------------------------------------------------------------------------------
+def build_model_dir(path: Path, tiny: bool, device: str, seed: int = 0) -> tuple[str, dict]:
+    """Tokenizer (tiny byte-level BPE) + random-init Qwen3 saved with ``save_pretrained``. Returns (dir, config)."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from verl_tokensel.testing import tiny_assets
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = tiny_assets.build_tiny_tokenizer(path)
+    shape = dict(TINY_QWEN3 if tiny else QWEN3_0_6B)
+    if shape["vocab_size"] is None:
+        shape["vocab_size"] = len(tok)
+    eos, pad = tok.convert_tokens_to_ids(tiny_assets.EOS_TOKEN), tok.convert_tokens_to_ids(tiny_assets.PAD_TOKEN)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=pad, use_sliding_window=False)
+    config.dtype = dtype
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        # initialised on the GPU when there is one: 0.6B parameters take seconds there, a minute on CPU
+        with torch.device("cuda" if device == "cuda" else "cpu"):
+            model = Qwen3ForCausalLM(config).to(dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(str(path), safe_serialization=True)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return str(path), {**{k: v for k, v in shape.items() if k != "rope_parameters"}, "parameters": n_params,
+                       "tokenizer_size": len(tok), "saved_dtype": str(dtype).replace("torch.", "")}
+
+
+# ------------------------------------------------------------------------------------------------
+# per-step instruments: sanity hooks, timing, memory
+# ------------------------------------------------------------------------------------------------
+class SanityRecorder:
+    """Per micro-batch: the mask the loss used, the response/prompt lengths, and which logit rows got gradient.
+
+    The loss wrapper records lengths for every variant (``none`` included: its "mask" is all valid
+    tokens); the selecting loss's observer adds the mask. The LM head's forward hook stores, in the
+    same order, a per-position flag "the logits' gradient is not all zero" (``amax != 0 or amin != 0``
+    over the vocabulary: no copy of the (tokens, vocab) gradient).
+    """
+
+    def __init__(self, actor):
+        import torch
+
+        self.calls: list[dict] = []
+        self.grad_rows: list = []
+        self.handle = None
+        head = getattr(actor.module, "lm_head", None)  # HF models; Megatron's output layer is elsewhere
+        if head is None:
+            return
+
+        def fwd_hook(module, inputs, output):
+            if torch.is_grad_enabled() and output.requires_grad:
+                slot = len(self.grad_rows)
+                self.grad_rows.append(None)
+
+                def on_grad(g, slot=slot):
+                    g = g.detach()
+                    self.grad_rows[slot] = ((g.amax(-1) != 0) | (g.amin(-1) != 0)).cpu()
+
+                output.register_hook(on_grad)
+
+        self.handle = head.register_forward_hook(fwd_hook)
+
+    def wrap(self, loss_fn):
+        """``loss_fn`` as the engine calls it, recording the micro-batch's prompt and response lengths first."""
+
+        def call(model_output, data, dp_group=None):
+            self.calls.append({
+                "prompt_lens": data["prompts"].offsets().diff().tolist(),
+                "resp_lens": data["responses"].offsets().diff().tolist(),
+                "mask": None,
+            })
+            return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+
+        return call
+
+    def observe(self, rec) -> None:
+        self.calls[-1]["mask"] = rec["mask"].detach().cpu()
+        self.calls[-1]["valid"] = rec["response_mask"].detach().cpu()
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+    def check(self, selection, rmpad: bool) -> dict:
+        """Counts per micro-batch and the gradient-zero checks; ``failures`` lists what did not hold."""
+        import torch
+
+        from verl_tokensel.core.select import budget
+
+        out = {"micro_batches": len(self.calls), "count_checked": 0, "grad_checked": 0, "failures": []}
+        if not self.calls:
+            out["failures"].append("the loss was never called")
+            return out
+        grad_check = rmpad and self.handle is not None
+        if grad_check and (len(self.grad_rows) != len(self.calls) or any(g is None for g in self.grad_rows)):
+            out["failures"].append(f"{len(self.calls)} loss calls but {len(self.grad_rows)} LM-head gradients")
+            return out
+        sel_total = valid_total = leaked = starved = 0
+        fractions = []
+        for k, call in enumerate(self.calls):
+            pl, rl = call["prompt_lens"], call["resp_lens"]
+            valid = torch.zeros(len(rl), max(rl), dtype=torch.bool)
+            for i, r in enumerate(rl):
+                valid[i, :r] = True
+            if call.get("valid") is not None:
+                valid = call["valid"][:, : valid.shape[1]].bool() & valid
+            mask = call["mask"][:, : valid.shape[1]].bool() if call["mask"] is not None else valid
+            n_valid, n_sel = int(valid.sum()), int(mask.sum())
+            sel_total, valid_total = sel_total + n_sel, valid_total + n_valid
+            fractions.append(n_sel / max(n_valid, 1))
+            if bool((mask & ~valid).any()):
+                out["failures"].append("a padding position was selected")
+            if selection is not None and selection.scope == "micro_batch":
+                want = budget(selection.ratio, n_valid)
+                out["count_checked"] += 1
+                if n_sel != want:
+                    out["failures"].append(f"micro-batch with {n_valid} valid tokens: {n_sel} selected, "
+                                           f"ceil({selection.ratio} N) = {want}")
+            if not grad_check:
+                continue
+            rows = self.grad_rows[k]
+            # packed layout (1, total): the logits at position t predict token t + 1
+            offsets = torch.tensor([0, *[p + r for p, r in zip(pl, rl)]]).cumsum(0)
+            got = torch.zeros_like(valid)
+            flat = rows.reshape(-1)
+            for i, (p, r) in enumerate(zip(pl, rl)):
+                start = int(offsets[i]) + p - 1
+                got[i, :r] = flat[start : start + r]
+            out["grad_checked"] += 1
+            leaked += int((got & valid & ~mask).sum())
+            starved += int((~got & mask).sum())
+        out.update(selected_tokens=sel_total, valid_tokens=valid_total,
+                   selected_fraction=sel_total / max(valid_total, 1),
+                   selected_fraction_per_micro_batch=[round(f, 6) for f in fractions],
+                   unselected_with_grad=leaked, selected_without_grad=starved)
+        if leaked:
+            out["failures"].append(f"{leaked} unselected response tokens got a non-zero logit gradient")
+        if starved:
+            out["failures"].append(f"{starved} selected tokens got no logit gradient")
+        if not rmpad:
+            out["grad_check_skipped"] = "use_remove_padding=False: the position map is only written for the packed layout"
+        elif self.handle is None:
+            out["grad_check_skipped"] = "the model has no lm_head module (Megatron): selected counts and metrics only"
+        return out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _scalar(v):
+    if isinstance(v, list):
+        v = [float(x) for x in v]
+        return sum(v) / len(v) if v else None
+    return float(v) if v is not None else None
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine phase (FSDP2 or Megatron): same variants, same batch, same measurements
+# ------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Variant:
+    name: str
+    preset: str
+    entropy: bool  # calculate_entropy for the update pass
+    config: object = None  # the actor config the loss is bound to
+    selection: object = None  # verl_tokensel.core.config.Selection or None
+    knobs: dict = dataclasses.field(default_factory=dict)  # token_selection.* overrides of the preset
+
+    def loss_fn(self, observer=None):
+        from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+
+        return functools.partial(tokensel_ppo_loss, config=self.config, observer=observer)
+
+
+def parse_variant(spec: str) -> tuple[str, bool, dict]:
+    """``PRESET[+entropy][:knob=value,...]`` -> (preset, entropy forced on, token_selection knobs).
+
+    A preset whose scores come from outside the loss (``score_source`` prepass / rollout: a pre-pass
+    or the driver fills ``token_select_mask``, which this in-process harness does not run) is
+    measured with ``score_source=current`` and ``scope=micro_batch``: the same score and ratio,
+    computed inside the loss.
+    """
+    from verl_tokensel.core.config import PRESETS
+
+    head, _, knob_text = spec.partition(":")
+    preset, _, extra = head.partition("+")
+    if preset not in PRESETS or extra not in ("", "entropy"):
+        raise ValueError(f"variant {spec!r}: use PRESET[+entropy][:knob=value,...] with a preset of "
+                         f"{', '.join(PRESETS)}")
+    knobs = {}
+    sel = PRESETS[preset]
+    if sel is not None and getattr(sel, "score_source", "current") != "current":
+        knobs.update(score_source="current", scope="micro_batch")
+    for item in filter(None, knob_text.split(",")):
+        k, _, v = item.partition("=")
+        knobs[k.strip()] = {"true": True, "false": False}.get(v.strip().lower(), v.strip())
+        try:
+            knobs[k.strip()] = float(v) if "." in v else int(v)
+        except ValueError:
+            pass
+    return preset, extra == "entropy", knobs
+
+
+def make_variants(H, actor, names, selecting_config) -> list[Variant]:
+    from verl_tokensel.core.scores import SCORE_REGISTRY
+
+    out = []
+    for name in names:
+        preset, force_entropy, knobs = parse_variant(name)
+        probe = selecting_config(actor, preset, calculate_entropy=force_entropy, **knobs)
+        sel = getattr(probe, "selection", None)
+        entropy = force_entropy or (sel is not None and SCORE_REGISTRY[sel.score].needs_entropy)
+        cfg = selecting_config(actor, preset, calculate_entropy=entropy, **knobs) if entropy != force_entropy else probe
+        out.append(Variant(name.partition(":")[0], preset, entropy, cfg, sel, knobs))
+    return out
+
+
+def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting_config, rec: dict) -> list[str]:
+    """Sanity step, warm-up, interleaved timed rounds for every variant. Fills ``rec``; returns failures."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+
+    failures: list[str] = []
+    variants = make_variants(H, actor, args.variants, selecting_config)
+    vocab = actor.model_config.hf_config.vocab_size
+    batch = H.make_config_batch(actor.cfg, vocab, n=workload.n, seed=args.seed, calculate_entropy=False,
+                                prompt_len=workload.prompt_len, resp_len=workload.resp_len,
+                                group_size=workload.group_size)
+    resp = batch["response_mask"].offsets().diff()
+    tokens = int(batch["input_ids"].offsets()[-1])
+    rec.update(responses=workload.n, tokens_per_step=tokens, response_tokens_per_step=int(resp.sum()),
+               response_len_min=int(resp.min()), response_len_max=int(resp.max()),
+               max_token_len_per_micro_batch=workload.max_token_len)
+    t = time.perf_counter()
+    H.compute_old_log_probs(actor, batch)  # the real log-prob pass: on-policy, nothing clipped (lr=0)
+    _sync(args.device)
+    rec["old_log_prob_pass_s"] = round(time.perf_counter() - t, 3)
+    rmpad = actor.use_remove_padding
+
+    def step(v: Variant, recorder: SanityRecorder | None = None):
+        b = batch.copy()
+        tu.assign_non_tensor(b, calculate_entropy=v.entropy)
+        loss_fn = v.loss_fn() if recorder is None else recorder.wrap(v.loss_fn(observer=recorder.observe))
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            resting = torch.cuda.memory_allocated()
+        _sync(args.device)
+        t0 = time.perf_counter()
+        r = H.run_train_step(actor, b, loss_fn=loss_fn, capture_params=False)
+        _sync(args.device)
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
+        return r, seconds, peak, (resting if args.device == "cuda" else None)
+
+    per = {v.name: {"preset": v.preset, "knobs": v.knobs, "calculate_entropy": v.entropy,
+                    "selection": dataclasses.asdict(v.selection) if v.selection is not None else None,
+                    "step_s": [], "peak_mem_bytes": None, "resting_mem_bytes": None} for v in variants}
+    # 1. sanity step per variant (hooks on; not timed)
+    for v in variants:
+        recorder = SanityRecorder(actor)
+        try:
+            r, seconds, _, _ = step(v, recorder)
+        finally:
+            recorder.close()
+        s = recorder.check(v.selection, rmpad)
+        m = r.metrics
+        s.update(loss=r.loss, grad_norm=r.grad_norm, seconds=round(seconds, 3))
+        if not (r.loss is not None and math.isfinite(r.loss)):
+            s["failures"].append(f"loss not finite: {r.loss}")
+        if not (r.grad_norm is not None and math.isfinite(r.grad_norm) and r.grad_norm > 0):
+            s["failures"].append(f"grad norm not finite and positive: {r.grad_norm}")
+        if v.selection is not None:
+            s["metric_selected_fraction"] = _scalar(m.get("tokensel/selected_fraction"))
+            s["metric_grad_mass_kept"] = _scalar(m.get("tokensel/grad_mass_kept"))
+            s["metric_nan_scores"] = _scalar(m.get("tokensel/nan_scores"))
+            if s["metric_selected_fraction"] is None:
+                s["failures"].append("tokensel/selected_fraction missing from the step's metrics")
+            if s["metric_nan_scores"]:
+                s["failures"].append(f"tokensel/nan_scores = {s['metric_nan_scores']}")
+        per[v.name]["sanity"] = s
+        failures += [f"{v.name}: {f}" for f in s["failures"]]
+        log(f"sanity {v.name}: {len(s['failures'])} failure(s), selected {s.get('selected_fraction', 0):.4f}, "
+            f"{s['micro_batches']} micro-batches, step {seconds:.2f}s")
+    # 2. warm-up and timed rounds, interleaved so drift hits every variant alike
+    rounds = args.warmup + args.steps
+    done = 0
+    for rnd in range(rounds):
+        per_round = max((statistics.median(p["step_s"]) if p["step_s"] else 0.0) for p in per.values())
+        if rnd >= args.warmup + 1 and clock.left() < 1.5 * per_round * len(variants):
+            log(f"phase budget nearly spent: stopping after {done} timed round(s)")
+            break
+        for v in variants:
+            r, seconds, peak, resting = step(v)
+            if rnd < args.warmup:
+                continue
+            p = per[v.name]
+            p["step_s"].append(round(seconds, 4))
+            if peak is not None:
+                p["peak_mem_bytes"] = max(p["peak_mem_bytes"] or 0, peak)
+                p["resting_mem_bytes"] = resting
+        if rnd >= args.warmup:
+            done += 1
+    rec["rounds_done"] = done
+    rec["warmup_rounds"] = args.warmup
+    if done == 0:
+        failures.append("no timed round fitted in the phase budget")
+        return failures
+    base = per[variants[0].name]
+    for name, p in per.items():
+        p["step_s_median"] = statistics.median(p["step_s"])
+        p["step_ratio_vs_" + variants[0].name] = p["step_s_median"] / statistics.median(base["step_s"])
+        p["tokens_per_s"] = tokens / p["step_s_median"]
+        if p["peak_mem_bytes"] is not None:
+            p["peak_mem_gib"] = p["peak_mem_bytes"] / 2**30
+            p["mem_ratio_vs_" + variants[0].name] = p["peak_mem_bytes"] / base["peak_mem_bytes"]
+    rec["variants"] = per
+    return failures
+
+
+def _common_worker_kwargs(args, workload: Workload, attn: str) -> dict:
+    return dict(use_dynamic_bsz=True, use_remove_padding=not args.no_remove_padding, seed=args.seed,
+                ppo_mini_batch_size=workload.n // workload.group_size, rollout_n=workload.group_size,
+                ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=workload.max_token_len,
+                lr=0.0, clip_grad=1.0, dtype="fp32" if args.device == "cpu" else "bf16",
+                attn_implementation=attn, gradient_checkpointing=args.device == "cuda",
+                num_threads=1 if args.device == "cpu" else None)
+
+
+def fsdp_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) -> list[str]:
+    kw = _common_worker_kwargs(args, workload, attn)
+    actor = clock.run_phase("fsdp_init", args.budget_init, H.make_training_worker, model_dir, **kw)
+    rec.update(status="running", engine="fsdp2", init_s=round(actor.init_seconds, 2),
+               settings={k: v for k, v in kw.items() if k != "num_threads"})
+    failures = clock.run_phase("fsdp_steps", args.budget_steps, run_engine_steps, H, actor, args, workload, clock,
+                               H.selecting_actor_config, rec)
+    rec["status"] = "failed" if failures else "ok"
+    rec["failures"] = failures
+    del actor
+    if args.device == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return failures
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron (only where megatron-core and mbridge import; not run on CPU)
+# ------------------------------------------------------------------------------------------------
+def megatron_skip_reason(args) -> str | None:
+    if args.no_megatron:
+        return "--no-megatron"
+    if args.device != "cuda":
+        return "verl's Megatron engine needs CUDA (--device cpu)"
+    for mod, dist in (("megatron.core", "megatron-core"), ("mbridge", "mbridge")):
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            return f"{mod} is not importable (pip package {dist}; the GPU image does not ship it)"
+    return None
+
+
+def make_megatron_worker(H, model_dir, use_dynamic_bsz, use_remove_padding, seed, ppo_mini_batch_size, rollout_n,
+                         ppo_micro_batch_size_per_gpu, ppo_max_token_len_per_gpu, lr, clip_grad, dtype,
+                         attn_implementation, gradient_checkpointing, num_threads):
+    """verl's TrainingWorker with the Megatron engine (TP=PP=1), built like ``H.make_training_worker``."""
+    import torch
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+    from verl.workers.engine_workers import TrainingWorker
+
+    H.setup_cpu_process(num_threads=num_threads)
+    a, m = "actor_rollout_ref.actor", "actor_rollout_ref.model"
+    overrides = [
+        f"{m}.path={model_dir}", f"{m}.use_remove_padding={use_remove_padding}",
+        f"{m}.enable_gradient_checkpointing={gradient_checkpointing}",
+        f"actor_rollout_ref.rollout.n={rollout_n}",
+        f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz={use_dynamic_bsz}",
+        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={ppo_max_token_len_per_gpu}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={ppo_micro_batch_size_per_gpu}",
+        f"{a}.use_dynamic_bsz={use_dynamic_bsz}", f"{a}.ppo_mini_batch_size={ppo_mini_batch_size}",
+        f"{a}.ppo_micro_batch_size_per_gpu={ppo_micro_batch_size_per_gpu}",
+        f"{a}.ppo_max_token_len_per_gpu={ppo_max_token_len_per_gpu}",
+        f"{a}.optim.lr={lr}", f"{a}.optim.clip_grad={clip_grad}", f"{a}.optim.total_training_steps=100",
+        f"{a}.megatron.tensor_model_parallel_size=1", f"{a}.megatron.pipeline_model_parallel_size=1",
+        f"{a}.megatron.sequence_parallel=False",
+        f"{a}.megatron.override_transformer_config.attention_backend=auto",
+    ]
+    if GlobalHydra.instance().is_initialized():
+        GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
+        cfg = compose(config_name="ppo_megatron_trainer", overrides=overrides)
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    actor_config.model_config = model_config
+    tc = TrainingWorkerConfig(model_type="language_model", model_config=model_config,
+                              engine_config=actor_config.engine, optimizer_config=actor_config.optim,
+                              checkpoint_config=actor_config.checkpoint, profiler_config=None)
+    e = tc.engine_config
+    e.use_dynamic_bsz = use_dynamic_bsz
+    e.max_token_len_per_gpu = e.infer_max_token_len_per_gpu = ppo_max_token_len_per_gpu
+    e.micro_batch_size_per_gpu = e.infer_micro_batch_size_per_gpu = ppo_micro_batch_size_per_gpu
+    e.use_remove_padding = use_remove_padding
+    t0 = time.time()
+    torch.manual_seed(seed)
+    worker = TrainingWorker(config=tc)
+    worker.reset()
+    worker.set_loss_fn(H.default_loss_fn(actor_config))
+    return H.CpuActor(worker=worker, actor_config=actor_config, model_config=model_config, cfg=cfg,
+                      use_dynamic_bsz=use_dynamic_bsz, use_remove_padding=use_remove_padding,
+                      init_seconds=time.time() - t0)
+
+
+def megatron_selecting_config(actor, preset: str, calculate_entropy=None, **knobs):
+    """``TokenselMcoreActorConfig`` with ``token_selector=preset`` (the Megatron twin of ``selecting_actor_config``)."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    node = actor.cfg.actor_rollout_ref.actor.copy()
+    OmegaConf.set_struct(node, False)
+    node._target_ = "verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig"
+    node.token_selector = preset
+    node.calculate_entropy = bool(calculate_entropy)
+    node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig", **knobs}
+    return omega_conf_to_dataclass(node)
+
+
+def megatron_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) -> list[str]:
+    kw = _common_worker_kwargs(args, workload, attn)
+    try:
+        actor = make_megatron_worker(H, model_dir, **kw)
+    except Exception as e:  # the path is untested off a Megatron install: report, do not hide
+        rec.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        return [f"megatron: worker did not start: {type(e).__name__}: {e}"]
+    rec.update(status="running", engine="megatron", init_s=round(actor.init_seconds, 2))
+    failures = run_engine_steps(H, actor, args, workload, clock, megatron_selecting_config, rec)
+    rec["status"] = "failed" if failures else "ok"
+    rec["failures"] = failures
+    return [f"megatron: {f}" for f in failures]
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+# ------------------------------------------------------------------------------------------------
+def print_table(title: str, rec: dict, base: str) -> None:
+    if rec.get("status") in ("skipped", "error") or "variants" not in rec:
+        print(f"\n{title}: {rec.get('status')}: {rec.get('reason') or rec.get('error') or rec.get('failures')}")
+        return
+    print(f"\n{title}: {rec['responses']} responses of {rec['response_len_min']}..{rec['response_len_max']} tokens, "
+          f"{rec['tokens_per_step']} tokens per step, micro-batches of <= {rec['max_token_len_per_micro_batch']} "
+          f"tokens; median of {rec['rounds_done']} interleaved timed rounds after {rec['warmup_rounds']} warm-up")
+    print(f"{'variant':<14}{'step s':>9}{'ratio':>8}{'peak GiB':>10}{'ratio':>8}{'selected':>10}"
+          f"{'mb':>4}{'unsel.grad':>11}{'sanity':>8}")
+    for name, p in rec["variants"].items():
+        s = p["sanity"]
+        mem = f"{p['peak_mem_gib']:>10.2f}{p['mem_ratio_vs_' + base]:>7.3f}x" if p.get("peak_mem_gib") else f"{'-':>10}{'-':>8}"
+        print(f"{name:<14}{p['step_s_median']:>9.3f}{p['step_ratio_vs_' + base]:>7.3f}x{mem}"
+              f"{s.get('selected_fraction', float('nan')):>10.4f}{s['micro_batches']:>4}"
+              f"{s.get('unselected_with_grad', 0):>11}{'ok' if not s['failures'] else 'FAIL':>8}")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="examples:\n  python benchmarks/gpu_check.py --out $OUT/gpu_check.json\n"
+                                        "  python benchmarks/gpu_check.py --tiny --device cpu --out /tmp/g.json\n"
+                                        "  python benchmarks/gpu_check.py --variants none forking --steps 3")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="tiny Qwen3 and short responses (the CPU self-test)")
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None,
+                    help="JSON results path (default $OUT/gpu_check.json if $OUT is set)")
+    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
+                    help="presets to compare, the first is the baseline; 'P+entropy' turns the entropy pass on")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the sanity step (default 1)")
+    ap.add_argument("--steps", type=int, default=5, help="timed rounds (default 5; fewer if the budget runs out)")
+    ap.add_argument("--attn", default="auto", help="attention: auto (flash_attention_2 if importable, else sdpa; "
+                                                   "eager on CPU), or a transformers name")
+    ap.add_argument("--no-remove-padding", action="store_true")
+    ap.add_argument("--no-megatron", action="store_true", help="skip the Megatron phase")
+    ap.add_argument("--workdir", default=None, help="where the model folder goes (default: a temp dir)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 380; 110 with --tiny)")
+    ap.add_argument("--budget-model", type=float, default=None, help="phase budget, s (default 60; 30 tiny)")
+    ap.add_argument("--budget-init", type=float, default=None, help="phase budget, s (default 90; 30 tiny)")
+    ap.add_argument("--budget-steps", type=float, default=None, help="phase budget, s (default 150; 40 tiny)")
+    ap.add_argument("--budget-megatron", type=float, default=None, help="phase budget, s (default 120; 60 tiny)")
+    args = ap.parse_args(argv)
+    defaults = dict(deadline=(110, 380), budget_model=(30, 60), budget_init=(30, 90), budget_steps=(40, 150),
+                    budget_megatron=(60, 120))
+    for k, (tiny, full) in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, tiny if args.tiny else full)
+    if args.device == "cpu" and not args.tiny:
+        ap.error("--device cpu runs the 0.6B model for hours: add --tiny")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    # the harness decides verl's platform at import: set it first
+    os.environ["VERL_TOKENSEL_HARNESS_DEVICE"] = args.device
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    results = {"schema": 1, "status": "running", "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "argv": sys.argv[1:] if argv is None else list(argv), "phases": {}, "failures": []}
+    clock = Clock(args.deadline, results, args.out)
+    try:
+        try:
+            results["env"] = clock.run_phase("env", 60, check_env, args)
+        except EnvironmentError as e:
+            results.update(status="env_error")
+            results["failures"].append(str(e))
+            print(f"gpu_check: ERROR: {e}", file=sys.stderr)
+            return EXIT_ENV
+        import tempfile
+
+        from verl_tokensel.testing import cpu_worker as H
+
+        attn = pick_attention(args)
+        workload = TINY_WORKLOAD if args.tiny else GPU_WORKLOAD
+        workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
+        model_dir, model_info = clock.run_phase("model", args.budget_model, build_model_dir,
+                                                workdir / ("tiny_qwen3" if args.tiny else "qwen3_0p6b_shape"),
+                                                args.tiny, args.device, args.seed)
+        results["config"] = {"tiny": args.tiny, "device": args.device, "attn_implementation": attn,
+                             "model": model_info, "workload": dataclasses.asdict(workload),
+                             "variants": args.variants, "warmup": args.warmup, "steps": args.steps,
+                             "deadline_s": args.deadline}
+        results["fsdp"] = {}
+        results["failures"] += fsdp_phase(H, model_dir, args, workload, attn, clock, results["fsdp"])
+        reason = megatron_skip_reason(args)
+        if reason:
+            results["megatron"] = {"status": "skipped", "reason": reason}
+            log(f"megatron skipped: {reason}")
+        else:
+            results["megatron"] = {}
+            results["failures"] += clock.run_phase("megatron", args.budget_megatron, megatron_phase, H, model_dir,
+                                                   args, workload, attn, clock, results["megatron"])
+    except Exception as e:
+        results["failures"].append(f"{type(e).__name__}: {e}")
+        results["traceback"] = traceback.format_exc()[-4000:]
+        traceback.print_exc()
+    finally:
+        clock.cancel()
+    results["status"] = "failed" if results["failures"] else "ok"
+    results["seconds"] = round(clock.elapsed(), 1)
+    write_json(results, args.out)
+    base = args.variants[0]
+    if "variants" in results.get("fsdp", {}):
+        print_table("FSDP2", results["fsdp"], base)
+    print_table("Megatron", results.get("megatron", {"status": "not reached"}), base)
+    print(f"\nstep ratio / peak-memory ratio: vs {base}; selected: fraction of valid response tokens selected "
+          f"(sanity step); mb: micro-batches; unsel.grad: unselected tokens whose logits got gradient (must be 0)")
+    for f in results["failures"]:
+        print(f"FAILURE: {f}")
+    print(f"gpu_check: {results['status']} in {results['seconds']}s"
+          + (f"; results in {args.out}" if args.out else " (no --out given)"))
+    return EXIT_OK if not results["failures"] else EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU check on one GPU machine with NO network, from the repository root (under 8 minutes):
+#
+#   bash scripts/gpu_check.sh                # wheels from wheels/, results in $OUT/gpu_check.json
+#   bash scripts/gpu_check.sh /tmp/wheels    # another wheel folder (or a folder of chunkN/ folders)
+#   GPU_CHECK_ARGS="--steps 3 --no-megatron" bash scripts/gpu_check.sh
+#
+# 1. checks the assumption this relies on: the machine's python3 (or $PYTHON) has a CUDA build of
+#    torch >= 2.6 that sees a GPU (and, optionally, flash-attn). torch is NOT in the wheel folder
+#    (2+ GiB with its CUDA libraries); neither is flash-attn (without it the check uses sdpa).
+# 2. installs verl 0.9.1, transformers 5.9.0, tensordict and the rest offline from the wheel folder
+#    made by scripts/pack_wheels.sh on a networked machine: pip install --no-index --find-links,
+#    with torch pinned to the installed build so nothing tries to replace it; packages the image
+#    already has in a fitting version are kept. Wheels split into NAME.whl.part-aa, -ab, ... (by
+#    CHUNK_MIB) are joined first, from any chunkN/ subfolders.
+# 3. runs benchmarks/gpu_check.py with the repository's own verl_tokensel (PYTHONPATH=repo root)
+#    under `timeout` (GPU_CHECK_TIMEOUT s, default 420; the check's own deadline is 380 s).
+#
+# Through a tool that carries at most 64 MiB per call (ray's wheel alone is 75.6 MiB): make the
+# folder with SKIP_PRESENT=scripts/gpu_image_packages.txt CHUNK_MIB=48, then, on one warm machine,
+# call 1 copies wheels/chunk1 to /tmp/wheels/ and call 2 copies the last chunk and runs
+# `bash scripts/gpu_check.sh /tmp/wheels`.
+#
+# Exit codes: gpu_check.py's (0 ok, 1 a sanity check failed, 2 environment, 3 its deadline), 4 the
+# torch assumption does not hold, 5 the offline install failed, 124 `timeout` stopped it.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+WHEELS="${1:-$ROOT/wheels}"
+PY="${PYTHON:-python3}"
+TIMEOUT_S="${GPU_CHECK_TIMEOUT:-420}"
+OUT_DIR="${OUT:-$ROOT/outputs}"
+T0=$(date +%s)
+say() { echo "[gpu_check.sh +$(( $(date +%s) - T0 ))s] $*" >&2; }
+
+# ---- 1. the image's torch ------------------------------------------------------------------------
+say "checking the image's torch ($PY)"
+if ! "$PY" - <<'EOF'
+import sys
+try:
+    import torch
+except ImportError as e:
+    sys.exit(f"ERROR: torch is not importable ({e}). This script assumes the GPU image ships a CUDA "
+             "build of torch (>= 2.6); the wheel folder deliberately has none. Fix: run on the CUDA "
+             "image, or set PYTHON to the interpreter that has torch.")
+v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+if v < (2, 6):
+    sys.exit(f"ERROR: torch {torch.__version__} is older than 2.6 (verl 0.9 needs >= 2.6). Fix: use a newer image.")
+if torch.version.cuda is None or not torch.cuda.is_available():
+    sys.exit(f"ERROR: torch {torch.__version__} (CUDA build: {torch.version.cuda}) sees no GPU. This script "
+             "needs a CUDA GPU; on a CPU machine run: python benchmarks/gpu_check.py --tiny --device cpu")
+try:
+    import flash_attn  # noqa: F401
+    fa = f"flash-attn {flash_attn.__version__}"
+except Exception:
+    fa = "no flash-attn (sdpa will be used)"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}, {fa}")
+EOF
+then
+    exit 4
+fi
+
+# ---- 2. offline install from the wheel folder ----------------------------------------------------
+if [ ! -d "$WHEELS" ]; then
+    echo "ERROR: no wheel folder at $WHEELS. Fix: on a machine with network run 'bash scripts/pack_wheels.sh'" \
+         "and bring its wheels/ folder here (or pass its path)." >&2
+    exit 5
+fi
+STAGE="$(mktemp -d)"
+trap 'rm -rf "$STAGE"' EXIT
+# flatten chunkN/ folders and join split wheels (parts sort in order: part-aa, part-ab, ...)
+find "$WHEELS" -name '*.whl' -exec cp -t "$STAGE" {} +
+while IFS= read -r whl; do
+    [ -e "$STAGE/$whl" ] && continue
+    find "$WHEELS" -name "$whl.part-*" -print0 | sort -z | xargs -0 cat >"$STAGE/$whl"
+done < <(find "$WHEELS" -name '*.whl.part-*' -printf '%f\n' | sed 's/\.part-[a-z]*$//' | sort -u)
+OWN="$(ls "$STAGE"/verl_tokensel-*.whl 2>/dev/null | head -n1 || true)"
+if [ -z "$OWN" ]; then
+    echo "ERROR: $WHEELS has no verl_tokensel-*.whl (are all chunks there?). Fix: run scripts/pack_wheels.sh." >&2
+    exit 5
+fi
+"$PY" -c 'import torch; print("torch==" + torch.__version__)' >"$STAGE/constraints.txt"
+say "installing offline from $WHEELS ($(ls "$STAGE"/*.whl | wc -l) wheels; torch pinned: $(cat "$STAGE/constraints.txt"))"
+if ! "$PY" -m pip install -q --no-index --find-links "$STAGE" --no-compile --disable-pip-version-check \
+        -c "$STAGE/constraints.txt" "$OWN"; then
+    echo "ERROR: the offline install failed (pip's message above names the missing or conflicting package)." \
+         "Fix: re-run scripts/pack_wheels.sh for this image's Python ($("$PY" -c 'import sys; print(sys.version.split()[0])'))" \
+         "without SKIP_PRESENT, and bring the whole folder." >&2
+    exit 5
+fi
+"$PY" -c 'import verl, transformers, tensordict; print("verl", verl.__version__, "| transformers", transformers.__version__, "| tensordict", tensordict.__version__)'
+
+# ---- 3. the check ---------------------------------------------------------------------------------
+mkdir -p "$OUT_DIR"
+say "running benchmarks/gpu_check.py (timeout ${TIMEOUT_S}s)"
+set +e
+PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout --kill-after=15 "$TIMEOUT_S" \
+    "$PY" benchmarks/gpu_check.py --out "$OUT_DIR/gpu_check.json" ${GPU_CHECK_ARGS:-}
+rc=$?
+set -e
+if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    echo "ERROR: gpu_check.py did not finish within ${TIMEOUT_S}s and was killed (its own deadline should" \
+         "have stopped it first: a hang in CUDA, NCCL or the file system?). Partial results, if any:" \
+         "$OUT_DIR/gpu_check.json" >&2
+fi
+say "done, exit code $rc"
+exit "$rc"
