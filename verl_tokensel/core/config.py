@@ -253,6 +253,15 @@ def resolve_selection(
             "defined for token-mean. Fix: set token_selection.normaliser=all or loss_agg_mode=token-mean.",
         )
     spec = SCORE_REGISTRY[sel.score]
+    if spec.needs_external and sel.score_source != "rollout":
+        raise _err(
+            "token_selection.score_source",
+            sel.score_source,
+            "rollout (with score=" + sel.score + ")",
+            f"token_selection.score={sel.score} needs {', '.join(spec.needs_external)}, which only the driver "
+            "computes, once per step, for the whole batch. Fix: set token_selection.score_source=rollout "
+            "(scope batch, group or sequence; normaliser all).",
+        )
     if spec.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or
                                                      overrides.auto_enable_entropy):
         raise _err(

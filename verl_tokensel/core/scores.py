@@ -14,7 +14,7 @@ Each score is registered once in :data:`SCORE_REGISTRY`; selectors name a score.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -40,6 +40,8 @@ class ScoreInputs:
         clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO/DAPO clip parameters.
         kl_coef / kl_type: the KL-loss term, when one is on (kl_coef == 0 disables it).
         seed: seed of the ``random`` score.
+        external: per-token fields a score declares in ``needs_external`` and that only the glue can
+            compute (e.g. ``ref_entropy``, the reference model's entropy, filled on the driver).
     """
 
     log_prob: torch.Tensor
@@ -57,6 +59,7 @@ class ScoreInputs:
     kl_type: str = "low_var_kl"
     seed: int = 0
     omega_cache: Optional[torch.Tensor] = None  # filled by omega(); scores and metrics share it
+    external: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def policy_gradient_weight(
@@ -205,21 +208,37 @@ class ScoreSpec:
     needs_omega: bool
     help: str
     needs_row_keys: bool = False
+    needs_external: tuple[str, ...] = ()
+    uses_sum_pi_squared: bool = False
 
 
 SCORE_REGISTRY: dict[str, ScoreSpec] = {}
 
 
-def register_score(name: str, *, needs_entropy: bool, needs_omega: bool, help: str, needs_row_keys: bool = False):
+def register_score(
+    name: str,
+    *,
+    needs_entropy: bool,
+    needs_omega: bool,
+    help: str,
+    needs_row_keys: bool = False,
+    needs_external: tuple[str, ...] = (),
+    uses_sum_pi_squared: bool = False,
+):
     """Decorator registering a score; refuses to overwrite an existing name.
 
     ``needs_row_keys``: the score reads :attr:`ScoreInputs.row_keys` (one int64 per response).
+    ``needs_external``: names of :attr:`ScoreInputs.external` fields the score reads; the core cannot
+    compute them, a glue module fills them (only ``score_source=rollout`` knows ``ref_entropy``).
+    ``uses_sum_pi_squared``: the score is exact with :attr:`ScoreInputs.sum_pi_squared` (else bounded),
+    so the pass that measures it should ask the engine for sum_j p_j^2.
     """
 
     def deco(fn: ScoreFn) -> ScoreFn:
         if name in SCORE_REGISTRY:
             raise ValueError(f"score {name!r} is already registered; pick another name")
-        SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help, needs_row_keys)
+        SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help, needs_row_keys,
+                                         tuple(needs_external), uses_sum_pi_squared)
         return fn
 
     return deco
@@ -249,6 +268,7 @@ def gmts_score(inp: ScoreInputs) -> torch.Tensor:
     needs_entropy=False,
     needs_omega=True,
     help="|omega_t| * ||e_a - p|| (exact with sum_pi_squared, else the (1 - p_a) lower bound)",
+    uses_sum_pi_squared=True,
 )
 def grad_norm_score(inp: ScoreInputs) -> torch.Tensor:
     return omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
@@ -260,6 +280,23 @@ def random_score(inp: ScoreInputs) -> torch.Tensor:
     if inp.row_keys is None:
         raise ValueError("the random score needs row_keys (one int64 per response)")
     return seeded_uniform(inp.row_keys, inp.log_prob.shape[-1], inp.seed).to(inp.log_prob.device)
+
+
+@register_score(
+    "ref_entropy",
+    needs_entropy=False,
+    needs_omega=False,
+    help="H_ref_t, nats: the reference/base model's entropy at the token (score_source=rollout only)",
+    needs_external=("ref_entropy",),
+)
+def ref_entropy_score(inp: ScoreInputs) -> torch.Tensor:
+    # the 80/20 paper reports > 86% overlap of base and RL-trained top-20% positions (Qwen3-14B)
+    if "ref_entropy" not in inp.external:
+        raise ValueError(
+            "the ref_entropy score needs the reference model's per-token entropy, which only the driver "
+            "computes (token_selection.score_source=rollout)"
+        )
+    return inp.external["ref_entropy"].detach().float()
 
 
 def compute_score(name: str, inp: ScoreInputs) -> torch.Tensor:

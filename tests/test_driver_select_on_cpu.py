@@ -1,0 +1,132 @@
+"""Driver-side selection (``score_source=rollout``): :func:`select_on_driver` on padded batches.
+
+- ``batch`` scope keeps exactly ceil(rho * N) tokens over the union of all responses: the top scores;
+- ``group`` keeps ceil(rho * n_g) per uid and is independent of the other groups;
+- permuting the rows (balance_batch, dynamic batching) permutes the mask with them;
+- scores are taken at the old policy: gmts = H * |A| (r = 1 is never clipped);
+- the per-token field the glue sends is bool, nested like verl's other response fields.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from verl_tokensel.core.config import PRESETS, TokenSelectionConfig, resolve_selection
+from verl_tokensel.verl_glue.driver_select import group_ids_from_uids, score_params, select_on_driver
+
+
+def _batch(seed=0, n=12, length=9, group_size=4):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, length + 1, (n,), generator=g)
+    valid = torch.arange(length).view(1, -1) < lens.view(-1, 1)
+    entropy = torch.rand(n, length, generator=g) * 3 * valid
+    old_lp = -torch.rand(n, length, generator=g) * 4 * valid
+    adv_row = torch.randn(n, generator=g)
+    adv = adv_row.view(-1, 1).expand(n, length) * valid
+    uids = [f"p{i // group_size}" for i in range(n)]
+    return dict(response_mask=valid.long(), entropy=entropy, old_log_prob=old_lp, advantages=adv), uids
+
+
+def _sel(preset="forking_paper", **knobs):
+    return resolve_selection(preset, TokenSelectionConfig(**knobs))
+
+
+def test_batch_scope_keeps_top_ceil_over_union():
+    f, _ = _batch()
+    sel = _sel()
+    out = select_on_driver(sel, **f)
+    valid = f["response_mask"].bool()
+    n = int(valid.sum())
+    k = math.ceil(0.2 * n)
+    assert int(out.mask.sum()) == k
+    assert not (out.mask & ~valid).any()
+    # the kept tokens are exactly the k highest entropies of the union
+    kept_min = f["entropy"][out.mask].min()
+    dropped_max = f["entropy"][valid & ~out.mask].max()
+    assert kept_min >= dropped_max
+    assert out.scores.dtype == torch.float32
+    assert torch.equal(out.scores[valid], f["entropy"][valid])
+    assert out.metrics["tokensel/driver_selected_tokens"] == k
+    assert out.metrics["tokensel/driver_selected_fraction"] == pytest.approx(k / n)
+
+
+def test_group_scope_keeps_ceil_per_uid():
+    f, uids = _batch(seed=1, n=12, group_size=3)
+    sel = _sel(scope="group", ratio=0.3)
+    gid = group_ids_from_uids(uids)
+    out = select_on_driver(sel, group_ids=gid, **f)
+    valid = f["response_mask"].bool()
+    for g in gid.unique():
+        rows = gid == g
+        n_g = int(valid[rows].sum())
+        assert int(out.mask[rows].sum()) == math.ceil(0.3 * n_g)
+        # each group alone gives the same mask as the whole batch
+        alone = select_on_driver(sel, group_ids=gid[rows], **{k: v[rows] for k, v in f.items()})
+        assert torch.equal(alone.mask, out.mask[rows])
+    assert out.metrics["tokensel/driver_groups"] == gid.unique().numel()
+
+
+@pytest.mark.parametrize("scope", ["batch", "group", "sequence"])
+def test_row_permutation_moves_mask_with_rows(scope):
+    f, uids = _batch(seed=2)
+    sel = _sel(scope=scope)
+    gid = group_ids_from_uids(uids)
+    out = select_on_driver(sel, group_ids=gid, **f)
+    perm = torch.randperm(len(uids), generator=torch.Generator().manual_seed(5))
+    perm_uids = [uids[i] for i in perm.tolist()]
+    out_p = select_on_driver(sel, group_ids=group_ids_from_uids(perm_uids), **{k: v[perm] for k, v in f.items()})
+    assert torch.equal(out_p.mask, out.mask[perm])
+    assert torch.equal(out_p.scores, out.scores[perm])
+
+
+def test_gmts_at_old_policy_is_entropy_times_abs_advantage():
+    f, uids = _batch(seed=3)
+    sel = _sel("gmts", score_source="rollout", scope="group")
+    out = select_on_driver(sel, group_ids=group_ids_from_uids(uids), params=score_params(object()), **f)
+    valid = f["response_mask"].bool()
+    expect = (f["entropy"] * f["advantages"].abs())[valid]
+    torch.testing.assert_close(out.scores[valid], expect)
+
+
+def test_padding_rows_never_selected():
+    f, _ = _batch(seed=4)
+    row_valid = torch.ones(12, dtype=torch.bool)
+    row_valid[-2:] = False
+    f["entropy"][-2:] = 100.0  # would win every top-k if counted
+    out = select_on_driver(_sel(), row_valid=row_valid, **f)
+    assert not out.mask[-2:].any()
+    n = int(f["response_mask"][:-2].sum())
+    assert int(out.mask.sum()) == math.ceil(0.2 * n)
+
+
+def test_ref_entropy_reads_the_external_field():
+    f, _ = _batch(seed=5)
+    ref = torch.rand_like(f["entropy"])
+    out = select_on_driver(_sel(score="ref_entropy"), external={"ref_entropy": ref}, **f)
+    valid = f["response_mask"].bool()
+    assert torch.equal(out.scores[valid], ref[valid])
+    with pytest.raises(ValueError, match="ref_entropy"):
+        select_on_driver(_sel(score="ref_entropy"), **f)
+
+
+def test_mask_field_round_trips_as_nested_bool():
+    from verl.workers.utils.padding import response_to_nested
+
+    f, _ = _batch(seed=6)
+    out = select_on_driver(_sel(), **f)
+    lens = f["response_mask"].sum(1)
+    rm_nested = torch.nested.as_nested_tensor([torch.ones(int(n), dtype=torch.int64) for n in lens],
+                                              layout=torch.jagged)
+    nested = response_to_nested(out.mask, rm_nested)
+    assert nested.is_nested and nested.dtype == torch.bool
+    back = nested.to_padded_tensor(False)
+    assert torch.equal(back, out.mask[:, : back.shape[1]])
+
+
+def test_forking_paper_preset_is_rollout_batch_all():
+    sel = PRESETS["forking_paper"]
+    assert (sel.score, sel.scope, sel.score_source, sel.normaliser, sel.ratio) == ("entropy", "batch", "rollout",
+                                                                                   "all", 0.2)

@@ -1,0 +1,171 @@
+"""Token selection on the driver (``token_selection.score_source=rollout``).
+
+The 80/20 paper ranks tokens by their entropy over the whole training batch B ("keep H >= tau_rho^B",
+arXiv 2506.01939): one threshold for all responses of a step. No data-parallel rank sees the whole
+batch, the driver does. verl already runs an old-policy pass over the whole batch before the update
+(entropy and log-probs), and computes the advantages on the driver; this module turns those padded
+``(batch, response_len)`` fields into a selection mask and the scores it was ranked by. The glue in
+:mod:`verl_tokensel.verl_glue.install` sends both to the actor workers as per-token fields
+(:data:`~verl_tokensel.verl_glue.loss.MASK_FIELD`, :data:`~verl_tokensel.verl_glue.loss.SCORE_FIELD`),
+keyed by row, and the loss applies the mask as it is.
+
+Scores are evaluated with the core registry AT THE OLD POLICY: ``log_prob = old_log_prob``, so the
+ratio r = 1 and omega = A * 1[not clipped at r = 1] = A (r = 1 is inside every clip band), plus the KL
+term's weight when a KL loss is on. ``gmts`` is then H_old * |A|, ``grad_norm`` |A| * ||e_a - p_old||.
+
+Scopes (the pool the budget ``ceil(ratio * N)`` is taken from):
+
+- ``batch``: every valid response token of the batch handed to one actor update;
+- ``group``: the responses sharing a prompt (verl's ``uid``), each group keeps ``ceil(ratio * n_g)``;
+- ``sequence``: each response keeps ``ceil(ratio * n_i)``.
+
+Pure torch apart from the row-key helper: :func:`select_on_driver` takes padded tensors and needs
+neither Ray nor a worker, so it is unit-tested alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+
+from verl_tokensel.core.config import Selection
+from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreInputs, compute_score, logit_grad_norm, omega
+from verl_tokensel.core.select import select_tokens, selection_stats
+
+DRIVER_METRIC_PREFIX = "tokensel/driver_"
+
+
+@dataclass
+class DriverSelection:
+    """What :func:`select_on_driver` returns.
+
+    Attributes:
+        mask: ``(batch, response_len)`` bool, a subset of the valid response tokens.
+        scores: ``(batch, response_len)`` float32 scores the mask was ranked by (0 on padding).
+        metrics: scalar metrics over the whole batch, keys prefixed ``tokensel/driver_``.
+    """
+
+    mask: torch.Tensor
+    scores: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def group_ids_from_uids(uids: Sequence[Any]) -> torch.Tensor:
+    """``(batch,)`` int64 group index of each row: rows with equal ``uid`` share an index (first-seen order)."""
+    index: dict[Any, int] = {}
+    return torch.tensor([index.setdefault(u, len(index)) for u in uids], dtype=torch.int64)
+
+
+def score_params(actor_config: Any) -> dict[str, Any]:
+    """Clip and KL parameters of ``actor_rollout_ref.actor`` (an OmegaConf node or verl's dataclass)
+    as :class:`~verl_tokensel.core.scores.ScoreInputs` keyword arguments, resolved like verl's loss."""
+
+    def get(key, default=None):
+        value = getattr(actor_config, key, default)
+        return default if value is None else value
+
+    clip_ratio = get("clip_ratio", 0.2)
+    use_kl = bool(get("use_kl_loss", False))
+    return dict(
+        clip_ratio_low=float(get("clip_ratio_low", clip_ratio)),
+        clip_ratio_high=float(get("clip_ratio_high", clip_ratio)),
+        clip_ratio_c=float(get("clip_ratio_c", 3.0)),
+        kl_coef=float(get("kl_loss_coef", 0.0)) if use_kl else 0.0,
+        kl_type=str(get("kl_loss_type", "low_var_kl")),
+    )
+
+
+def select_on_driver(
+    sel: Selection,
+    *,
+    response_mask: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    entropy: Optional[torch.Tensor] = None,
+    sum_pi_squared: Optional[torch.Tensor] = None,
+    ref_log_prob: Optional[torch.Tensor] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    row_keys: Optional[torch.Tensor] = None,
+    group_ids: Optional[torch.Tensor] = None,
+    row_valid: Optional[torch.Tensor] = None,
+    external: Optional[Mapping[str, torch.Tensor]] = None,
+    params: Optional[Mapping[str, Any]] = None,
+) -> DriverSelection:
+    """Score every response token of the batch at the old policy and select with ``sel``.
+
+    Args:
+        sel: the resolved rule (``sel.score_source`` should be ``rollout``; not checked here).
+        response_mask: ``(batch, response_len)``, nonzero on valid response tokens.
+        old_log_prob: old-policy log p(a_t), nats.
+        advantages: per-token advantages.
+        entropy: old-policy entropy (nats), for scores that need it.
+        sum_pi_squared: old-policy sum_j p_j^2 (``grad_norm`` is exact with it, a lower bound without).
+        ref_log_prob: reference log p(a_t), read only when ``params['kl_coef']`` > 0.
+        rollout_is_weights: rollout-correction weights; they multiply the token loss, hence omega.
+        row_keys: ``(batch,)`` int64 per-response keys (``random`` score).
+        group_ids: ``(batch,)`` int64 prompt group of each row (``scope=group``).
+        row_valid: ``(batch,)`` bool, False on synthetic padding rows (never selected, never counted).
+        external: per-token fields a score declares in ``needs_external`` (e.g. ``ref_entropy``).
+        params: clip/KL keyword arguments of :class:`ScoreInputs`, see :func:`score_params`.
+
+    Returns:
+        :class:`DriverSelection` with the mask, the float32 scores and ``tokensel/driver_*`` metrics.
+    """
+    valid = response_mask.to(torch.bool)
+    if row_valid is not None:
+        valid = valid & row_valid.to(torch.bool).view(-1, 1)
+    adv = advantages.float()
+    if rollout_is_weights is not None:
+        adv = adv * rollout_is_weights.float()
+    inp = ScoreInputs(
+        log_prob=old_log_prob.float(),
+        response_mask=valid,
+        entropy=entropy.float() if entropy is not None else None,
+        old_log_prob=old_log_prob.float(),
+        advantages=adv,
+        sum_pi_squared=sum_pi_squared,
+        ref_log_prob=ref_log_prob,
+        row_keys=row_keys,
+        seed=sel.seed,
+        external=dict(external or {}),
+        **dict(params or {}),
+    )
+    scores = compute_score(sel.score, inp).float()
+    scores = torch.where(valid, scores, torch.zeros_like(scores))
+    mask = select_tokens(scores, valid, sel.ratio, scope=sel.scope, direction=sel.direction,
+                         group_ids=group_ids if sel.scope == "group" else None)
+
+    if sel.score == "grad_norm":
+        grad_mass = scores
+    else:
+        try:
+            grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
+        except ValueError:  # a KL type without a gradient-weight formula (only for non-omega scores)
+            grad_mass = None
+    stats = selection_stats(mask, valid, scores, entropy=entropy, grad_mass=grad_mass)
+    metrics = {DRIVER_METRIC_PREFIX + k: v for k, v in stats.items()}
+    if sel.scope == "group" and group_ids is not None:
+        metrics[DRIVER_METRIC_PREFIX + "groups"] = float(torch.unique(group_ids[valid.any(1)]).numel())
+    return DriverSelection(mask=mask, scores=scores, metrics=metrics)
+
+
+def required_score_inputs(sel: Selection) -> dict[str, bool]:
+    """Which optional old-policy inputs the driver must gather for ``sel.score``."""
+    spec = SCORE_REGISTRY[sel.score]
+    return {
+        "entropy": True,  # also feeds the entropy_selected/unselected metrics
+        "sum_pi_squared": sel.score == "grad_norm",
+        "row_keys": spec.needs_row_keys,
+    }
+
+
+__all__ = [
+    "DRIVER_METRIC_PREFIX",
+    "DriverSelection",
+    "group_ids_from_uids",
+    "required_score_inputs",
+    "score_params",
+    "select_on_driver",
+]
