@@ -128,7 +128,7 @@ def topk_mask_distributed(
     return greater | ties
 
 
-def _global_group_ids(local_ids: torch.Tensor, group, world: int) -> torch.Tensor:
+def global_group_ids(local_ids: torch.Tensor, group, world: int) -> torch.Tensor:
     """Sorted unique int64 group ids present on ANY rank (every rank gets the same tensor).
 
     Only the distinct ids travel (one all-gather of their count, one of the padded ids), so the
@@ -191,7 +191,7 @@ def grouped_topk_mask_distributed(
     row_gid = group_ids.to(torch.int64).to(device)
     tok_gid = row_gid.view(-1, 1).expand_as(valid).flatten()[idx]
 
-    gids = _global_group_ids(row_gid, group, world)
+    gids = global_group_ids(row_gid, group, world)
     n_groups = gids.numel()
     out = torch.zeros_like(flat_valid)
     if n_groups == 0:

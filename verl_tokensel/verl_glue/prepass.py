@@ -1,0 +1,281 @@
+"""``score_source=prepass``: score and select at the start of each PPO mini-batch, before its update.
+
+The GMTS released code's timing (arXiv 2608.30632): before the first backward of a mini-batch, one
+no-grad forward over it measures the current policy (entropy, ratio ``r`` against the old log-probs),
+the configured score is computed, and the selection is made over a pool wider than one micro-batch:
+
+- ``mini_batch``: the union of every data-parallel rank's mini-batch, exact (radix select, no gather);
+- ``group``: the responses of one prompt (rows sharing verl's ``uid``), wherever they sit: each group
+  keeps ``ceil(ratio * n_g)`` of its ``n_g`` valid tokens over all ranks (exact, per-group radix select);
+- ``sequence``: per response.
+
+The mask and the scores are written into the mini-batch as per-token fields
+(:data:`~verl_tokensel.verl_glue.loss.MASK_FIELD`, :data:`~verl_tokensel.verl_glue.loss.SCORE_FIELD`), laid
+out like ``response_mask`` (nested in the V1 driver's batches, padded in v0's), so whatever micro-batching
+the engine then does (``use_dynamic_bsz`` re-orders rows) keeps them on their rows; the selecting loss
+applies them (:mod:`verl_tokensel.verl_glue.loss`).
+
+How it is installed, with no verl file edited: verl's ``TrainingWorker.train_mini_batch`` calls
+``self.train_batch(mini_batch)`` once per mini-batch. :func:`install_prepass` wraps that bound method on
+one ``TrainingWorker`` instance; the wrap reads the selection from the worker's CURRENT loss function
+(``partial(tokensel_ppo_loss, config=...)`` set with ``set_loss_fn``), so the pre-pass and the loss can
+never disagree, and it passes through untouched for any other source. On Ray,
+:func:`tokensel_worker_class` subclasses whatever actor worker class verl chose
+(``ActorRolloutRefWorker``, or the separate-async trainer's ``DetachActorWorker``) with
+``actor_worker_cls`` (verl's own class attribute for the inner actor ``TrainingWorker``) set to
+:class:`TokenselTrainingWorker`, which installs the wrap when it is built in ``init_model``.
+
+Cost: one forward without gradient per mini-batch (the update pass is a forward plus a backward), plus
+a few small all-reduces for ``mini_batch`` / ``group`` (see :mod:`verl_tokensel.core.dist_topk`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+from tensordict import TensorDict
+
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine_workers import TrainingWorker
+from verl.workers.utils.padding import no_padding_2_padding, response_to_nested
+
+from verl_tokensel.core.config import Selection
+from verl_tokensel.core.dist_topk import global_group_ids
+from verl_tokensel.core.scores import SCORE_REGISTRY, compute_score
+from verl_tokensel.core.select import select_tokens
+from verl_tokensel.verl_glue.loss import MASK_FIELD, METRIC_PREFIX, SCORE_FIELD, build_score_inputs
+
+PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
+UID_FIELD = "uid"
+_WRAPPED = "_tokensel_prepass_base_train_batch"
+
+
+def stable_group_ids(uids: Sequence[Any]) -> torch.Tensor:
+    """``(batch,)`` int64 id per row from verl's ``uid`` (the prompt's id), equal on every rank and rerun.
+
+    A 64-bit BLAKE2b of the uid's text: rows of one prompt get one id whichever rank holds them
+    (Python's ``hash`` is salted per process, so it cannot be used); distinct prompts collide with
+    probability ~ n^2 / 2^64.
+    """
+    out = [int.from_bytes(hashlib.blake2b(str(u).encode(), digest_size=8).digest(), "little", signed=True)
+           for u in uids]
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def batch_group_ids(data: TensorDict) -> torch.Tensor:
+    """:func:`stable_group_ids` of the mini-batch's ``uid`` field (both drivers send it with every row)."""
+    if UID_FIELD not in data.keys():
+        raise RuntimeError(
+            f"token_selection.scope=group needs the '{UID_FIELD}' of each response in the update batch (the prompt "
+            f"id verl's drivers attach to every rollout), and this mini-batch has none (keys: {sorted(data.keys())}). "
+            "Fix: keep the uid field in the batch a custom trainer sends to update_actor, or use scope=mini_batch."
+        )
+    uids = data.get(UID_FIELD)
+    if isinstance(uids, torch.Tensor) and not uids.is_nested and not uids.is_floating_point():
+        return uids.to(torch.int64).flatten()
+    values = uids.tolist() if hasattr(uids, "tolist") else list(uids)
+    return stable_group_ids(values)
+
+
+def _selecting_config(loss_fn) -> Optional[Any]:
+    """The actor config bound in the worker's loss (``partial(..., config=...)``) when it selects by prepass."""
+    config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
+    sel: Optional[Selection] = getattr(config, "selection", None)
+    return config if sel is not None and sel.score_source == "prepass" else None
+
+
+def _as_response_field(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Padded ``(batch, max_resp)`` values laid out like ``response_mask`` (nested, or padded to its width)."""
+    if response_mask.is_nested:
+        return response_to_nested(values, response_mask)
+    out = values.new_zeros(response_mask.shape)
+    width = min(out.shape[1], values.shape[1])
+    out[:, :width] = values[:, :width]
+    return out
+
+
+def _forward_no_grad(worker: TrainingWorker, data: TensorDict, sel: Selection) -> Optional[dict]:
+    """The engine's forward-only path over ``data`` (a shallow copy; ``data`` is not changed).
+
+    Returns the nested ``model_output`` (``log_probs``, ``entropy`` / ``sum_pi_squared`` when the score
+    needs them), in ``data``'s row order, or None on a rank that gets no outputs (a Megatron pipeline
+    stage other than the last, which never runs the loss either). The engine is called directly rather
+    than through ``TrainingWorker.infer_batch``, whose post-processing keeps the outputs on one
+    sequence-parallel rank only, while every rank runs the loss.
+    """
+    spec = SCORE_REGISTRY[sel.score]
+    probe = data.copy()
+    tu.assign_non_tensor(
+        probe,
+        calculate_entropy=bool(spec.needs_entropy),
+        calculate_sum_pi_squared=bool(getattr(spec, "uses_sum_pi_squared", False)),
+        compute_loss=False,
+    )
+    engine, model_config, engine_config = worker.engine, worker.model_config, worker.engine_config
+    # what TrainingWorker.infer_batch fills in: the log-prob pass's micro-batching
+    defaults = dict(
+        use_remove_padding=model_config.get("use_remove_padding", False),
+        use_dynamic_bsz=engine_config.use_dynamic_bsz,
+        max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
+        micro_batch_size_per_gpu=engine_config.infer_micro_batch_size_per_gpu,
+        use_fused_kernels=engine_config.use_fused_kernels,
+    )
+    tu.assign_non_tensor(probe, **{k: v for k, v in defaults.items() if k not in probe.keys()})
+    with engine.eval_mode(disable_auto_offload=True):
+        out = engine.infer_batch(probe, loss_function=None)
+    model_output = (out or {}).get("model_output") or {}
+    return model_output if "log_probs" in model_output else None
+
+
+def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str, float]:
+    """Score ``data`` (one rank's mini-batch) with a no-grad forward, select, write the per-token fields.
+
+    ``config`` is the selecting actor config (its ``selection`` has ``score_source=prepass``). Collective
+    over the engine's data-parallel group for ``mini_batch`` and ``group``: every rank must call it for
+    the same mini-batch. Returns the metrics (``tokensel/prepass/*``), equal on every rank:
+    ``selected_fraction`` (selected / valid tokens over all ranks), ``selected_tokens``, ``valid_tokens``,
+    ``groups`` (group scope) and ``seconds`` (this rank's forward + selection time).
+    """
+    sel: Selection = config.selection
+    t0 = time.perf_counter()
+    model_output = _forward_no_grad(worker, data, sel)
+    if model_output is None:
+        return {}
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy")
+    entropy = no_padding_2_padding(entropy, data) if entropy is not None else None
+    sum_pi_squared = model_output.get("sum_pi_squared")
+    sum_pi_squared = no_padding_2_padding(sum_pi_squared, data) if sum_pi_squared is not None else None
+
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(torch.bool)
+    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data)
+    scores = compute_score(sel.score, inp).float()
+    group_ids = batch_group_ids(data).to(scores.device) if sel.scope == "group" else None
+    dp_group = worker.engine.get_data_parallel_group()
+    mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
+                         dp_group=dp_group, group_ids=group_ids) & response_mask
+
+    rm = data["response_mask"]
+    data[MASK_FIELD] = _as_response_field(mask.to(rm.dtype), rm)
+    data[SCORE_FIELD] = _as_response_field(scores.nan_to_num(nan=0.0), rm)
+    seconds = time.perf_counter() - t0
+
+    counts = torch.stack([mask.sum(), response_mask.sum()]).to(torch.float64)
+    world = torch.distributed.get_world_size(dp_group) if torch.distributed.is_initialized() else 1
+    if world > 1:
+        torch.distributed.all_reduce(counts, group=dp_group)
+    n_sel, n_valid = float(counts[0]), float(counts[1])
+    metrics = {
+        PREPASS_METRIC_PREFIX + "selected_fraction": n_sel / n_valid if n_valid else 0.0,
+        PREPASS_METRIC_PREFIX + "selected_tokens": n_sel,
+        PREPASS_METRIC_PREFIX + "valid_tokens": n_valid,
+        PREPASS_METRIC_PREFIX + "seconds": seconds,
+    }
+    if group_ids is not None:
+        metrics[PREPASS_METRIC_PREFIX + "groups"] = float(global_group_ids(group_ids, dp_group, world).numel())
+    return metrics
+
+
+def install_prepass(worker: TrainingWorker) -> TrainingWorker:
+    """Wrap ``worker.train_batch`` (one PPO mini-batch) so a prepass selection runs before it (idempotent).
+
+    The wrap does nothing unless the worker's loss (at call time) is bound to a config whose selection
+    has ``score_source=prepass``; then it runs :func:`prepass_select` on the mini-batch, trains it, and
+    adds the ``tokensel/prepass/*`` metrics to the mini-batch's metrics.
+    """
+    if getattr(worker, _WRAPPED, None) is not None:
+        return worker
+    base = worker.train_batch
+
+    def train_batch(data: TensorDict, *args, **kwargs):
+        config = _selecting_config(worker.loss_fn)
+        if config is None:
+            return base(data, *args, **kwargs)
+        metrics = prepass_select(worker, data, config)
+        output = base(data, *args, **kwargs)
+        if output is not None and metrics:
+            tu.get(output, "metrics").update(metrics)
+        return output
+
+    setattr(worker, _WRAPPED, base)
+    worker.train_batch = train_batch
+    return worker
+
+
+class TokenselTrainingWorker(TrainingWorker):
+    """verl's ``TrainingWorker`` with the pre-pass wrap installed (:func:`install_prepass`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        install_prepass(self)
+
+
+_WORKER_CLASSES: dict[type, type] = {}
+
+
+def tokensel_worker_class(base: type) -> type:
+    """A subclass of the actor worker class ``base`` whose actor ``TrainingWorker`` runs the pre-pass.
+
+    ``base``: ``ActorRolloutRefWorker`` or a subclass of it (verl's separate-async trainer swaps in
+    ``DetachActorWorker``); a Ray actor class (``ray.remote(...)``) is unwrapped. Only the class attribute
+    ``actor_worker_cls`` changes, so every registered RPC of ``base`` stays as it is. Cached per base;
+    the class is not a module attribute, so Ray ships it by value to the worker processes.
+    """
+    base = getattr(base, "__ray_actor_class__", base)
+    if getattr(base, "_tokensel_prepass", False):
+        return base
+    if base not in _WORKER_CLASSES:
+        inner = base.actor_worker_cls
+        if inner is TrainingWorker:
+            inner = TokenselTrainingWorker
+        elif not issubclass(inner, TokenselTrainingWorker):  # a custom actor TrainingWorker: keep it, add the wrap
+            inner = type(f"Tokensel{inner.__name__}", (TokenselTrainingWorker, inner), {"__module__": __name__})
+        _WORKER_CLASSES[base] = type(
+            f"Tokensel{base.__name__}",
+            (base,),
+            {"actor_worker_cls": inner, "_tokensel_prepass": True, "__module__": __name__,
+             "__doc__": f"verl's {base.__name__} whose actor runs the token-selection pre-pass each mini-batch."},
+        )
+    return _WORKER_CLASSES[base]
+
+
+def use_prepass_workers(role_worker_mapping: dict) -> None:
+    """Swap, in place, every actor worker class of a trainer's ``role_worker_mapping`` for its tokensel twin.
+
+    Called after verl (or a trainer subclass such as separate-async) filled the mapping, so it composes
+    with whatever class is there. Roles whose class has no ``actor_worker_cls`` (critic) are left alone.
+    """
+    import ray
+
+    for role, remote_cls in list(role_worker_mapping.items()):
+        cls = getattr(remote_cls, "__ray_actor_class__", remote_cls)
+        if hasattr(cls, "actor_worker_cls") and not getattr(cls, "_tokensel_prepass", False):
+            role_worker_mapping[role] = ray.remote(tokensel_worker_class(cls))
+
+
+def selection_uses_prepass(config) -> bool:
+    """Whether the (OmegaConf) trainer config selects with ``score_source=prepass``."""
+    from verl.utils.config import omega_conf_to_dataclass
+
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    sel = getattr(actor, "selection", None)
+    return sel is not None and sel.score_source == "prepass"
+
+
+__all__ = [
+    "PREPASS_METRIC_PREFIX",
+    "TokenselTrainingWorker",
+    "batch_group_ids",
+    "install_prepass",
+    "prepass_select",
+    "selection_uses_prepass",
+    "stable_group_ids",
+    "tokensel_worker_class",
+    "use_prepass_workers",
+]
