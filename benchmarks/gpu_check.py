@@ -688,13 +688,14 @@ def parse_args(argv=None):
     ap.add_argument("--no-megatron", action="store_true", help="skip the Megatron phase")
     ap.add_argument("--workdir", default=None, help="where the model folder goes (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 380; 110 with --tiny)")
+    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 380; 240 with --tiny)")
     ap.add_argument("--budget-model", type=float, default=None, help="phase budget, s (default 60; 30 tiny)")
-    ap.add_argument("--budget-init", type=float, default=None, help="phase budget, s (default 90; 30 tiny)")
-    ap.add_argument("--budget-steps", type=float, default=None, help="phase budget, s (default 150; 40 tiny)")
+    ap.add_argument("--budget-init", type=float, default=None, help="phase budget, s (default 90; 60 tiny)")
+    ap.add_argument("--budget-steps", type=float, default=None, help="phase budget, s (default 150; 60 tiny)")
     ap.add_argument("--budget-megatron", type=float, default=None, help="phase budget, s (default 120; 60 tiny)")
     args = ap.parse_args(argv)
-    defaults = dict(deadline=(110, 380), budget_model=(30, 60), budget_init=(30, 90), budget_steps=(40, 150),
+    # tiny: < 60 s on an idle 2-core CPU; the budgets leave room for a busy one
+    defaults = dict(deadline=(240, 380), budget_model=(30, 60), budget_init=(60, 90), budget_steps=(60, 150),
                     budget_megatron=(60, 120))
     for k, (tiny, full) in defaults.items():
         if getattr(args, k) is None:
@@ -722,8 +723,7 @@ def main(argv=None) -> int:
             return EXIT_ENV
         import tempfile
 
-        from verl_tokensel.testing import cpu_worker as H
-
+        H = clock.run_phase("imports", 120, importlib.import_module, "verl_tokensel.testing.cpu_worker")  # verl, ray
         attn = pick_attention(args)
         workload = TINY_WORKLOAD if args.tiny else GPU_WORKLOAD
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
