@@ -40,6 +40,17 @@ OUR_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
 OUR_MCORE_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig"
 SELECTION_TARGET = "verl_tokensel.core.config.TokenSelectionConfig"
 SELECTING_PRESETS = [p for p in PRESETS if p != "none"]
+# The in-loss twin of a preset whose scores are measured before the update (score_source prepass or
+# rollout): same score, ratio, direction and normaliser, ranked inside the micro-batch. The loss maths
+# under test is the same; how a precomputed mask is applied is tested at the end of this file.
+IN_LOSS = {"score_source": "current", "scope": "micro_batch"}
+
+
+def in_loss(preset, selection=None):
+    extra = dict(selection or {})
+    if PRESETS[preset].score_source != "current":
+        extra = {**IN_LOSS, **extra}
+    return extra
 SCORES = ["entropy", "gmts", "grad_norm", "random"]
 
 
@@ -188,7 +199,7 @@ def test_selector_none_is_stock_bitwise(settings, dp_size):
 @pytest.mark.parametrize("score", SCORES)
 def test_ratio_one_normaliser_all_is_stock_bitwise(score, settings, masks):
     stock = actor_config(None, **settings)
-    ours = actor_config("gmts", {"score": score, "ratio": 1.0, "normaliser": "all"}, **settings)
+    ours = actor_config("gmts", in_loss("gmts", {"score": score, "ratio": 1.0, "normaliser": "all"}), **settings)
     assert ours.selection.score == score
     for seed in range(3):
         mo, data, lp = micro_batch(seed, with_ref=True, with_sum_pi_squared=(seed % 2 == 0), dp_size=1 + seed % 2)
@@ -205,7 +216,7 @@ def test_ratio_one_normaliser_all_is_stock_bitwise(score, settings, masks):
 # --------------------------------------------------------------------------------------------
 def _expected_mask(preset, cfg, mo, data):
     """Independent top-k of the preset's score (scores built here from entropy and autograd omega)."""
-    sel = PRESETS[preset]
+    sel = cfg.selection
     valid = data["response_mask"].bool()
     omega = -vanilla_token_grad(cfg, mo, data)
     ent = padded(mo["entropy"], data)
@@ -234,9 +245,10 @@ def _expected_mask(preset, cfg, mo, data):
 @pytest.mark.parametrize("preset", SELECTING_PRESETS)
 @pytest.mark.parametrize("dp_size", [1, 2])
 def test_preset_gradient_only_on_selected_tokens(preset, dp_size, masks):
-    cfg = actor_config(preset)
-    sel = PRESETS[preset]
-    assert cfg.selection == sel
+    cfg = actor_config(preset, in_loss(preset))
+    sel = cfg.selection
+    assert (sel.score, sel.ratio, sel.direction, sel.normaliser) == (
+        PRESETS[preset].score, PRESETS[preset].ratio, PRESETS[preset].direction, PRESETS[preset].normaliser)
     for seed in range(4):
         mo, data, lp = micro_batch(seed, batch=8, resp_len=20, with_sum_pi_squared=True, dp_size=dp_size,
                                    batch_num_tokens=None if seed % 2 else 1000)
@@ -286,7 +298,7 @@ def test_random_preset_is_seeded_and_order_free(masks):
 
 @pytest.mark.parametrize("mask_kl_loss", [False, True])
 def test_kl_and_entropy_terms_follow_their_mask_knobs(mask_kl_loss, masks):
-    cfg = actor_config("gmts", {"mask_kl_loss": mask_kl_loss}, use_kl_loss=True, kl_loss_coef=0.1,
+    cfg = actor_config("gmts", in_loss("gmts", {"mask_kl_loss": mask_kl_loss}), use_kl_loss=True, kl_loss_coef=0.1,
                        entropy_coeff=0.01)
     mo, data, lp = micro_batch(2, batch=8, resp_len=20, with_ref=True)
     _, grad, metrics = run(tokensel_ppo_loss, cfg, mo, data, lp)
@@ -333,7 +345,7 @@ def make_and_set_bnt(seed, dp_size, bnt_factor):
 def test_normaliser_all_keeps_stock_forward_value(masks):
     stock = actor_config(None)
     for preset in ("gmts", "grad_norm"):
-        cfg = actor_config(preset)
+        cfg = actor_config(preset, in_loss(preset))
         assert cfg.selection.normaliser == "all"
         mo, data, lp = micro_batch(1, batch=8, resp_len=20, dp_size=2, batch_num_tokens=777)
         ls, gs, _ = run(ppo_loss, stock, mo, data, lp)
@@ -369,7 +381,7 @@ def _padded_twin(seed, extra):
 
 @pytest.mark.parametrize("preset", SELECTING_PRESETS)
 def test_extra_padding_changes_nothing(preset, masks):
-    cfg = actor_config(preset)
+    cfg = actor_config(preset, in_loss(preset))
     extra = 5
     for seed in range(2):
         (mo0, d0, lp0), (mo1, d1, lp1) = _padded_twin(seed, extra)
@@ -403,7 +415,7 @@ def test_megatron_call_two_tp_ranks(preset, num_micro_batch, masks):
     # each TP rank has its own config object (its own process), built from verl's megatron tree
     per_rank = []
     for tp_rank in range(2):
-        cfg = actor_config(preset, megatron=True, fresh=True)
+        cfg = actor_config(preset, in_loss(preset), megatron=True, fresh=True)
         loss_function = partial(tokensel_ppo_loss, config=cfg)  # as engine_workers binds ppo_loss
         mo, data, lp = micro_batch(7, batch=8, resp_len=20, dp_size=2, batch_num_tokens=400)
         tu.assign_non_tensor(data, num_micro_batch=num_micro_batch)
@@ -415,7 +427,7 @@ def test_megatron_call_two_tp_ranks(preset, num_micro_batch, masks):
     assert _metric(o0["metrics"], "tokensel/selected_fraction") == _metric(o1["metrics"], "tokensel/selected_fraction")
 
     # FSDP-style: the engine back-propagates the loss itself; Megatron's loss is num_micro_batch x that
-    fsdp_cfg = actor_config(preset)
+    fsdp_cfg = actor_config(preset, in_loss(preset))
     mo, data, lp = micro_batch(7, batch=8, resp_len=20, dp_size=2, batch_num_tokens=400)
     loss, g_fsdp, _ = run(tokensel_ppo_loss, fsdp_cfg, mo, data, lp)
     assert torch.equal(masks[-1], m0)
@@ -490,3 +502,39 @@ def test_guard_survives_pickling(selector):
                 ppo_loss(cfg2, mo, data)
         loss, grad, _ = run(tokensel_ppo_loss, cfg2, mo, data, lp)
         assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+
+
+# --------------------------------------------------------------------------------------------
+# a mask measured before the update (score_source prepass / rollout) arrives as a per-token field
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("preset", [p for p in SELECTING_PRESETS if PRESETS[p].score_source != "current"])
+def test_precomputed_mask_field_is_applied_exactly(preset, masks):
+    cfg = actor_config(preset)
+    seen = []
+    mo, data, lp = micro_batch(4, batch=8, resp_len=20, with_sum_pi_squared=True, dp_size=2,
+                               batch_num_tokens=500)
+    valid = data["response_mask"].bool()
+    g = torch.Generator().manual_seed(9)
+    given = (torch.rand(valid.shape, generator=g) < 0.3) | ~valid  # padding marked too: must be ignored
+    data[loss_mod.MASK_FIELD] = given
+    data[loss_mod.SCORE_FIELD] = torch.rand(valid.shape, generator=g)
+    stock_loss, stock_grad, _ = run(ppo_loss, actor_config(None), mo, data, lp)
+    loss, grad, metrics = run(partial(tokensel_ppo_loss, observer=seen.append), cfg, mo, data, lp)
+    assert not masks  # nothing ranked inside the loss
+    mask = seen[-1]["mask"]
+    assert torch.equal(mask, given & valid)
+    gp, sp = padded(grad, data), padded(stock_grad, data)
+    assert torch.equal(gp[valid & ~mask], torch.zeros_like(gp[valid & ~mask]))
+    assert torch.equal(gp[mask], sp[mask])  # normaliser all: stock gradient on the selected tokens
+    assert torch.equal(loss, stock_loss)
+    n_sel, n_valid = int(mask.sum()), int(valid.sum())
+    assert _metric(metrics, "tokensel/selected_fraction") == pytest.approx(n_sel / n_valid, abs=1e-12)
+    lo = float(data[loss_mod.SCORE_FIELD][mask].min())
+    assert _metric(metrics, "tokensel/threshold_min_selected_score") == pytest.approx(lo)
+
+
+def test_precomputed_source_without_mask_field_fails_loudly():
+    cfg = actor_config("forking_paper")
+    mo, data, lp = micro_batch(0)
+    with pytest.raises(RuntimeError, match=f"score_source=rollout.*'{loss_mod.MASK_FIELD}'"):
+        tokensel_ppo_loss(cfg, mo, data)

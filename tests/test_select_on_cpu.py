@@ -198,7 +198,7 @@ def test_bad_ratio_raises(ratio):
             select_tokens(scores, valid, ratio, scope=scope)
 
 
-@pytest.mark.parametrize("scope", ["batch", "group", "", "Sequence"])
+@pytest.mark.parametrize("scope", ["batches", "prompt", "", "Sequence"])
 def test_bad_scope_raises(scope):
     scores, valid = _random_case(0)
     with pytest.raises(ValueError, match="scope"):
@@ -378,3 +378,34 @@ def test_micro_batch_dp_two_gloo_ranks_equals_concatenation(tmp_path):
     # bottom with rank 1 all zeros: ceil(0.2 * 14) = 3 tokens, all on rank 1
     idx = [n for n, *_ in cases].index("ties-all-on-rank1")
     assert int(masks[0][idx].sum()) == 0 and masks[1][idx].flatten().tolist() == [True] * 3 + [False] * 3
+
+
+def test_group_scope_needs_group_ids():
+    scores, valid = _random_case(0)
+    with pytest.raises(ValueError, match="group_ids"):
+        select_tokens(scores, valid, 0.2, scope="group")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("direction", ["top", "bottom"])
+def test_group_scope_is_per_group_batch_scope(seed, direction):
+    """Each group keeps ceil(rho * n_g) of its valid tokens, exactly the ``batch`` selection of its
+    own rows (row order kept, so ties go to the earlier row of the group)."""
+    scores, valid = _random_case(seed)
+    g = torch.Generator().manual_seed(seed)
+    groups = torch.randint(0, 3, (scores.shape[0],), generator=g) * 7 - 5  # arbitrary, negative ok
+    if seed % 2:
+        scores = scores.round()  # many ties
+    mask = select_tokens(scores, valid, 0.3, scope="group", direction=direction, group_ids=groups)
+    for gid in groups.unique():
+        rows = groups == gid
+        expected = select_tokens(scores[rows], valid[rows], 0.3, scope="batch", direction=direction)
+        assert torch.equal(mask[rows], expected)
+        assert int(mask[rows].sum()) == budget(0.3, int(valid[rows].sum()))
+
+
+@pytest.mark.parametrize("scope", ["batch", "mini_batch"])
+def test_single_process_pool_scopes_equal_micro_batch(scope):
+    scores, valid = _random_case(3)
+    assert torch.equal(select_tokens(scores, valid, 0.2, scope=scope),
+                       select_tokens(scores, valid, 0.2, scope="micro_batch"))
