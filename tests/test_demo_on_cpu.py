@@ -286,7 +286,9 @@ def test_launch_problem(tmp_path):
                     metrics_path=tmp_path / "x.jsonl", command=[], steps=[{"step": 1}, {"step": 2}])
         return RunResult(**{**base, **kw})
 
-    assert "timed out" in demo_cli.launch_problem(result(timed_out=True, returncode=124), 2)
+    assert "timed out" in demo_cli.launch_problem(result(timed_out=True, returncode=124), 3)
+    assert demo_cli.launch_problem(result(timed_out=True, returncode=124), 2) is None  # killed in shutdown
+    assert "exited with code 1" in demo_cli.launch_problem(result(returncode=1), 2)
     assert demo_cli.launch_problem(result(), 3).startswith("logged 2 of 3 training steps")
     assert demo_cli.launch_problem(result(), 2) is None
 
