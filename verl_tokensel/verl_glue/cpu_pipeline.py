@@ -34,6 +34,9 @@ key                                                           CPU value   why
 ``actor.ulysses_sequence_parallel_size``                      1           no Ulysses on CPU; checked, never filled
 ``transfer_queue.backend.SimpleStorage.num_data_storage_units``  1       each unit is a Ray actor holding a CPU: the
                                                                           default 8 starve Ray (silent hang)
+``rollout.agent.num_workers``                                 1           each agent-loop worker is a Ray actor process
+                                                                          (~0.5 GB, ~10 s of CPU to start)
+``reward.num_workers``                                        1           same, reward workers
 ``ray_kwargs.ray_init.num_cpus``                              16          logical CPUs for Ray's scheduling (TaskRunner,
                                                                           storage, reward and agent-loop actors)
 ``ray_kwargs.ray_init.num_gpus``                              nnodes x    logical "GPU" resources: verl's resource pools
@@ -137,6 +140,10 @@ CONFIG_SETTINGS: tuple[CpuSetting, ...] = (
     CpuSetting("transfer_queue.backend.SimpleStorage.num_data_storage_units", 1,
                "each storage unit is a Ray actor holding a CPU; 8 starve Ray (silent hang)", default=8,
                accept=(2, 3, 4)),
+    CpuSetting(f"{_R}.agent.num_workers", 1, "each agent-loop worker is a Ray actor process (~0.5 GB, ~10 s of "
+               "CPU to start); one serves a tiny CPU run", default=8, accept=tuple(range(2, 8))),
+    CpuSetting("reward.num_workers", 1, "each reward worker is a Ray actor process; one serves a tiny CPU run",
+               default=8, accept=tuple(range(2, 8))),
     CpuSetting("ray_kwargs.ray_init.num_cpus", 16, "logical CPUs for Ray's actors", default=None,
                accept=tuple(range(4, 1025))),
 )
@@ -181,13 +188,14 @@ def _raw(config: DictConfig, key: str) -> Any:
     """The value at ``key`` without resolving interpolations; ``_ABSENT`` when the key does not exist."""
     node: Any = config
     for part in key.split("."):
-        if not isinstance(node, DictConfig) or part not in node:
+        if not isinstance(node, DictConfig) or part not in node.keys():  # `in` is False for ???
             return _ABSENT
         node = node._get_node(part)
     if isinstance(node, DictConfig):
         return OmegaConf.to_container(node, resolve=False)
-    value = node._value()
-    return None if value is None else value
+    if node._is_missing():
+        return "???"
+    return node._value()
 
 
 def _set(config: DictConfig, key: str, value: Any) -> None:
@@ -242,7 +250,8 @@ def _apply_resources(config: DictConfig, explicit: set[str]) -> list[str]:
         return [f"{NUM_GPUS_KEY}={needed}"]
     if int(current) < needed:
         raise ValueError(
-            f"{NUM_GPUS_KEY}={current} is less than trainer.nnodes x trainer.n_gpus_per_node = {needed}: on CPU "
+            f"{NUM_GPUS_KEY}={current} is less than trainer.nnodes x trainer.n_gpus_per_node = {needed}: with "
+            f"{SWITCH_KEY}=cpu "
             "these are logical GPU resources that verl's resource pools request, and too few make Ray wait "
             f"forever. Fix: remove {NUM_GPUS_KEY} (the CPU switch sets it) or set it to >= {needed}."
         )

@@ -1,0 +1,120 @@
+"""The CPU switch ``trainer.device=cpu`` (verl_tokensel.verl_glue.cpu_pipeline), on the composed config, no Ray.
+
+- fills every setting of its table (values verl-0.9.md item 6/7 lists) and forwards the env vars as strings;
+- a user value that conflicts with CPU fails before Ray starts, naming the key (command line or YAML);
+- the table's ``default`` column is verl 0.9.1's real default (else the switch would silently skip a key);
+- without the switch nothing changes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:
+    pytest.skip("verl is not installed: these tests need verl 0.9", allow_module_level=True)
+
+from hydra import compose, initialize_config_module  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from verl_tokensel.verl_glue import cpu_pipeline  # noqa: E402
+from verl_tokensel.verl_glue.cpu_pipeline import (  # noqa: E402
+    CONFIG_SETTINGS,
+    ENV_VARS_KEY,
+    apply_cpu_pipeline,
+    cli_override_keys,
+    wants_cpu,
+)
+from verl_tokensel.verl_glue.platform_cpu import MODULE_NAME  # noqa: E402
+
+
+def _compose(*overrides: str):
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        return compose("tokensel_trainer", overrides=list(overrides))
+
+
+def _apply(*overrides: str, environ=None):
+    cfg = _compose("trainer.device=cpu", *overrides)
+    env = apply_cpu_pipeline(cfg, explicit_keys=cli_override_keys(["trainer.device=cpu", *overrides]),
+                             environ={} if environ is None else environ)
+    return cfg, env
+
+
+def test_switch_fills_every_setting_and_env():
+    cfg, env = _apply()
+    for s in CONFIG_SETTINGS:
+        if s.fill:
+            assert OmegaConf.select(cfg, s.key) == s.value, s.key
+    assert cfg.actor_rollout_ref.ref.strategy == "fsdp2"  # follows the actor through verl's interpolation
+    assert cfg.ray_kwargs.ray_init.num_gpus == 1
+    assert env["VERL_PLATFORM"] == "cpu" and env["VLLM_TARGET_DEVICE"] == "cpu"
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == MODULE_NAME
+    forwarded = OmegaConf.to_container(OmegaConf.select(cfg, ENV_VARS_KEY))
+    assert forwarded == env and all(isinstance(v, str) for v in forwarded.values())  # Ray needs str
+
+
+def test_user_values_that_work_on_cpu_are_kept():
+    cfg, env = _apply("trainer.n_gpus_per_node=2", "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='3'",
+                      "ray_kwargs.ray_init.num_cpus=8",
+                      environ={"VERL_USE_EXTERNAL_MODULES": "my_plugin"})
+    assert cfg.trainer.n_gpus_per_node == 2 and cfg.ray_kwargs.ray_init.num_gpus == 2
+    assert cfg.ray_kwargs.ray_init.num_cpus == 8
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == f"{MODULE_NAME},my_plugin"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("actor_rollout_ref.rollout.enforce_eager=False", "actor_rollout_ref.rollout.enforce_eager"),
+    ("actor_rollout_ref.rollout.free_cache_engine=True", "actor_rollout_ref.rollout.free_cache_engine"),
+    ("+actor_rollout_ref.rollout.enable_sleep_mode=True", "actor_rollout_ref.rollout.enable_sleep_mode"),
+    ("actor_rollout_ref.rollout.dtype=bfloat16", "actor_rollout_ref.rollout.dtype"),
+    ("actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.name"),
+    ("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.actor.strategy"),
+    ("actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.strategy"),  # explicit verl default
+    ("actor_rollout_ref.ref.strategy=fsdp", "actor_rollout_ref.ref.strategy"),
+    ("+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+     "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype"),
+    ("+actor_rollout_ref.model.override_config.attn_implementation=flash_attention_2",
+     "actor_rollout_ref.model.override_config.attn_implementation"),
+    ("actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.model.use_fused_kernels"),
+    ("transfer_queue.backend.SimpleStorage.num_data_storage_units=8",
+     "transfer_queue.backend.SimpleStorage.num_data_storage_units"),
+    ("+ray_kwargs.ray_init.num_gpus=0", "ray_kwargs.ray_init.num_gpus"),
+    ("+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cuda", "VERL_PLATFORM"),
+])
+def test_conflicting_user_value_fails_naming_the_key(override, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
+        _apply(override)
+    assert "trainer.device=cpu" in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_conflict_set_in_a_yaml_is_caught_too():
+    """Not on the command line (no explicit key) but different from verl's default: a recipe set it."""
+    cfg = _compose("trainer.device=cpu", "actor_rollout_ref.rollout.enforce_eager=False",
+                   "actor_rollout_ref.rollout.dtype=float16")
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.dtype='float16'"):
+        apply_cpu_pipeline(cfg, explicit_keys=["trainer.device"], environ={})
+
+
+def test_defaults_column_is_verls_default():
+    """Each setting's `default` must be what verl 0.9.1 composes, or the switch would not fill it."""
+    stock = _compose()
+    for s in CONFIG_SETTINGS:
+        raw = cpu_pipeline._raw(stock, s.key)
+        if raw is cpu_pipeline._ABSENT or raw is None:
+            assert s.default in (cpu_pipeline._ABSENT, None), s.key
+        elif s.fill:
+            assert raw == s.default, (s.key, raw, s.default)
+
+
+def test_no_switch_no_change():
+    stock = _compose()
+    assert not wants_cpu(stock)
+    with pytest.raises(ValueError, match="trainer.device=cpu"):
+        apply_cpu_pipeline(stock, environ={})
+    assert OmegaConf.select(stock, "actor_rollout_ref.rollout.enforce_eager") is False
+
+
+def test_cli_override_keys():
+    assert cli_override_keys(["+a.b=1", "++c=2", "~d", "hydra.run.dir=x", "e.f=[1,2]"]) == {"a.b", "c", "d", "e.f"}
