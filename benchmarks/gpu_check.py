@@ -3,7 +3,7 @@
 Run on the GPU machine from the repository root (``scripts/gpu_check.sh`` installs the carried wheels
 offline first, then runs this under ``timeout``)::
 
-    python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"        # one GPU, about 3-5 minutes
+    python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"     # one GPU; deadline 6 min (estimate 3-5)
 
 Here, on a CPU (tiny model, fp32, eager attention; the test suite runs this, < 60 s)::
 
@@ -22,7 +22,9 @@ with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
    the old log-probs (the real log-prob pass, once) stay on-policy.
    Per variant (``none``, ``none+entropy``, ``forking``, ``gmts``; ``none+entropy`` is stock verl
    with the entropy pass on, which the entropy-scored presets turn on, so the ratio of the loss
-   alone can be read off): a sanity step, warm-up steps, then timed steps interleaved across the
+   alone can be read off; a preset scored outside the loss, like ``gmts`` with its pre-pass at
+   group scope, is run with ``score_source=current, scope=micro_batch``: same score and ratio,
+   computed in the loss, see ``parse_variant``): a sanity step, warm-up steps, then timed steps interleaved across the
    variants (none, none+entropy, forking, gmts, none, ...). Reported: median step time and its
    ratio vs ``none``, peak ``torch.cuda.max_memory_allocated`` over the timed steps and its ratio.
    Sanity (the step with hooks, not timed): per micro-batch the selected count is exactly
@@ -30,7 +32,9 @@ with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
    exactly zero at every unselected response token and non-zero at the selected ones, the loss and
    gradient norm are finite, and the ``tokensel/*`` metrics reached the step's metrics.
 3. megatron: the same variants through verl's Megatron engine if ``megatron.core`` and ``mbridge``
-   import (TP=PP=1); otherwise skipped with the reason printed.
+   import (TP=PP=1); otherwise skipped with the reason printed. This path has not run anywhere yet
+   (no Megatron install on CPU nor in the GPU image): an exception there is reported as
+   ``megatron.status = "error"`` with its traceback, and counts as a failure.
 
 Output: a table on stdout and a JSON (``--out``, default ``$OUT/gpu_check.json`` when ``$OUT`` is set).
 Time: every phase has a budget (timed rounds stop early when theirs is spent, recorded as
@@ -54,8 +58,6 @@ import threading
 import time
 import traceback
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # Qwen3-0.6B's architecture (its config.json), random weights
 QWEN3_0_6B = dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -524,8 +526,8 @@ def _common_worker_kwargs(args, workload: Workload, attn: str) -> dict:
     return dict(use_dynamic_bsz=True, use_remove_padding=not args.no_remove_padding, seed=args.seed,
                 ppo_mini_batch_size=workload.n // workload.group_size, rollout_n=workload.group_size,
                 ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=workload.max_token_len,
-                lr=0.0, clip_grad=1.0, dtype="fp32" if args.device == "cpu" else "bf16",
-                attn_implementation=attn, gradient_checkpointing=args.device == "cuda",
+                lr=0.0, clip_grad=1.0, dtype=args.dtype, attn_implementation=attn,
+                gradient_checkpointing=args.grad_ckpt == "on",
                 num_threads=1 if args.device == "cpu" else None)
 
 
@@ -684,22 +686,30 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed rounds (default 5; fewer if the budget runs out)")
     ap.add_argument("--attn", default="auto", help="attention: auto (flash_attention_2 if importable, else sdpa; "
                                                    "eager on CPU), or a transformers name")
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="FSDP compute dtype (auto: bf16 on cuda, fp32 on cpu; master weights fp32 either way)")
+    ap.add_argument("--grad-ckpt", choices=("auto", "on", "off"), default="auto",
+                    help="gradient checkpointing (auto: on for cuda, as verl's default; off on cpu)")
     ap.add_argument("--no-remove-padding", action="store_true")
     ap.add_argument("--no-megatron", action="store_true", help="skip the Megatron phase")
     ap.add_argument("--workdir", default=None, help="where the model folder goes (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 380; 240 with --tiny)")
+    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 360; 240 with --tiny)")
     ap.add_argument("--budget-model", type=float, default=None, help="phase budget, s (default 60; 30 tiny)")
     ap.add_argument("--budget-init", type=float, default=None, help="phase budget, s (default 90; 60 tiny)")
     ap.add_argument("--budget-steps", type=float, default=None, help="phase budget, s (default 150; 60 tiny)")
     ap.add_argument("--budget-megatron", type=float, default=None, help="phase budget, s (default 120; 60 tiny)")
     args = ap.parse_args(argv)
     # tiny: < 60 s on an idle 2-core CPU; the budgets leave room for a busy one
-    defaults = dict(deadline=(240, 380), budget_model=(30, 60), budget_init=(60, 90), budget_steps=(60, 150),
+    defaults = dict(deadline=(240, 360), budget_model=(30, 60), budget_init=(60, 90), budget_steps=(60, 150),
                     budget_megatron=(60, 120))
     for k, (tiny, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, tiny if args.tiny else full)
+    if args.dtype == "auto":
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.grad_ckpt == "auto":
+        args.grad_ckpt = "on" if args.device == "cuda" else "off"
     if args.device == "cpu" and not args.tiny:
         ap.error("--device cpu runs the 0.6B model for hours: add --tiny")
     return args
@@ -731,6 +741,7 @@ def main(argv=None) -> int:
                                                 workdir / ("tiny_qwen3" if args.tiny else "qwen3_0p6b_shape"),
                                                 args.tiny, args.device, args.seed)
         results["config"] = {"tiny": args.tiny, "device": args.device, "attn_implementation": attn,
+                             "dtype": args.dtype, "gradient_checkpointing": args.grad_ckpt == "on",
                              "model": model_info, "workload": dataclasses.asdict(workload),
                              "variants": args.variants, "warmup": args.warmup, "steps": args.steps,
                              "deadline_s": args.deadline}

@@ -14,12 +14,12 @@
 #    already has in a fitting version are kept. Wheels split into NAME.whl.part-aa, -ab, ... (by
 #    CHUNK_MIB) are joined first, from any chunkN/ subfolders.
 # 3. runs benchmarks/gpu_check.py with the repository's own verl_tokensel (PYTHONPATH=repo root)
-#    under `timeout` (GPU_CHECK_TIMEOUT s, default 420; the check's own deadline is 380 s).
+#    under `timeout` (GPU_CHECK_TIMEOUT s, default 390; the check's own deadline is 360 s).
 #
-# Through a tool that carries at most 64 MiB per call (ray's wheel alone is 75.6 MiB): make the
-# folder with SKIP_PRESENT=scripts/gpu_image_packages.txt CHUNK_MIB=48, then, on one warm machine,
-# call 1 copies wheels/chunk1 to /tmp/wheels/ and call 2 copies the last chunk and runs
-# `bash scripts/gpu_check.sh /tmp/wheels`.
+# Through a transfer that carries at most 64 MiB at a time (ray's wheel alone is 75.6 MiB): pack with
+# SKIP_PRESENT=scripts/gpu_image_packages.txt CHUNK_MIB=56 bash scripts/pack_wheels.sh, then, on one
+# machine that stays up between the calls, call k copies wheels/chunkK/* into /tmp/wheels/ and the
+# last one also runs `bash scripts/gpu_check.sh /tmp/wheels`.
 #
 # Exit codes: gpu_check.py's (0 ok, 1 a sanity check failed, 2 environment, 3 its deadline), 4 the
 # torch assumption does not hold, 5 the offline install failed, 124 `timeout` stopped it.
@@ -29,7 +29,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 WHEELS="${1:-$ROOT/wheels}"
 PY="${PYTHON:-python3}"
-TIMEOUT_S="${GPU_CHECK_TIMEOUT:-420}"
+TIMEOUT_S="${GPU_CHECK_TIMEOUT:-390}"
 OUT_DIR="${OUT:-$ROOT/outputs}"
 T0=$(date +%s)
 say() { echo "[gpu_check.sh +$(( $(date +%s) - T0 ))s] $*" >&2; }

@@ -19,16 +19,17 @@
 # which omegaconf 2.3 pins) are built here into pure-Python wheels first; without them pip would
 # quietly backtrack to hydra-core 0.11.
 #
-# SKIP_PRESENT: a file with one package name per line (e.g. `pip list --format=freeze` run on the GPU
-# image); those names are not downloaded, except the pinned ones above, whose image versions may not
-# fit verl (the H200 image has transformers 5.17; verl 0.9.1 needs < 5.11). Use it only when the
-# image's versions satisfy verl's requirements: `pip install --no-index` on the GPU machine fails
-# loudly, naming the package, when one does not.
+# SKIP_PRESENT: a file listing what the GPU image already has, one package a line: `name==version`
+# (`pip list --format=freeze` run there) or a bare name. A listed package is not downloaded when the
+# image's version satisfies every requirement on it in the closure; for a bare name, when nothing
+# caps or pins it (transformers 5.9 needs tokenizers <= 0.23.0, the image has 0.23.2: kept). The
+# pinned packages above are always packed. A bare name can still be too OLD for a lower bound:
+# `pip install --no-index` on the GPU machine then fails loudly, naming it; re-pack without it.
 #
-# CHUNK_MIB: the device tool carries at most 64 MiB per call and ray's wheel alone is 75.6 MiB, so
+# CHUNK_MIB: for a transfer that carries at most 64 MiB at a time (ray's wheel alone is 75.6 MiB),
 # the folder is also copied into chunkN/ subfolders of at most CHUNK_MIB each, splitting bigger wheels
 # into NAME.whl.part-aa, -ab, ...; gpu_check.sh puts them back together (see its header for the
-# two-call recipe).
+# one-call-per-chunk recipe).
 #
 # Measured 2026-11-29 (CPython 3.12, manylinux x86_64): full closure 123 wheels, 257 MiB (ray 75.6,
 # pyarrow 52.5, wandb 19.4, numpy 15.0, pandas 11.5 MiB); with SKIP_PRESENT = the H200 image's
@@ -63,27 +64,57 @@ echo "[pack_wheels] 2/4 resolving the closure for CPython $PY_VERSION x86_64 (no
 "$PY" -m pip install -q --dry-run --ignore-installed --report "$WORK/report.json" --target "$WORK/target" \
     "${PLAT_ARGS[@]}" --find-links "$DEST" "$OWN_WHEEL" "${REQS[@]}"
 
-"$PY" - "$WORK/report.json" "$EXCLUDE_RE" "$PINNED_RE" "${SKIP_PRESENT:-}" "${SDIST_ONLY[*]}" \
+"$PY" - "$WORK/report.json" "$EXCLUDE_RE" "$PINNED_RE" "${SKIP_PRESENT:-}" "${SDIST_ONLY[*]}" "$PY_VERSION" \
     >"$WORK/pins.txt" <<'PYEOF'
 import json, re, sys
-report, exclude, pinned, skip_file, built = sys.argv[1:6]
+try:
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+    from pip._vendor.packaging.version import Version
+report, exclude, pinned, skip_file, built, py_version = sys.argv[1:7]
 norm = lambda s: re.sub(r"[-_.]+", "-", s.strip().lower())
-skip = set()
+items = json.load(open(report))["install"]
+# what the closure asks of each package (markers evaluated for the target, no extras)
+env = {"python_version": py_version, "python_full_version": py_version + ".0", "sys_platform": "linux",
+       "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+       "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+wanted = {}
+for item in items:
+    for text in item["metadata"].get("requires_dist", []):
+        req = Requirement(text)
+        if req.marker is None or req.marker.evaluate(env):
+            wanted.setdefault(norm(req.name), []).append(req.specifier)
+# SKIP_PRESENT lines: "name==version" (pip freeze) or "name"
+skip = {}
 if skip_file:
-    skip = {norm(re.split(r"[=<>~! ]", l.strip())[0]) for l in open(skip_file) if l.strip() and not l.startswith("#")}
+    for line in open(skip_file):
+        line = line.split("#")[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            skip[norm(re.split(r"[<>~!= ]", name)[0])] = version.strip() or None
 built = {norm(b.split("==")[0]) for b in built.split()}
-for item in json.load(open(report))["install"]:
+for item in items:
     name = norm(item["metadata"]["name"])
     if name == "verl-tokensel" or name in built or re.match(exclude, name):
         continue
     if name in skip and not re.match(pinned, name):
-        continue
+        specs = wanted.get(name, [])
+        have = skip[name]
+        if have is not None:  # the image's version is known: skip it when every requirement accepts it
+            fits = all(Version(have) in s for s in specs)
+        else:  # name only: skip unless something caps or pins it (transformers 5.9: tokenizers <= 0.23.0)
+            fits = not any(sp.operator in ("<", "<=", "==", "~=", "===") for s in specs for sp in s)
+        if fits:
+            continue
     print(f"{name}=={item['metadata']['version']}")
 PYEOF
 
 echo "[pack_wheels] 3/4 downloading $(wc -l <"$WORK/pins.txt") wheels into $DEST"
 "$PY" -m pip download -q --no-deps "${PLAT_ARGS[@]}" -d "$DEST" -r "$WORK/pins.txt"
 cp "$WORK/pins.txt" "$DEST/PINS.txt"
+cp "$WORK/report.json" "$DEST/RESOLVE_REPORT.json"  # what pip resolved, for the record
 if [ -n "${SKIP_PRESENT:-}" ]; then  # built source-only wheels the image already has are not needed
     for b in "${SDIST_ONLY[@]}"; do
         n="${b%%==*}"
