@@ -71,17 +71,25 @@ __all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_
 RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
 TIMEOUT_RETURNCODE = 124
 
-#: (regex on one log line, what the pipeline is doing from then on). The LAST stage seen in the log is
-#: reported on timeout, so order does not matter here, only that each pattern marks a stage's start.
+#: (regex on one log line, what the pipeline is doing from then on; ``{1}`` = the regex's first group).
+#: The stage of the LAST matching line is reported on timeout. Patterns are verl 0.9.1 / Ray 2.60 /
+#: vLLM 0.28 log lines of a CPU run (driver, TaskRunner and worker output all reach the driver's log).
 PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
     (r"ray init kwargs", "starting Ray"),
-    (r"Started a local Ray instance|Connecting to existing Ray cluster", "waiting for Ray resources (TaskRunner)"),
-    (r"Waiting for.*resources|resource_pool|placement group", "waiting for Ray resources (placement groups)"),
-    (r"init_model|Model config after override|FSDP|fsdp", "building the actor (FSDP2 engine)"),
-    (r"vLLMHttpServer|vllm_async_server|Starting vLLM|launch_server|server address", "waiting for the vLLM server"),
-    (r"update_weights|checkpoint engine|weight_loader|sync.*weight", "weight sync (actor -> vLLM)"),
-    (r"Training Progress|step:\d+", "training"),
-    (r"Final validation metrics|final metrics", "finishing"),
+    (r"Started a local Ray instance|Connecting to existing Ray cluster",
+     "waiting for the TaskRunner (Ray resources: CPU)"),
+    (r"create worker group", "waiting for Ray resources (GPU bundles) and building the FSDP2 actor workers"),
+    (r"actor and ref model engine initialized", "starting the reward workers"),
+    (r"reward loop manager initialized", "waiting for the vLLM server"),
+    (r"LLMServerManager:|checkpoint engine manager initialized", "initial weight sync (actor -> vLLM)"),
+    (r"all initialize finished", "training step 1 (rollout)"),
+    (r"Training Progress:.*\|\s*(\d+)/\d+", "training (steps done: {1}; rollout, reward, update, weight sync)"),
+    (r"Final validation metrics", "shutting down"),
+    # failures that make the trainer wait forever instead of exiting
+    (r"cannot be scheduled right now|No available node types can fulfill|Waiting for.*resources",
+     "waiting for Ray resources that do not exist (num_gpus / num_cpus too small?)"),
+    (r"has no attribute 'weight_loader'",
+     "weight sync (actor -> vLLM) failed in the vLLM worker; the trainer then waits forever"),
 )
 
 
@@ -158,8 +166,9 @@ def last_stage(log_text: str) -> Optional[str]:
     found = None
     for line in log_text.splitlines():
         for rx, stage in compiled:
-            if rx.search(line):
-                found = stage
+            m = rx.search(line)
+            if m:
+                found = stage.format(None, *m.groups())
     return found
 
 

@@ -1,0 +1,97 @@
+"""The outer-timeout launcher (verl_tokensel.launch) on a fake entry point: no verl, no Ray, a few seconds.
+
+The fake ``main_ppo`` prints a pipeline stage, writes one metrics line the way verl's ``file`` logger does,
+starts a grandchild in ITS OWN session (as Ray's raylet/workers may be) and then hangs. The launcher must
+time out, report the stage it was stuck in, exit 124, and kill the grandchild too (found by the run marker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from verl_tokensel.launch import TIMEOUT_RETURNCODE, last_stage, read_metrics, run_main_ppo
+
+FAKE = textwrap.dedent('''
+    import json, os, subprocess, sys, time
+    args = sys.argv[1:]
+    path = os.environ["VERL_FILE_LOGGER_PATH"]
+    with open(path, "w") as f:
+        f.write(json.dumps({"step": 1, "data": {"actor/pg_loss": 0.5}}) + "\\n")
+    print("ARGS " + json.dumps(args), flush=True)
+    print("(TaskRunnerV1 pid=1) INFO: reward loop manager initialized", flush=True)
+    if os.environ.get("FAKE_MODE") == "ok":
+        sys.exit(0)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    with open(os.environ["FAKE_PIDFILE"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)
+''')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (killed, not yet reaped by its parent) counts as dead
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _write_fake(tmp_path: Path) -> None:
+    (tmp_path / "fake_main_ppo.py").write_text(FAKE)
+
+
+def test_timeout_kills_the_run_and_what_it_started(tmp_path):
+    _write_fake(tmp_path)
+    pidfile = tmp_path / "grandchild.pid"
+    t0 = time.monotonic()
+    result = run_main_ppo(["a=1"], timeout_s=8, log_path=tmp_path / "run.log", entry="fake_main_ppo", cwd=tmp_path,
+                          env={"FAKE_PIDFILE": str(pidfile)}, kill_grace_s=2)
+    assert time.monotonic() - t0 < 30
+    assert result.timed_out and result.returncode == TIMEOUT_RETURNCODE and not result.ok
+    assert result.last_stage == "waiting for the vLLM server"
+    assert "waiting for the vLLM server" in result.describe()
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while _alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(grandchild), "a process started by the run (own session) survived the timeout"
+    assert result.steps == [{"step": 1, "actor/pg_loss": 0.5}]  # metrics written before the hang are kept
+    assert "timed out" in result.log_path.read_text()
+
+
+def test_success_adds_cpu_switch_and_file_logger(tmp_path):
+    _write_fake(tmp_path)
+    result = run_main_ppo(["x.y=2"], timeout_s=60, log_path=tmp_path / "ok.log", entry="fake_main_ppo",
+                          cwd=tmp_path, env={"FAKE_MODE": "ok"})
+    result.raise_for_status()
+    args = json.loads(next(line[5:] for line in result.log_path.read_text().splitlines() if line.startswith("ARGS ")))
+    assert args[0] == "x.y=2" and "trainer.device=cpu" in args and "trainer.logger=[console,file]" in args
+    assert any(a.startswith("++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=") for a in args)
+    assert "++ray_kwargs.ray_init.address=local" in args
+    assert result.metric("actor/pg_loss") == [0.5]
+    # cpu=False and an explicit trainer.logger are left alone
+    result = run_main_ppo(["trainer.logger=[console]"], timeout_s=60, log_path=tmp_path / "gpu.log",
+                          entry="fake_main_ppo", cwd=tmp_path, env={"FAKE_MODE": "ok"}, cpu=False)
+    args = json.loads(next(line[5:] for line in result.log_path.read_text().splitlines() if line.startswith("ARGS ")))
+    assert "trainer.device=cpu" not in args and args.count("trainer.logger=[console]") == 1
+
+
+def test_read_metrics_merges_lines_of_a_step_and_skips_cut_lines(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 2, "data": {"a": 1}}\n{"step": 1, "data": {"a": 0}}\n{"step": 2, "data": {"b": 3}}\n{"step": 3, "da')
+    assert read_metrics(p) == [{"step": 1, "a": 0}, {"step": 2, "a": 1, "b": 3}]
+
+
+def test_last_stage_names_the_hang():
+    log = "ray init kwargs: {}\n(WorkerDict pid=3) AttributeError: 'Parameter' object has no attribute 'weight_loader'\n"
+    assert "weight sync" in last_stage(log)
+    assert last_stage("nothing here") is None
+    assert last_stage("Training Progress:  50%|#####     | 1/2 [01:57<01:57]") .startswith("training (steps done: 1")
