@@ -44,6 +44,16 @@ def _scalar(v):
     return float(v) if v is not None else float("nan")
 
 
+def _selected_fraction(metrics) -> float:
+    """Selected / valid response tokens of the update: exact over each mini-batch when a pre-pass selected
+    (its pools span micro-batches), else the mean of the per-micro-batch fractions."""
+    sel, valid = metrics.get("tokensel/prepass/selected_tokens"), metrics.get("tokensel/prepass/valid_tokens")
+    if sel is not None and valid is not None:  # one value per mini-batch
+        sel, valid = (x if isinstance(x, list) else [x] for x in (sel, valid))
+        return sum(map(float, sel)) / sum(map(float, valid))
+    return _scalar(metrics.get("tokensel/selected_fraction", 1.0))
+
+
 def run(args) -> int:
     from verl_tokensel.core.config import PRESETS
 
@@ -77,7 +87,7 @@ def run(args) -> int:
             print(f"error: token_selector={preset}: loss {result.loss}, max |param delta| "
                   f"{result.max_abs_param_delta}: the update did not happen", file=sys.stderr)
             return 1
-        rows.append((preset, _scalar(m.get("tokensel/selected_fraction", 1.0)),
+        rows.append((preset, _selected_fraction(m),
                      _scalar(m.get("tokensel/entropy_selected")), _scalar(m.get("tokensel/entropy_unselected")),
                      _scalar(m.get("tokensel/grad_mass_kept", 1.0)), result.loss, result.grad_norm or float("nan")))
     print()
