@@ -1,0 +1,139 @@
+"""How ``score_source=prepass`` reaches verl's actor workers (no Ray actor started here; see
+``test_prepass_ray_on_cpu.py`` for the real thing):
+
+- :func:`tokensel_worker_class` subclasses whatever actor worker class it is given (verl's
+  ``ActorRolloutRefWorker``, the separate-async trainer's ``DetachActorWorker``, a Ray actor class, a class
+  whose inner ``actor_worker_cls`` is itself custom) and changes only ``actor_worker_cls``;
+- the V1 trainers' ``_init_resource_pool_mgr`` (all three tokensel modes, hybrid replicas on and off) and
+  the v0 TaskRunner's ``add_actor_rollout_worker`` put that class in ``role_worker_mapping`` exactly when
+  the selection uses the pre-pass, after verl's own (or separate-async's) choice;
+- Megatron with ``score_source=prepass`` is refused on the driver; group ids from ``uid`` are stable.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:  # pragma: no cover
+    pytest.skip("verl is not installed: these tests need verl 0.9", allow_module_level=True)
+
+from verl_tokensel.testing import ray_actor as RA, tiny_assets  # noqa: E402  (selects the CPU platform)
+
+import torch  # noqa: E402
+from verl.experimental.separation.engine_workers import DetachActorWorker  # noqa: E402
+from verl.trainer.ppo.utils import Role  # noqa: E402
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker  # noqa: E402
+
+from verl_tokensel.verl_glue.prepass import (  # noqa: E402
+    TokenselTrainingWorker,
+    batch_group_ids,
+    stable_group_ids,
+    tokensel_worker_class,
+)
+
+
+def _compose(selector="gmts", *overrides):
+    return RA.compose_tokensel_config(str(tiny_assets.build_tiny_model_dir()),
+                                      [f"actor_rollout_ref.actor.token_selector={selector}", *overrides])
+
+
+def _base(remote_cls):
+    return getattr(remote_cls, "__ray_actor_class__", remote_cls)
+
+
+@pytest.mark.parametrize("base", [ActorRolloutRefWorker, DetachActorWorker])
+def test_worker_class_only_swaps_the_inner_training_worker(base):
+    import ray
+
+    cls = tokensel_worker_class(base)
+    assert cls.__bases__ == (base,) and cls.actor_worker_cls is TokenselTrainingWorker
+    assert tokensel_worker_class(base) is cls and tokensel_worker_class(cls) is cls
+    assert tokensel_worker_class(ray.remote(base)) is cls  # Ray actor classes are unwrapped
+    # every RPC (registered method) is the base's own
+    for name in ("init_model", "update_actor", "compute_log_prob", "set_loss_fn"):
+        assert getattr(cls, name) is getattr(base, name)
+
+
+def test_worker_class_keeps_a_custom_inner_training_worker():
+    class MyTrainingWorker(TrainingWorker):
+        pass
+
+    class MyActorWorker(ActorRolloutRefWorker):
+        actor_worker_cls = MyTrainingWorker
+
+    inner = tokensel_worker_class(MyActorWorker).actor_worker_cls
+    assert issubclass(inner, TokenselTrainingWorker) and issubclass(inner, MyTrainingWorker)
+
+
+@pytest.mark.parametrize("mode,hybrid,role,base", [
+    ("sync", True, Role.ActorRollout, ActorRolloutRefWorker),
+    ("colocate_async", True, Role.ActorRollout, ActorRolloutRefWorker),
+    ("separate_async", True, Role.ActorRollout, DetachActorWorker),
+    ("separate_async", False, Role.Actor, DetachActorWorker),
+])
+@pytest.mark.parametrize("selector", ["gmts", "forking"])
+def test_v1_trainers_swap_the_actor_worker_for_prepass_only(mode, hybrid, role, base, selector):
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    from verl_tokensel.verl_glue.install import register_v1_trainers
+
+    register_v1_trainers()
+    trainer_cls = TRAINER_REGISTRY[f"tokensel_{mode}"]
+    trainer = trainer_cls.__new__(trainer_cls)  # only the resource-pool step of _setup
+    trainer.config = _compose(selector)
+    trainer._enable_hybrid_replicas = hybrid
+    trainer._init_resource_pool_mgr()
+    cls = _base(trainer.role_worker_mapping[role])
+    if selector == "gmts":  # score_source=prepass
+        assert cls is tokensel_worker_class(base) and cls.__bases__ == (base,)
+    else:  # score_source=current: verl's (or separate-async's) class, untouched
+        assert cls is base
+
+
+@pytest.mark.parametrize("selector", ["gmts", "forking"])
+def test_v0_task_runner_builds_the_prepass_worker(selector):
+    from verl_tokensel.main_ppo import _v0_task_runner
+
+    runner_cls = _base(_v0_task_runner())
+    runner = runner_cls.__new__(runner_cls)
+    runner.role_worker_mapping, runner.mapping = {}, {}
+    actor_cls, _ = runner.add_actor_rollout_worker(_compose(selector))
+    (remote_cls,) = runner.role_worker_mapping.values()
+    expected = tokensel_worker_class(ActorRolloutRefWorker) if selector == "gmts" else ActorRolloutRefWorker
+    assert actor_cls is expected and _base(remote_cls) is expected
+
+
+def test_megatron_refuses_prepass_on_the_driver():
+    from hydra import compose, initialize_config_module
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_tokensel.core.config import TokenSelectionConfigError
+
+    def actor(*overrides):
+        with initialize_config_module("verl_tokensel.config", version_base=None):
+            cfg = compose("tokensel_megatron_trainer", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                                                  "actor_rollout_ref.actor.token_selector=gmts",
+                                                                  *overrides])
+        return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+    with pytest.raises(Exception, match=r"score_source='prepass'.*model_engine=megatron.*Fix") as err:
+        actor()
+    assert isinstance(err.value, TokenSelectionConfigError) or isinstance(err.value.__cause__, TokenSelectionConfigError)
+    assert actor("actor_rollout_ref.actor.token_selection.score_source=rollout").selection.score_source == "rollout"
+
+
+def test_group_ids_are_stable_and_shared_by_equal_uids():
+    from tensordict import NonTensorData, NonTensorStack, TensorDict
+
+    ids = stable_group_ids(["a", "b", "a", "7d9c-uuid"])
+    assert ids.dtype == torch.int64 and ids[0] == ids[2] and len(set(ids.tolist())) == 3
+    # the same in every process and run (no salted hash): a fixed value
+    assert stable_group_ids(["a"]).item() == int.from_bytes(
+        __import__("hashlib").blake2b(b"a", digest_size=8).digest(), "little", signed=True)
+    td = TensorDict({"x": torch.zeros(3)}, batch_size=[3])
+    td["uid"] = NonTensorStack(*[NonTensorData(u) for u in ["p", "q", "p"]])
+    assert torch.equal(batch_group_ids(td), stable_group_ids(["p", "q", "p"]))
+    with pytest.raises(RuntimeError, match="scope=group needs the 'uid'"):
+        batch_group_ids(TensorDict({"x": torch.zeros(3)}, batch_size=[3]))
