@@ -118,3 +118,11 @@ def test_no_switch_no_change():
 
 def test_cli_override_keys():
     assert cli_override_keys(["+a.b=1", "++c=2", "~d", "hydra.run.dir=x", "e.f=[1,2]"]) == {"a.b", "c", "d", "e.f"}
+
+
+def test_joining_a_running_cluster_leaves_ray_resources_alone():
+    """ray job submit / RAY_ADDRESS: Ray refuses num_cpus/num_gpus when connecting; the cluster's count."""
+    cfg, _ = _apply(environ={"RAY_ADDRESS": "http://127.0.0.1:8265"})
+    assert cfg.ray_kwargs.ray_init.num_cpus is None and "num_gpus" not in cfg.ray_kwargs.ray_init
+    cfg, _ = _apply("++ray_kwargs.ray_init.address=local", environ={"RAY_ADDRESS": "http://127.0.0.1:8265"})
+    assert cfg.ray_kwargs.ray_init.num_gpus == 1

@@ -36,6 +36,11 @@ API::
 * ``ray_address``: ``"local"`` (default) starts a private Ray instance even if another one runs on
   this host (Ray's default would join the newest local cluster); ``None`` leaves Ray's own lookup
   (``RAY_ADDRESS``, then the newest local cluster); any other value is passed as ``ray_init.address``.
+* ``ray_job_address``: submit the run as a Ray job (``ray job submit --address <it> -- python -m <entry>
+  ...``) to a running cluster's dashboard address, e.g. ``http://127.0.0.1:8265``, instead of starting
+  it here. The job's driver runs on the head node (``verl_tokensel`` must be installed there: image, or
+  ``runtime_env`` pip); the timeout then covers submission, the whole job and log tailing. Use with
+  :func:`start_ray_head` for a local single-node cluster (tests).
 * ``env``: extra environment variables for the run (str values).
 * ``echo``: also copy the run's output to this process's stdout as it arrives.
 
@@ -44,6 +49,10 @@ and so does every other process that carries this run's marker variable (``VERL_
 inherited by the Ray head, raylet and Ray workers it started even when they left the process group);
 nothing else on the host is touched. A timed-out run returns ``timed_out=True`` and
 ``returncode=124``; Ctrl-C kills, then re-raises ``KeyboardInterrupt``.
+
+:func:`start_ray_head` starts a private single-node Ray head (free ports, own temp dir, logical
+``--num-gpus`` for the CPU platform) and returns a :class:`RayHead` whose ``stop()`` ends exactly the
+processes it started (by marker; never ``ray stop``, which would stop every Ray instance on the host).
 
 Command line (same thing, exit code 124 on timeout)::
 
@@ -65,7 +74,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV"]
+__all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV",
+           "RayHead", "start_ray_head", "kill_marked"]
 
 #: every process started by a run inherits this variable; the kill path finds them by it
 RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
@@ -176,9 +186,16 @@ def _has_override(overrides: Sequence[str], key: str) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
 
 
+def _ray_executable(python: str) -> str:
+    candidate = Path(python).parent / "ray"
+    return str(candidate) if candidate.exists() else "ray"
+
+
 def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_path: Path,
-                   ray_address: Optional[str], python: str) -> list[str]:
+                   ray_address: Optional[str], python: str, ray_job_address: Optional[str] = None) -> list[str]:
     ov = list(overrides)
+    if ray_job_address is not None:
+        ray_address = None  # the job's driver joins the cluster it runs on (RAY_ADDRESS set by Ray)
     if cpu and not _has_override(ov, "trainer.device"):
         ov.append("trainer.device=cpu")
     if not _has_override(ov, "trainer.logger"):
@@ -186,6 +203,10 @@ def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_p
     ov.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={json.dumps(str(metrics_path))}")
     if ray_address is not None and not _has_override(ov, "ray_kwargs.ray_init.address"):
         ov.append(f"++ray_kwargs.ray_init.address={ray_address}")
+    if ray_job_address is not None:
+        runtime_env = {"env_vars": {"VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}}
+        return [_ray_executable(python), "job", "submit", "--address", ray_job_address,
+                "--runtime-env-json", json.dumps(runtime_env), "--", python, "-m", entry, *ov]
     return [python, "-m", entry, *ov]
 
 
@@ -223,6 +244,107 @@ def _kill_run(proc: subprocess.Popen, marker: str, grace_s: float) -> None:
             time.sleep(0.2)
 
 
+def kill_marked(marker: str, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``grace_s``, every process carrying ``RUN_MARKER_ENV=marker``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in _marked_pids(marker):
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline and _marked_pids(marker):
+            time.sleep(0.2)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class RayHead:
+    """A Ray head started by :func:`start_ray_head`; ``address`` is its dashboard (job submission) URL."""
+
+    address: str
+    gcs_address: str
+    temp_dir: Path
+    marker: str
+    #: env vars a client (``ray job submit``, ``run_main_ppo(env=...)``) needs: Ray 2.60 token auth
+    client_env: dict = field(default_factory=lambda: {"RAY_AUTH_MODE": "token"})
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """End every process this head started (Ray daemons and workers, jobs), nothing else."""
+        kill_marked(self.marker, grace_s)
+
+    def __enter__(self) -> "RayHead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def start_ray_head(*, num_cpus: int = 16, num_gpus: int = 1, timeout_s: float = 120.0,
+                   temp_dir: Optional[Path] = None, python: str = sys.executable,
+                   env: Optional[dict] = None) -> RayHead:
+    """Start a private single-node Ray head (``ray start --head``) for job submission; see module doc.
+
+    ``num_gpus`` are logical on CPU (verl's resource pools request "GPU"). Every port is a free one and
+    the temp dir is private (``ray.init()`` of other users on this host will not find this cluster).
+    """
+    import tempfile
+
+    temp_dir = Path(temp_dir) if temp_dir else Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: socket paths
+    marker = uuid.uuid4().hex
+    gcs_port, dash_port = _free_port(), _free_port()
+    ports = {flag: _free_port() for flag in ("--ray-client-server-port", "--dashboard-agent-listen-port",
+                                               "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+                                               "--metrics-export-port", "--node-manager-port",
+                                               "--object-manager-port")}
+    cmd = [_ray_executable(python), "start", "--head", "--port", str(gcs_port), "--node-ip-address", "127.0.0.1",
+           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash_port),
+           "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--temp-dir", str(temp_dir),
+           "--disable-usage-stats"]
+    for flag, port in ports.items():
+        cmd += [flag, str(port)]
+    # token auth explicitly on (Ray 2.60's default for new clusters; the token is ~/.ray/auth_token, created if
+    # missing): clients must then say RAY_AUTH_MODE=token too, see RayHead.client_env
+    run_env = {**os.environ, "RAY_AUTH_MODE": "token", **(env or {}), RUN_MARKER_ENV: marker}
+    run_env.pop("RAY_ADDRESS", None)
+    head = RayHead(address=f"http://127.0.0.1:{dash_port}", gcs_address=f"127.0.0.1:{gcs_port}",
+                   temp_dir=temp_dir, marker=marker)
+    try:
+        out = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout_s,
+                             stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise RuntimeError(f"`ray start --head` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        _wait_for_dashboard(head.address, deadline=time.monotonic() + timeout_s)
+    except BaseException:
+        head.stop()
+        raise
+    return head
+
+
+def _wait_for_dashboard(address: str, deadline: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(address + "/api/version", timeout=5):
+                return
+        except urllib.error.HTTPError:
+            return  # it answers (401 when Ray's token authentication is on; `ray job submit` sends the token)
+        except Exception as e:  # noqa: BLE001 - not up yet
+            last = e
+        time.sleep(1.0)
+    raise TimeoutError(f"Ray dashboard {address} did not answer: {last}")
+
+
 def _pump(stream, log_fp, echo: bool) -> None:
     for chunk in iter(lambda: stream.readline(), b""):
         log_fp.write(chunk)
@@ -241,6 +363,7 @@ def run_main_ppo(
     metrics_path: Optional[Path] = None,
     entry: str = "verl_tokensel.main_ppo",
     ray_address: Optional[str] = "local",
+    ray_job_address: Optional[str] = None,
     env: Optional[dict] = None,
     echo: bool = False,
     kill_grace_s: float = 10.0,
@@ -255,7 +378,7 @@ def run_main_ppo(
     if metrics_path.exists():
         metrics_path.unlink()  # never report a previous run's steps
     cmd = _build_command(entry, overrides, cpu=cpu, metrics_path=metrics_path.resolve(), ray_address=ray_address,
-                         python=python)
+                         python=python, ray_job_address=ray_job_address)
     marker = uuid.uuid4().hex
     run_env = {**os.environ, **(env or {}), RUN_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1",
                "VERL_FILE_LOGGER_PATH": str(metrics_path.resolve())}

@@ -43,6 +43,10 @@ key                                                           CPU value   why
                                                               n_gpus      and the vLLM server request them; must be >= that
 ============================================================  ==========  ==================================================
 
+``num_cpus``/``num_gpus`` are filled only when ``ray.init`` starts a local Ray instance. When it joins a
+running cluster (``ray job submit``, ``RAY_ADDRESS``, ``ray_kwargs.ray_init.address``), Ray refuses them:
+start that cluster with logical resources instead, e.g. ``ray start --head --num-cpus=16 --num-gpus=1``.
+
 Environment (``ENV_SETTINGS``), set in the driver's ``os.environ`` AND in
 ``ray_kwargs.ray_init.runtime_env.env_vars`` (as strings: Ray raises a TypeError on other types; the
 runtime env is the only way env vars reach Ray workers on other nodes and in ``ray job submit`` jobs):
@@ -84,12 +88,15 @@ __all__ = [
     "wants_cpu",
     "apply_cpu_pipeline",
     "cli_override_keys",
+    "joins_existing_cluster",
 ]
 
 SWITCH_KEY = "trainer.device"
 ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 NUM_GPUS_KEY = "ray_kwargs.ray_init.num_gpus"
 _ABSENT = object()
+#: ray.init arguments that only apply when ray.init starts a local instance
+_RAY_INIT_RESOURCE_KEYS = ("ray_kwargs.ray_init.num_cpus", NUM_GPUS_KEY)
 
 _A = "actor_rollout_ref.actor"
 _R = "actor_rollout_ref.rollout"
@@ -240,6 +247,14 @@ def _apply_strategy_checks(config: DictConfig, explicit: set[str]) -> None:
             raise _conflict(key, raw, "fsdp2", "the FSDP engine path tested on CPU")
 
 
+def joins_existing_cluster(config: DictConfig, environ: dict) -> bool:
+    """True when ``ray.init`` will connect to a running cluster (``ray job submit``, ``RAY_ADDRESS``,
+    ``ray_kwargs.ray_init.address``): Ray then refuses ``num_cpus``/``num_gpus`` (the cluster's own
+    resources count; start it with a logical ``--num-gpus``)."""
+    address = OmegaConf.select(config, "ray_kwargs.ray_init.address", default=None) or environ.get("RAY_ADDRESS")
+    return bool(address) and str(address).strip().lower() != "local"
+
+
 def _apply_resources(config: DictConfig, explicit: set[str]) -> list[str]:
     nnodes = int(OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
     n_gpus = int(OmegaConf.select(config, "trainer.n_gpus_per_node"))
@@ -300,13 +315,17 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
     if strategy not in (_ABSENT, "fsdp", "fsdp2") or (strategy == "fsdp" and f"{_A}.strategy" in explicit):
         raise _conflict(f"{_A}.strategy", strategy, "fsdp2", "CPU mode supports the FSDP2 engine only "
                         "(no Megatron, no FSDP1)")
+    joining = joins_existing_cluster(config, environ)
     filled = []
     for setting in CONFIG_SETTINGS:
+        if joining and setting.key in _RAY_INIT_RESOURCE_KEYS:
+            continue
         done = _apply_setting(config, setting, explicit)
         if done:
             filled.append(done)
     _apply_strategy_checks(config, explicit)
-    filled += _apply_resources(config, explicit)
+    if not joining:
+        filled += _apply_resources(config, explicit)
     env = _cpu_env(config, environ)
     for name, value in env.items():
         _set(config, f"{ENV_VARS_KEY}.{name}", value)
