@@ -174,12 +174,13 @@ def local_ray(config=None, **kwargs) -> Iterator[dict]:
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_actor_worker_group(config, role: str = ACTOR_ROLE, init_model: bool = True):
+def build_actor_worker_group(config, role: str = ACTOR_ROLE, init_model: bool = True, worker_cls=None):
     """The actor ``RayWorkerGroup`` exactly as verl's V1 ``PPOTrainer._setup`` builds it, for ``role``.
 
     ``role="actor"`` builds the actor only (no rollout engine, hence no vLLM). ``init_model`` runs
     ``ActorRolloutRefWorker.init_model`` (engine, optimizer, stock ``partial(ppo_loss, ...)`` loss,
-    checkpoint engine) on every rank.
+    checkpoint engine) on every rank. ``worker_cls``: the worker class (default verl's
+    ``ActorRolloutRefWorker``), e.g. what a trainer's ``role_worker_mapping`` holds.
     """
     import ray
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
@@ -194,7 +195,7 @@ def build_actor_worker_group(config, role: str = ACTOR_ROLE, init_model: bool = 
     manager.create_resource_pool()
     pool = manager.get_resource_pool(role)
     actor_cls = RayClassWithInitArgs(
-        cls=ray.remote(ActorRolloutRefWorker),
+        cls=ray.remote(worker_cls or ActorRolloutRefWorker),
         config=config.actor_rollout_ref,
         distillation_config=config.get("distillation"),
         role=role,
