@@ -116,7 +116,12 @@ class Clock:
         self.results["status"] = "deadline_exceeded"
         self.results["failures"].append(msg)
         self.results["seconds"] = round(self.elapsed(), 1)
-        write_json(self.results, self.out_path)
+        for _ in range(3):  # the main thread may be mutating results right now
+            try:
+                write_json(self.results, self.out_path)
+                break
+            except RuntimeError:
+                time.sleep(0.2)
         print(f"gpu_check: ERROR: {msg}", file=sys.stderr, flush=True)
         os._exit(EXIT_DEADLINE)  # from this thread: the main one may be inside a CUDA call
 
@@ -460,6 +465,8 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
     per = {v.name: {"preset": v.preset, "knobs": v.knobs, "calculate_entropy": v.entropy,
                     "selection": dataclasses.asdict(v.selection) if v.selection is not None else None,
                     "step_s": [], "peak_mem_bytes": None, "resting_mem_bytes": None} for v in variants}
+    rec["variants"] = per  # filled in place: a deadline's partial JSON keeps what was measured
+    rec["rounds_done"] = rec["warmup_rounds"] = 0
     # 1. sanity step per variant (hooks on; not timed)
     for v in variants:
         recorder = SanityRecorder(actor)
@@ -486,27 +493,37 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
         failures += [f"{v.name}: {f}" for f in s["failures"]]
         log(f"sanity {v.name}: {len(s['failures'])} failure(s), selected {s.get('selected_fraction', 0):.4f}, "
             f"{s['micro_batches']} micro-batches, step {seconds:.2f}s")
-    # 2. warm-up and timed rounds, interleaved so drift hits every variant alike
-    rounds = args.warmup + args.steps
-    done = 0
-    for rnd in range(rounds):
-        per_round = max((statistics.median(p["step_s"]) if p["step_s"] else 0.0) for p in per.values())
-        if rnd >= args.warmup + 1 and clock.left() < 1.5 * per_round * len(variants):
+    # 2. warm-up and timed rounds, interleaved so drift hits every variant alike. A round is started
+    # only if the phase budget holds it (estimated from the slowest step so far, the sanity steps
+    # before any timed one); warm-up gives way first, and one timed round always runs.
+    est = max(p["sanity"]["seconds"] for p in per.values())
+    warm = done = 0
+    warm_target = args.warmup
+    while done < args.steps:
+        warming = warm < warm_target
+        need = est * len(variants) * (2.2 if warming else 1.1)  # a warm-up round leaves room for a timed one
+        if clock.left() < need and (warming or done >= 1):
+            if warming:
+                log(f"phase budget tight: skipping warm-up after {warm} round(s)")
+                warm_target = warm
+                continue
             log(f"phase budget nearly spent: stopping after {done} timed round(s)")
             break
         for v in variants:
             r, seconds, peak, resting = step(v)
-            if rnd < args.warmup:
+            if warming:
                 continue
             p = per[v.name]
             p["step_s"].append(round(seconds, 4))
             if peak is not None:
                 p["peak_mem_bytes"] = max(p["peak_mem_bytes"] or 0, peak)
                 p["resting_mem_bytes"] = resting
-        if rnd >= args.warmup:
+        if warming:
+            warm += 1
+        else:
             done += 1
-    rec["rounds_done"] = done
-    rec["warmup_rounds"] = args.warmup
+            est = max(max(p["step_s"]) for p in per.values())
+        rec["rounds_done"], rec["warmup_rounds"] = done, warm
     if done == 0:
         failures.append("no timed round fitted in the phase budget")
         return failures
@@ -521,7 +538,6 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
         if p["peak_mem_bytes"] is not None:
             p["peak_mem_gib"] = p["peak_mem_bytes"] / 2**30
             p["mem_ratio_vs_" + variants[0].name] = p["peak_mem_bytes"] / base["peak_mem_bytes"]
-    rec["variants"] = per
     return failures
 
 
@@ -657,7 +673,7 @@ def megatron_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) 
 # report
 # ------------------------------------------------------------------------------------------------
 def print_table(title: str, rec: dict, base: str) -> None:
-    if rec.get("status") in ("skipped", "error") or "variants" not in rec:
+    if rec.get("status") in ("skipped", "error") or not rec.get("rounds_done"):
         print(f"\n{title}: {rec.get('status')}: {rec.get('reason') or rec.get('error') or rec.get('failures')}")
         return
     print(f"\n{title}: {rec['responses']} responses of {rec['response_len_min']}..{rec['response_len_max']} tokens, "

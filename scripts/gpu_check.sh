@@ -12,7 +12,10 @@
 #    made by scripts/pack_wheels.sh on a networked machine: pip install --no-index --find-links,
 #    with torch pinned to the installed build so nothing tries to replace it; packages the image
 #    already has in a fitting version are kept. Wheels split into NAME.whl.part-aa, -ab, ... (by
-#    CHUNK_MIB) are joined first, from any chunkN/ subfolders.
+#    CHUNK_MIB) are joined first, from any chunkN/ subfolders. It installs into $PYTHON's own
+#    environment (it replaces the image's transformers 5.17 with 5.9.0): meant for a throwaway
+#    machine; elsewhere make a venv with --system-site-packages (to keep the system torch) and pass
+#    PYTHON=that-venv/bin/python.
 # 3. runs benchmarks/gpu_check.py with the repository's own verl_tokensel (PYTHONPATH=repo root)
 #    under `timeout` (GPU_CHECK_TIMEOUT s, default 390; the check's own deadline is 360 s).
 #
