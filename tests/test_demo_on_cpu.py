@@ -306,6 +306,7 @@ def test_demo_overrides_compose(tmp_path):
     assert job["actor_rollout_ref"]["actor"]["token_selector"] == "gmts"
     assert job["trainer"]["total_training_steps"] == 3 and job["actor_rollout_ref"]["rollout"]["n"] == demo_cli.ROLLOUT_N
     assert job["algorithm"]["adv_estimator"] == "grpo"
+    assert job["actor_rollout_ref"]["actor"]["calculate_entropy"] is True
 
 
 # ---------------------------------------------------------------- the real thing
@@ -325,6 +326,6 @@ def test_demo_end_to_end(tmp_path):
     assert rows["none"]["selected_fraction"] == 1.0
     for preset in ("forking", "gmts"):
         assert 0.15 <= rows[preset]["selected_fraction"] <= 0.3, rows[preset]
-        assert rows[preset]["entropy_selected"] is not None
+        assert rows[preset]["entropy_selected"] is not None and rows[preset]["entropy_unselected"] is not None
     assert all(r["steps"] == 2 and r["reward_mean"] is not None for r in rows.values())
     assert (out / "demo.png").exists()

@@ -106,6 +106,9 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         "actor_rollout_ref.actor.optim.lr=1e-4",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.entropy_coeff=0",
+        # entropy in the update pass for every preset, so the table can compare selected vs unselected
+        # tokens also for presets whose scores come from elsewhere (gmts: a pre-pass)
+        "actor_rollout_ref.actor.calculate_entropy=True",
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mini * ROLLOUT_N // 2}",
         f"actor_rollout_ref.rollout.max_model_len={MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH}",

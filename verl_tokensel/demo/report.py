@@ -141,6 +141,7 @@ def plot(runs: Mapping[str, Sequence[StepMetrics]], path: str | os.PathLike) -> 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (ax_r, ax_f) = plt.subplots(1, 2, figsize=(10, 4))
     for preset, steps in runs.items():
@@ -154,6 +155,7 @@ def plot(runs: Mapping[str, Sequence[StepMetrics]], path: str | os.PathLike) -> 
     ax_r.set(title="reward (critic/score/mean)", xlabel="step", ylabel="mean reward")
     ax_f.set(title="selected fraction of response tokens", xlabel="step", ylabel="fraction", ylim=(0, 1.05))
     for ax in (ax_r, ax_f):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
