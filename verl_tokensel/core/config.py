@@ -57,6 +57,7 @@ class Selection:
     mask_entropy_bonus: bool = False
     mask_kl_loss: bool = False
     score_source: str = "current"
+    ref_model_path: Optional[str] = None
 
 
 # Presets. Each mirrors one reference semantics; see prior-art notes in the README.
@@ -147,6 +148,12 @@ class TokenSelectionConfig:
         metadata={"help": "Apply the mask to the KL loss (use_kl_loss) too.",
                   "paper": "false (80/20 code, GMTS, TRL keep KL on all tokens)"},
     )
+    ref_model_path: Optional[str] = field(
+        default=None,
+        metadata={"help": "Local HF checkpoint whose per-token entropy the ref_entropy score ranks by "
+                  "(computed on the driver, score_source=rollout); null = actor_rollout_ref.model.path.",
+                  "paper": "the base model (80/20: > 86% top-20% overlap of base and RL model)"},
+    )
     auto_enable_entropy: bool = field(
         default=True,
         metadata={"help": "Turn on actor.calculate_entropy for the update pass when the score needs "
@@ -234,6 +241,8 @@ def resolve_selection(
         raise _err("token_selection.seed", sel.seed, "an integer >= 0")
     _check_bool("token_selection.mask_entropy_bonus", sel.mask_entropy_bonus)
     _check_bool("token_selection.mask_kl_loss", sel.mask_kl_loss)
+    if sel.ref_model_path is not None and (not isinstance(sel.ref_model_path, str) or not sel.ref_model_path):
+        raise _err("token_selection.ref_model_path", sel.ref_model_path, "null or a local checkpoint folder")
 
     if sel.normaliser == "selected" and sel.score_source != "current":
         raise _err(
@@ -261,6 +270,14 @@ def resolve_selection(
             f"token_selection.score={sel.score} needs {', '.join(spec.needs_external)}, which only the driver "
             "computes, once per step, for the whole batch. Fix: set token_selection.score_source=rollout "
             "(scope batch, group or sequence; normaliser all).",
+        )
+    if sel.ref_model_path is not None and "ref_entropy" not in spec.needs_external:
+        raise _err(
+            "token_selection.ref_model_path",
+            sel.ref_model_path,
+            "null (with score=" + sel.score + ")",
+            f"token_selection.score={sel.score} does not read a reference model, so the path would be ignored. "
+            "Fix: remove it or set token_selection.score=ref_entropy.",
         )
     if spec.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or
                                                      overrides.auto_enable_entropy):

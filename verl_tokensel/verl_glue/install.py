@@ -10,12 +10,14 @@ can call it, so we hook the driver through verl's own extension points, one per 
   that set the mode back to the base name (verl compares it to "sync" internally), turn on
   ``calculate_entropy`` when the score needs it, and call ``set_loss_fn`` in ``on_init_end``
   (after the workers are built, before the first weight sync). Our YAML selects
-  ``tokensel_sync``.
+  ``tokensel_sync``. With ``score_source=rollout`` they also override ``_compute_old_log_prob`` and
+  ``_update_actor`` (the driver selects; :mod:`verl_tokensel.verl_glue.rollout_source`).
 - v0 driver (``trainer.use_v1=false``): ``RayPPOTrainer`` builds its checkpoint-engine manager
   from ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after ``init_model`` and hands
   it the actor worker group. ``python -m verl_tokensel.main_ppo`` runs verl's own TaskRunner with
   that key pointed at :class:`TokenselCheckpointEngineManager`, which installs the loss and then
-  behaves exactly like verl's manager.
+  behaves exactly like verl's manager; its TaskRunner also builds ``RayPPOTrainer`` as our subclass
+  (``score_source=rollout``, :mod:`verl_tokensel.verl_glue.rollout_source`).
 
 Why not a worker-side hook: the only configurable object that reaches a worker's loss is the
 actor config, and verl's ``ppo_loss`` passes neither the entropy nor the dp group to a registered
@@ -32,6 +34,11 @@ from functools import partial
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+from verl_tokensel.verl_glue.rollout_source import (
+    DriverSelector,
+    prepare_rollout_config,
+    validate_rollout_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +54,10 @@ def validate_driver_config(config: DictConfig) -> None:
     otherwise nothing would install the selecting loss.
     """
     selector = OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None)
-    if selector in (None, "none") or not OmegaConf.select(config, "trainer.use_v1", default=True):
+    if selector in (None, "none"):
+        return
+    validate_rollout_config(config)
+    if not OmegaConf.select(config, "trainer.use_v1", default=True):
         return
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
     valid = [TRAINER_MODE_PREFIX + m for m in BASE_TRAINER_MODES]
@@ -64,6 +74,7 @@ def prepare_driver_config(config: DictConfig) -> None:
     """Driver-side adjustments, in place: turn on entropy for the update pass when needed."""
     from verl.utils.config import omega_conf_to_dataclass
 
+    prepare_rollout_config(config)
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     if getattr(actor, "needs_entropy", False) and not actor.calculate_entropy and actor.entropy_coeff == 0:
         # resolve_selection already refused this combination when auto_enable_entropy is false
@@ -138,6 +149,27 @@ class _TokenselTrainerMixin:
     def on_init_end(self):
         install_actor_loss(self.actor_rollout_wg, self.config)
         return super().on_init_end()
+
+    # score_source=rollout: the driver selects over the whole batch (verl_glue.rollout_source)
+    @property
+    def tokensel_driver(self):
+        if "_tokensel_driver" not in self.__dict__:
+            self._tokensel_driver = DriverSelector.from_config(self.config, trainer=self)
+        return self._tokensel_driver
+
+    def _compute_old_log_prob(self, batch, metrics):
+        extra = self.tokensel_driver.old_pass_extra_info() if self.tokensel_driver is not None else {}
+        batch.extra_info.update(extra)
+        out = super()._compute_old_log_prob(batch, metrics)
+        for key in extra:  # only this pass: the ref and update passes must not compute them
+            batch.extra_info.pop(key, None)
+            out.extra_info.pop(key, None)
+        return out
+
+    def _update_actor(self, batch, metrics):
+        if self.tokensel_driver is not None:
+            batch = self.tokensel_driver.select_v1(batch, metrics)
+        return super()._update_actor(batch, metrics)
 
 
 # ----------------------------------------------------------------------------- v0 driver

@@ -1,0 +1,347 @@
+"""``token_selection.score_source=rollout`` in verl's two drivers: the driver selects, the workers apply.
+
+Per training step, after verl's old-log-prob pass and advantage computation and right before
+``update_actor``, the driver gathers the padded per-token fields of the whole batch, calls
+:func:`~verl_tokensel.verl_glue.driver_select.select_on_driver` and sends the mask (and the scores
+for the threshold metrics) as per-token fields keyed by row. The workers' loss applies the mask
+(:mod:`verl_tokensel.verl_glue.loss`), so verl's row moves (balance_batch, DP dispatch, mini-batch
+shuffling, dynamic batching) carry the mask with its row.
+
+The seams:
+
+- V1 driver (TransferQueue): the ``tokensel_*`` trainer mixin in
+  :mod:`~verl_tokensel.verl_glue.install` overrides ``_update_actor``: :meth:`DriverSelector.select_v1`
+  reads ``uid, response_mask, old_log_probs, advantages, entropy`` (+ optional fields) with
+  ``tq.kv_batch_get``, writes :data:`MASK_FIELD` and :data:`SCORE_FIELD` nested
+  (``response_to_nested``) with ``tq.kv_batch_put`` under the same keys, and adds both names to the
+  batch's ``KVBatchMeta.fields``: the workers fetch only the fields that list names (when it is not
+  None), so a field written but not listed would never reach them. ``_compute_old_log_prob`` adds
+  ``calculate_sum_pi_squared`` to that pass when the score reads sum_j p_j^2 (V1 never asks for it).
+- v0 driver (``RayPPOTrainer``, ``trainer.use_v1=false``): :func:`tokensel_ray_ppo_trainer_class`
+  overrides ``_compute_old_log_prob`` (keeps a copy of the old-policy entropy that ``fit`` pops after
+  logging ``actor/entropy``, as a batch field that follows the rows) and ``_update_actor`` (adds the
+  padded mask and scores to the ``DataProto`` before verl's own ``_update_actor`` sends it).
+  ``python -m verl_tokensel.main_ppo`` runs verl's v0 TaskRunner with this class in place of
+  ``RayPPOTrainer`` (see :mod:`verl_tokensel.main_ppo`). sum_j p_j^2 comes from verl's own
+  ``actor.calculate_sum_pi_squared`` switch, which :func:`prepare_rollout_config` turns on.
+
+The ``ref_entropy`` score's field is computed here, by a
+:class:`~verl_tokensel.analysis.ray_scorer.RayScorerGroup` holding the reference model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl_tokensel.core.config import Selection, TokenSelectionConfigError
+from verl_tokensel.core.scores import SCORE_REGISTRY, row_keys_from_packed, row_keys_from_tokens
+from verl_tokensel.verl_glue.driver_select import (
+    DriverSelection,
+    group_ids_from_uids,
+    score_params,
+    select_on_driver,
+)
+from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
+
+logger = logging.getLogger(__name__)
+
+# external per-token fields this module knows how to fill (see ScoreSpec.needs_external)
+DRIVER_EXTERNAL_FIELDS = ("ref_entropy",)
+# v0: the old-policy entropy kept past fit()'s pop of "entropys" (removed again before the update)
+V0_ENTROPY_FIELD = "tokensel_old_entropy"
+
+
+def rollout_selection(config: DictConfig) -> Optional[Selection]:
+    """The resolved rule when ``score_source=rollout`` (None otherwise or for stock configs)."""
+    if OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None) in (None, "none"):
+        return None
+    from verl.utils.config import omega_conf_to_dataclass
+
+    sel = getattr(omega_conf_to_dataclass(config.actor_rollout_ref.actor), "selection", None)
+    return sel if sel is not None and sel.score_source == "rollout" else None
+
+
+def _bypass_mode(config: DictConfig) -> bool:
+    return bool(OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False))
+
+
+def validate_rollout_config(config: DictConfig) -> None:
+    """Driver checks of ``score_source=rollout`` against keys outside the actor node (before Ray starts).
+
+    Raises :class:`TokenSelectionConfigError` naming the key and its valid values.
+    """
+    sel = rollout_selection(config)
+    if sel is None:
+        return
+    spec = SCORE_REGISTRY[sel.score]
+    unknown = [f for f in spec.needs_external if f not in DRIVER_EXTERNAL_FIELDS]
+    if unknown:
+        raise TokenSelectionConfigError(
+            f"actor_rollout_ref.actor.token_selection.score={sel.score!r} is invalid with score_source=rollout: "
+            f"it needs the per-token field(s) {unknown}, which the driver cannot compute (it fills "
+            f"{', '.join(DRIVER_EXTERNAL_FIELDS)}). Fix: pick another score or fill the field in your own glue."
+        )
+    if spec.needs_entropy and _bypass_mode(config):
+        raise TokenSelectionConfigError(
+            "algorithm.rollout_correction.bypass_mode=True is invalid with "
+            f"actor_rollout_ref.actor.token_selection.score={sel.score} and score_source=rollout; valid: False. "
+            "Bypass mode skips verl's old-log-prob pass, which is where the old-policy entropy comes from. "
+            "Fix: set bypass_mode=False, or use score_source=current, or a score without entropy "
+            "(random, grad_norm, ref_entropy)."
+        )
+    if spec.uses_sum_pi_squared and not _bypass_mode(config) and OmegaConf.select(
+            config, "actor_rollout_ref.model.use_fused_kernels", default=False):
+        raise TokenSelectionConfigError(
+            "actor_rollout_ref.model.use_fused_kernels=True is invalid with "
+            f"actor_rollout_ref.actor.token_selection.score={sel.score} and score_source=rollout; valid: False. "
+            "The score reads sum_j p_j^2 from the old-log-prob pass, which verl's engines refuse to compute "
+            "with fused kernels. Fix: set use_fused_kernels=False or pick another score."
+        )
+
+
+def prepare_rollout_config(config: DictConfig) -> None:
+    """In place: ask verl's v0 old-log-prob pass for sum_j p_j^2 when the score reads it.
+
+    ``actor.calculate_sum_pi_squared`` is read only by the v0 driver's old-log-prob pass (the V1
+    driver never reads it; :meth:`DriverSelector.old_pass_extra_info` asks for it there).
+    """
+    sel = rollout_selection(config)
+    if sel is None or not SCORE_REGISTRY[sel.score].uses_sum_pi_squared or _bypass_mode(config):
+        return
+    with open_dict(config):
+        config.actor_rollout_ref.actor.calculate_sum_pi_squared = True
+
+
+class RefEntropyScorer:
+    """The ``ref_entropy`` field: per-token entropy of a reference model, by a Ray scorer group.
+
+    The model is ``token_selection.ref_model_path`` or ``actor_rollout_ref.model.path`` (the base model
+    the run starts from). One worker per node of the actor's pool on CPU clusters; on GPU clusters the
+    workers sit in the actor's placement-group bundles with a fraction of a GPU (verl's colocated
+    workers leave room for ``max_colocate_count`` processes per bundle), so nothing waits for a GPU the
+    trainer holds. The entropy is of the temperature-scaled distribution, like verl's old-policy entropy.
+    """
+
+    def __init__(self, model_path: str, temperature: float, trainer: Any = None, num_workers: int = 1):
+        import ray
+
+        from verl_tokensel.analysis.ray_scorer import RayScorerGroup
+
+        kwargs: dict[str, Any] = {}
+        has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
+        pgs = _actor_placement_groups(trainer) if has_gpu else []
+        if pgs:
+            kwargs.update(placement_group=pgs[0], resources={"num_gpus": 0.1, "num_cpus": 0})
+        self.group = RayScorerGroup(model_path, num_workers=num_workers, temperature=temperature, **kwargs)
+        self.model_path = model_path
+
+    def __call__(self, prompts: list[torch.Tensor], responses: list[torch.Tensor], width: int) -> torch.Tensor:
+        pairs = [(p.tolist(), r.tolist()) for p, r in zip(prompts, responses)]
+        out = torch.zeros(len(pairs), width, dtype=torch.float32)
+        for i, s in enumerate(self.group.score(pairs)):
+            n = min(width, s.entropy.numel())
+            out[i, :n] = s.entropy[:n].float()
+        return out
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def _as_list(values) -> list:
+    """Plain Python list of a non-tensor column (NonTensorStack, numpy array or list)."""
+    if hasattr(values, "tolist"):
+        return list(values.tolist())
+    return [getattr(v, "data", v) for v in values]
+
+
+def _actor_placement_groups(trainer: Any) -> list:
+    try:
+        from verl.trainer.ppo.utils import Role
+
+        pool = trainer.resource_pool_manager.get_resource_pool(Role.ActorRollout)
+        return list(pool.pgs or [])
+    except Exception:  # noqa: BLE001 - any layout we do not know: fall back to Ray's own scheduling
+        return []
+
+
+class DriverSelector:
+    """Per-trainer state of the driver-side selection (the rule, clip/KL parameters, the ref scorer)."""
+
+    def __init__(self, config: DictConfig, sel: Selection, trainer: Any = None):
+        self.config = config
+        self.sel = sel
+        self.spec = SCORE_REGISTRY[sel.score]
+        self.params = score_params(config.actor_rollout_ref.actor)
+        self.trainer = trainer
+        self._ref_scorer: Optional[RefEntropyScorer] = None
+
+    @classmethod
+    def from_config(cls, config: DictConfig, trainer: Any = None) -> Optional["DriverSelector"]:
+        sel = rollout_selection(config)
+        return None if sel is None else cls(config, sel, trainer)
+
+    # ------------------------------------------------------------------ shared
+    def old_pass_extra_info(self) -> dict[str, Any]:
+        """Extra flags for the old-log-prob pass (V1 driver)."""
+        return {"calculate_sum_pi_squared": True} if self.spec.uses_sum_pi_squared else {}
+
+    def _external(self, prompts, responses, width: int) -> dict[str, torch.Tensor]:
+        if "ref_entropy" not in self.spec.needs_external:
+            return {}
+        if self._ref_scorer is None:
+            path = self.sel.ref_model_path or self.config.actor_rollout_ref.model.path
+            self._ref_scorer = RefEntropyScorer(path, float(self.config.actor_rollout_ref.rollout.temperature),
+                                                trainer=self.trainer)
+        return {"ref_entropy": self._ref_scorer(prompts, responses, width)}
+
+    def _select(self, padded: dict[str, torch.Tensor], uids, row_keys, row_valid, external) -> DriverSelection:
+        return select_on_driver(
+            self.sel,
+            response_mask=padded["response_mask"],
+            old_log_prob=padded["old_log_probs"],
+            advantages=padded["advantages"],
+            entropy=padded.get("entropy"),
+            sum_pi_squared=padded.get("sum_pi_squared"),
+            ref_log_prob=padded.get("ref_log_prob") if self.params["kl_coef"] else None,
+            rollout_is_weights=padded.get("rollout_is_weights"),
+            row_keys=row_keys,
+            group_ids=group_ids_from_uids(uids) if self.sel.scope == "group" else None,
+            row_valid=row_valid,
+            external=external,
+            params=self.params,
+        )
+
+    # ------------------------------------------------------------------ V1 (TransferQueue)
+    def select_v1(self, batch, metrics: dict):
+        """Compute the mask of a V1 update batch and store it in TransferQueue; returns ``batch``
+        with the two field names added to ``batch.fields``."""
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        from verl.workers.utils.padding import response_from_nested, response_to_nested
+
+        t0 = time.time()
+        names = ["uid", "response_mask", "old_log_probs", "advantages", "entropy", "rollout_is_weights"]
+        if self.params["kl_coef"]:
+            names.append("ref_log_prob")
+        if self.spec.uses_sum_pi_squared:
+            names.append("sum_pi_squared")
+        if self.spec.needs_row_keys:
+            names.append("input_ids")
+        if self.spec.needs_external:
+            names += ["prompts", "responses"]
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
+        nested_rm = data["response_mask"]
+        uids = _as_list(data["uid"])
+        per_token = [k for k in ("response_mask", "old_log_probs", "advantages", "entropy", "rollout_is_weights",
+                                 "ref_log_prob") if k in data.keys()]
+        padded = dict(data.select(*per_token).to_padded_tensor().items())
+        if "sum_pi_squared" in data.keys():  # whole-sequence output of the old pass, as the engine wrote it
+            sp2 = response_from_nested(data["sum_pi_squared"], nested_rm)
+            padded["sum_pi_squared"] = sp2.to_padded_tensor(0.0)
+        width = padded["response_mask"].shape[1]
+        row_keys = None
+        if "input_ids" in data.keys():
+            ids = data["input_ids"]
+            row_keys = row_keys_from_packed(ids.values(), ids.offsets())
+        external = {}
+        if self.spec.needs_external:
+            external = self._external(data["prompts"].unbind(), data["responses"].unbind(), width)
+        row_valid = torch.tensor([not t.get("is_padding", False) for t in batch.tags], dtype=torch.bool)
+        result = self._select(padded, uids, row_keys, row_valid, external)
+
+        out = TensorDict(
+            {MASK_FIELD: response_to_nested(result.mask, nested_rm),
+             SCORE_FIELD: response_to_nested(result.scores, nested_rm)},
+            batch_size=len(batch.keys),
+        )
+        tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
+        if batch.fields is not None:  # the workers fetch only the listed fields
+            batch.fields = list(dict.fromkeys([*batch.fields, MASK_FIELD, SCORE_FIELD]))
+        metrics.update(result.metrics)
+        metrics["timing_s/tokensel_driver_select"] = time.time() - t0
+        return batch
+
+    # ------------------------------------------------------------------ v0 (DataProto)
+    def select_v0(self, batch, metrics: Optional[dict] = None) -> dict[str, float]:
+        """Add the padded mask and scores to a v0 update ``DataProto`` (in place); returns the metrics."""
+        t0 = time.time()
+        td = batch.batch
+        padded = {k: td[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights",
+                                     "ref_log_prob", "sum_pi_squared") if k in td.keys()}
+        if V0_ENTROPY_FIELD in td.keys():
+            padded["entropy"] = td.pop(V0_ENTROPY_FIELD)
+        width = padded["response_mask"].shape[1]
+        row_keys = None
+        if self.spec.needs_row_keys:
+            ids, attn = td["input_ids"], td["attention_mask"].bool()
+            row_keys = row_keys_from_tokens([ids[i][attn[i]] for i in range(ids.shape[0])])
+        external = {}
+        if self.spec.needs_external:
+            resp_attn = td["attention_mask"][:, -width:].bool()
+            prompt_attn = td["attention_mask"][:, : td["prompts"].shape[1]].bool()
+            prompts = [td["prompts"][i][prompt_attn[i]] for i in range(len(batch))]
+            responses = [td["responses"][i][resp_attn[i]] for i in range(len(batch))]
+            external = self._external(prompts, responses, width)
+        uids = _as_list(batch.non_tensor_batch["uid"]) if "uid" in batch.non_tensor_batch else list(range(len(batch)))
+        result = self._select(padded, uids, row_keys, None, external)
+        td[MASK_FIELD] = result.mask
+        td[SCORE_FIELD] = result.scores
+        out = dict(result.metrics)
+        out["timing_s/tokensel_driver_select"] = time.time() - t0
+        if metrics is not None:
+            metrics.update(out)
+        return out
+
+    def shutdown(self) -> None:
+        if self._ref_scorer is not None:
+            self._ref_scorer.shutdown()
+            self._ref_scorer = None
+
+
+@functools.cache
+def tokensel_ray_ppo_trainer_class():
+    """verl's v0 ``RayPPOTrainer`` with the driver-side selection before each actor update."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    class TokenselRayPPOTrainer(RayPPOTrainer):
+        """verl's ``RayPPOTrainer``; with ``score_source=rollout`` the driver selects before ``update_actor``."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.tokensel_driver = DriverSelector.from_config(self.config, trainer=self)
+
+        def _compute_old_log_prob(self, batch):
+            old_log_prob, mfu = super()._compute_old_log_prob(batch)
+            if self.tokensel_driver is not None:
+                # fit() pops "entropys" right after logging actor/entropy; keep a copy that follows the rows
+                old_log_prob.batch[V0_ENTROPY_FIELD] = old_log_prob.batch["entropys"].clone()
+            return old_log_prob, mfu
+
+        def _update_actor(self, batch):
+            if self.tokensel_driver is None:
+                return super()._update_actor(batch)
+            metrics = self.tokensel_driver.select_v0(batch)
+            output = super()._update_actor(batch)
+            output.meta_info["metrics"].update(metrics)
+            return output
+
+    return TokenselRayPPOTrainer
+
+
+__all__ = [
+    "DRIVER_EXTERNAL_FIELDS",
+    "DriverSelector",
+    "RefEntropyScorer",
+    "V0_ENTROPY_FIELD",
+    "prepare_rollout_config",
+    "rollout_selection",
+    "tokensel_ray_ppo_trainer_class",
+    "validate_rollout_config",
+]
