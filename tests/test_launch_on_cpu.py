@@ -95,3 +95,11 @@ def test_last_stage_names_the_hang():
     assert "weight sync" in last_stage(log)
     assert last_stage("nothing here") is None
     assert last_stage("Training Progress:  50%|#####     | 1/2 [01:57<01:57]") .startswith("training (steps done: 1")
+
+
+def test_cpu_with_the_stock_entry_point_is_refused_before_starting(tmp_path):
+    import pytest
+
+    with pytest.raises(ValueError, match="verl_tokensel.main_ppo"):
+        run_main_ppo([], timeout_s=5, log_path=tmp_path / "x.log", entry="verl.trainer.main_ppo")
+    assert not (tmp_path / "x.log").exists()

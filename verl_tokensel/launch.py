@@ -204,9 +204,10 @@ def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_p
     if ray_address is not None and not _has_override(ov, "ray_kwargs.ray_init.address"):
         ov.append(f"++ray_kwargs.ray_init.address={ray_address}")
     if ray_job_address is not None:
-        runtime_env = {"env_vars": {"VERL_FILE_LOGGER_PATH": str(metrics_path), "PYTHONUNBUFFERED": "1"}}
-        return [_ray_executable(python), "job", "submit", "--address", ray_job_address,
-                "--runtime-env-json", json.dumps(runtime_env), "--", python, "-m", entry, *ov]
+        # no job-level runtime env: Ray refuses to merge one that shares a variable with the driver's
+        # ray.init(runtime_env=...) (where the overrides above and the CPU switch put theirs)
+        return [_ray_executable(python), "job", "submit", "--address", ray_job_address, "--",
+                python, "-m", entry, *ov]
     return [python, "-m", entry, *ov]
 
 
@@ -371,6 +372,13 @@ def run_main_ppo(
     cwd: Optional[Path] = None,
 ) -> RunResult:
     """Run ``python -m <entry> <overrides>`` with a wall-clock timeout; see the module docstring."""
+    if cpu and entry == "verl.trainer.main_ppo":
+        raise ValueError(
+            "run_main_ppo(cpu=True, entry='verl.trainer.main_ppo'): the CPU switch trainer.device=cpu is applied "
+            "by verl_tokensel.main_ppo only (verl's stock driver has no hook before ray.init and rewrites "
+            "trainer.device=cpu to cuda on a host without GPUs, after which Ray waits for GPUs forever). "
+            "Fix: entry='verl_tokensel.main_ppo' (the default)."
+        )
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     metrics_path = Path(metrics_path) if metrics_path is not None else log_path.with_name(log_path.stem + ".metrics.jsonl")

@@ -63,6 +63,12 @@ variable                          value                                         
                                   wins)                                          is more RAM than a tiny run needs
 ================================  =============================================  =========================================
 
+Entry point: only ``python -m verl_tokensel.main_ppo`` applies the switch (before ``validate_config`` and
+``ray.init``). verl's own ``python -m verl.trainer.main_ppo`` has no hook between composing the config and
+``ray.init``, and its ``auto_set_device`` rewrites ``trainer.device=cpu`` to ``cuda`` on a host without
+GPUs (the platform is resolved at import, before Hydra runs), after which Ray waits for GPUs forever; so
+the stock entry point with ``--config-name=tokensel_trainer`` stays a GPU route.
+
 Not supported with the switch (clear error): ``actor.strategy=megatron`` / any strategy but fsdp2,
 ``rollout.name`` other than vllm, bf16/fp16 FSDP compute, flash attention, fused/Liger kernels, Ulysses.
 """
