@@ -133,11 +133,15 @@ class RefEntropyScorer:
 
         from verl_tokensel.analysis.ray_scorer import RayScorerGroup
 
+        from verl_tokensel.verl_glue.platform_cpu import is_cpu_mode
+
         kwargs: dict[str, Any] = {}
-        has_gpu = ray.cluster_resources().get("GPU", 0) >= 1
-        pgs = _actor_placement_groups(trainer) if has_gpu else []
-        if pgs:
-            kwargs.update(placement_group=pgs[0], resources={"num_gpus": 0.1, "num_cpus": 0})
+        if is_cpu_mode():  # verl's CPU platform: Ray's "GPU" resource is logical, the model runs on CPU
+            kwargs["device"] = "cpu"
+        elif ray.cluster_resources().get("GPU", 0) >= 1:
+            pgs = _actor_placement_groups(trainer)
+            if pgs:
+                kwargs.update(placement_group=pgs[0], resources={"num_gpus": 0.1, "num_cpus": 0})
         self.group = RayScorerGroup(model_path, num_workers=num_workers, temperature=temperature, **kwargs)
         self.model_path = model_path
 
