@@ -101,8 +101,8 @@ def _forward_no_grad(worker: TrainingWorker, data: TensorDict, sel: Selection) -
     """The engine's forward-only path over ``data`` (a shallow copy; ``data`` is not changed).
 
     Returns the nested ``model_output`` (``log_probs``, ``entropy`` / ``sum_pi_squared`` when the score
-    needs them), in ``data``'s row order, or None on a rank that gets no outputs (a Megatron pipeline
-    stage other than the last, which never runs the loss either). The engine is called directly rather
+    needs them), in ``data``'s row order, or None on a rank the engine gives no outputs (such a rank
+    never runs the loss either). The engine is called directly rather
     than through ``TrainingWorker.infer_batch``, whose post-processing keeps the outputs on one
     sequence-parallel rank only, while every rank runs the loss.
     """
@@ -162,6 +162,8 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
                          dp_group=dp_group, group_ids=group_ids) & response_mask
 
     rm = data["response_mask"]
+    if data.is_locked:  # a chunk verl's dispatch produced; the fields must travel with the mini-batch
+        data.unlock_()
     data[MASK_FIELD] = _as_response_field(mask.to(rm.dtype), rm)
     data[SCORE_FIELD] = _as_response_field(scores.nan_to_num(nan=0.0), rm)
     seconds = time.perf_counter() - t0
