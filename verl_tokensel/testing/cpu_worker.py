@@ -275,8 +275,11 @@ class CpuActor:
 def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Optional[bool] = None, **knobs):
     """The actor's own config as our ``TokenselFSDPActorConfig`` with ``token_selector=preset``.
 
-    ``knobs`` go to ``token_selection.*``. ``calculate_entropy`` defaults to what the tokensel
-    trainers turn on (``True`` when the preset's score needs entropy).
+    ``knobs`` go to ``token_selection.*``. ``calculate_entropy`` defaults to ``True`` when the preset's
+    score needs entropy (what the tokensel trainers turn on for ``score_source=current``; with ``prepass``
+    or ``rollout`` they leave the update pass without it, and here it only feeds the entropy metrics).
+    ``score_source=prepass`` works on any worker from :func:`make_training_worker`, which installs the
+    pre-pass (:func:`verl_tokensel.verl_glue.prepass.install_prepass`).
     """
     from omegaconf import OmegaConf
 
