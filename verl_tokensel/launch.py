@@ -88,9 +88,10 @@ PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
     (r"ray init kwargs", "starting Ray"),
     (r"Started a local Ray instance|Connecting to existing Ray cluster",
      "waiting for the TaskRunner (Ray resources: CPU)"),
-    (r"create worker group", "waiting for Ray resources (GPU bundles) and building the FSDP2 actor workers"),
+    (r"colocated worker base class|create worker group",
+     "waiting for Ray resources (GPU bundles) and building the FSDP2 actor workers"),
     (r"actor and ref model engine initialized", "starting the reward workers"),
-    (r"reward loop manager initialized", "waiting for the vLLM server"),
+    (r"reward loop manager initialized|vLLMHttpServer pid=\d+\)\s+\['serve'", "waiting for the vLLM server"),
     (r"LLMServerManager:|checkpoint engine manager initialized", "initial weight sync (actor -> vLLM)"),
     (r"all initialize finished", "training step 1 (rollout)"),
     (r"Training Progress:.*\|\s*(\d+)/\d+", "training (steps done: {1}; rollout, reward, update, weight sync)"),
@@ -101,6 +102,9 @@ PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
     (r"has no attribute 'weight_loader'",
      "weight sync (actor -> vLLM) failed in the vLLM worker; the trainer then waits forever"),
 )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its "(Actor pid=N)" prefixes
 
 
 @dataclass
@@ -174,7 +178,7 @@ def last_stage(log_text: str) -> Optional[str]:
     """The stage of :data:`PIPELINE_STAGES` whose pattern matched the latest line of ``log_text``."""
     compiled = [(re.compile(p), s) for p, s in PIPELINE_STAGES]
     found = None
-    for line in log_text.splitlines():
+    for line in _ANSI.sub("", log_text).splitlines():
         for rx, stage in compiled:
             m = rx.search(line)
             if m:
