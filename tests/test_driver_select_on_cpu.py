@@ -130,3 +130,53 @@ def test_forking_paper_preset_is_rollout_batch_all():
     sel = PRESETS["forking_paper"]
     assert (sel.score, sel.scope, sel.score_source, sel.normaliser, sel.ratio) == ("entropy", "batch", "rollout",
                                                                                    "all", 0.2)
+
+
+# ---------------------------------------------------------------------------------- driver-side checks
+def _compose(overrides=()):
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        return compose("tokensel_trainer", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                                      *overrides])
+
+
+SEL = "actor_rollout_ref.actor.token_selector"
+KNOB = "actor_rollout_ref.actor.token_selection."
+BAD_ROLLOUT = [
+    ([f"{SEL}=forking", f"{KNOB}score=ref_entropy"], "score_source='current'", "rollout"),
+    ([f"{SEL}=gmts", f"{KNOB}score=ref_entropy"], "score_source='prepass'", "rollout"),
+    ([f"{SEL}=forking_paper", f"{KNOB}ref_model_path=/m"], "ref_model_path='/m'", "ref_entropy"),
+    ([f"{SEL}=forking_paper", f"{KNOB}scope=micro_batch"], "scope='micro_batch'", "batch, group, sequence"),
+    ([f"{SEL}=forking_paper", f"{KNOB}normaliser=selected"], "normaliser='selected'", "all"),
+    ([f"{SEL}=forking_paper", "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode=True",
+     "valid: False"),
+    ([f"{SEL}=forking_paper", f"{KNOB}score=grad_norm", "actor_rollout_ref.model.use_fused_kernels=true"],
+     "use_fused_kernels=True", "valid: False"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle,valid", BAD_ROLLOUT, ids=[b[1] for b in BAD_ROLLOUT])
+def test_rollout_config_errors_on_the_driver(overrides, needle, valid):
+    from verl_tokensel.verl_glue.install import validate_driver_config
+
+    with pytest.raises(Exception) as exc:
+        validate_driver_config(_compose(overrides))
+    msg = str(exc.value)
+    assert needle in msg and valid in msg, msg
+
+
+def test_rollout_config_accepts_and_prepares():
+    from verl_tokensel.verl_glue.install import prepare_driver_config, validate_driver_config
+
+    for extra in ([], [f"{KNOB}score=random", "algorithm.rollout_correction.bypass_mode=true"],
+                  [f"{KNOB}score=ref_entropy", f"{KNOB}ref_model_path=/m", f"{KNOB}scope=group"]):
+        validate_driver_config(_compose([f"{SEL}=forking_paper", *extra]))
+    cfg = _compose([f"{SEL}=forking_paper", f"{KNOB}score=grad_norm"])
+    prepare_driver_config(cfg)
+    # the v0 old-log-prob pass computes sum p^2 on this switch; the update pass stays without entropy
+    assert cfg.actor_rollout_ref.actor.calculate_sum_pi_squared is True
+    assert cfg.actor_rollout_ref.actor.calculate_entropy is False
+    cfg = _compose([f"{SEL}=forking_paper"])
+    prepare_driver_config(cfg)
+    assert cfg.actor_rollout_ref.actor.calculate_sum_pi_squared is False
