@@ -126,3 +126,18 @@ def test_joining_a_running_cluster_leaves_ray_resources_alone():
     assert cfg.ray_kwargs.ray_init.num_cpus is None and "num_gpus" not in cfg.ray_kwargs.ray_init
     cfg, _ = _apply("++ray_kwargs.ray_init.address=local", environ={"RAY_ADDRESS": "http://127.0.0.1:8265"})
     assert cfg.ray_kwargs.ray_init.num_gpus == 1
+
+
+def test_docstring_table_lists_every_setting():
+    doc = cpu_pipeline.__doc__
+    short = {"actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.rollout.": "rollout.",
+             "actor_rollout_ref.ref.": "ref."}
+    for s in CONFIG_SETTINGS:
+        key = s.key
+        for long, abbrev in short.items():
+            key = key.replace(long, abbrev)
+        if ".mixed_precision." in key:
+            key = key.rsplit(".", 1)[0] + ".{param,reduce,buffer}_dtype"
+        assert f"``{key}``" in doc, f"{s.key} is missing from the cpu_pipeline docstring table"
+    for name, _, _ in cpu_pipeline.ENV_SETTINGS:
+        assert f"``{name}``" in doc

@@ -59,8 +59,8 @@ variable                          value                                         
 ``VERL_USE_EXTERNAL_MODULES``     ``verl_tokensel.verl_glue.platform_cpu``       imports the platform and the vLLM-CPU
                                   first, plus the user's modules                 fixes in EVERY process (errors propagate)
 ``VLLM_TARGET_DEVICE``            cpu                                            vLLM picks its CPU platform in Ray actors
-``VLLM_CPU_KVCACHE_SPACE``        1 (GiB; a value set in the shell or config     vLLM-CPU's KV cache; its default (4 GiB+)
-                                  wins)                                          is more RAM than a tiny run needs
+``VLLM_CPU_KVCACHE_SPACE``        1 (GiB; a value set in the shell or config     vLLM-CPU's KV cache size; unset, vLLM
+                                  wins)                                          takes a share of host RAM (far too much)
 ================================  =============================================  =========================================
 
 Entry point: only ``python -m verl_tokensel.main_ppo`` applies the switch (before ``validate_config`` and
@@ -78,7 +78,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -344,10 +344,3 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
     logger.info("verl_tokensel: %s=cpu filled %s; env %s", SWITCH_KEY, ", ".join(filled) or "nothing", env)
     return env
 
-
-def describe_settings(fmt: Callable[[str, str, str], str] = lambda k, v, w: f"{k}={v}  # {w}") -> list[str]:
-    """One line per setting (config then env), e.g. for ``--help`` or docs."""
-    lines = [fmt(s.key, repr(s.value), s.why + ("" if s.fill else " (checked only)")) for s in CONFIG_SETTINGS]
-    lines.append(fmt(NUM_GPUS_KEY, "nnodes*n_gpus_per_node", "logical GPUs for verl's resource pools"))
-    lines += [fmt(f"{ENV_VARS_KEY}.{n}", repr(v) if v else "(computed)", w) for n, v, w in ENV_SETTINGS]
-    return lines
