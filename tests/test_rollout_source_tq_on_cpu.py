@@ -1,0 +1,160 @@
+"""``score_source=rollout`` through a REAL TransferQueue (local Ray), as the V1 trainers use it.
+
+- ``DriverSelector.select_v1`` reads the batch's fields by key, writes ``token_select_mask`` /
+  ``token_select_score`` nested under the same keys, and widens ``KVBatchMeta.fields``: what a worker
+  then fetches with verl's own ``_meta_to_realdata`` (the TransferQueue bridge of ``update_actor``)
+  holds the mask on the right rows, in the balanced (permuted) order; a synthetic padding row
+  (``is_padding`` tag) is never selected; a meta taken BEFORE the write would not carry the field
+  (the reason the field list is widened).
+- ``ref_entropy``: the driver scores the responses under the reference model with a Ray scorer group;
+  the scores sent equal the in-process scorer's entropies of the same (prompt, response) pairs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+
+for _mod in ("verl", "ray", "transfer_queue"):
+    if importlib.util.find_spec(_mod) is None:  # pragma: no cover
+        pytest.skip(f"{_mod} is not installed", allow_module_level=True)
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
+
+from verl_tokensel.core.config import TokenSelectionConfig, resolve_selection  # noqa: E402
+from verl_tokensel.testing.tiny_assets import build_tiny_model_dir  # noqa: E402
+from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD  # noqa: E402
+
+N, GROUP = 8, 4
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return build_tiny_model_dir(tmp_path_factory.mktemp("rollout_tq") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def tq_ray():
+    import ray
+    import transfer_queue as tq
+
+    from verl_tokensel.testing.ray_actor import local_ray
+
+    with local_ray(num_cpus=4, num_gpus=0, log_to_driver=False):
+        tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))
+        try:
+            yield tq
+        finally:
+            try:
+                tq.close()
+            except Exception:  # noqa: BLE001 - Ray shutdown below ends the TQ actors anyway
+                pass
+    assert not ray.is_initialized()
+
+
+def _nt(xs):
+    return torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)
+
+
+def _put_batch(tq, partition, seed=0, vocab=300):
+    """A V1 update batch as TransferQueue holds it after verl's advantage step; returns (keys, meta, rows)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 9, (N,), generator=g).tolist()
+    prompts = [torch.randint(10, vocab, (4,), generator=g) for _ in range(N // GROUP) for _ in range(GROUP)]
+    responses = [torch.randint(10, vocab, (n,), generator=g) for n in lens]
+    entropy = [torch.rand(n, generator=g) * 3 for n in lens]
+    adv = [torch.full((n,), float(a)) for n, a in zip(lens, torch.randn(N, generator=g))]
+    fields = TensorDict({
+        "prompts": _nt(prompts), "responses": _nt(responses),
+        "input_ids": _nt(torch.cat([p, r]) for p, r in zip(prompts, responses)),
+        "response_mask": _nt(torch.ones(n, dtype=torch.int64) for n in lens),
+        "old_log_probs": _nt(-torch.rand(n, generator=g) for n in lens),
+        "advantages": _nt(adv), "entropy": _nt(entropy),
+    }, batch_size=N)
+    fields["uid"] = NonTensorStack(*[NonTensorData(f"u{i // GROUP}") for i in range(N)])
+    keys = [f"{partition}-{i}" for i in range(N)]
+    tags = [{"is_padding": i == N - 1} for i in range(N)]  # the last row stands for balance_batch's padding
+    meta = tq.kv_batch_put(keys=keys, partition_id=partition, fields=fields, tags=tags)
+    return keys, meta, dict(prompts=prompts, responses=responses, entropy=entropy, lens=lens)
+
+
+def _driver(sel, model_path="unused"):
+    from verl_tokensel.verl_glue.rollout_source import DriverSelector
+
+    cfg = OmegaConf.create({"actor_rollout_ref": {
+        "actor": {"clip_ratio": 0.2, "use_kl_loss": False}, "model": {"path": model_path},
+        "rollout": {"temperature": 1.0}}})
+    return DriverSelector(cfg, sel)
+
+
+def _worker_view(meta):
+    """What update_actor's worker receives for ``meta`` (verl's TransferQueue bridge)."""
+    from verl.utils.transferqueue_utils import _meta_to_realdata
+
+    return _meta_to_realdata(meta)
+
+
+@pytest.mark.timeout(240)
+def test_mask_reaches_the_worker_on_its_rows(tq_ray):
+    tq = tq_ray
+    keys, meta, rows = _put_batch(tq, "t1")
+    perm = [5, 2, 7, 0, 3, 6, 1, 4]
+    meta.reorder(perm)  # balance_batch
+    stale = type(meta)(keys=list(meta.keys), tags=list(meta.tags), partition_id=meta.partition_id,
+                       fields=list(meta.fields))
+    sel = resolve_selection("forking_paper", TokenSelectionConfig())
+    metrics = {}
+    out = _driver(sel).select_v1(meta, metrics)
+    assert out.keys == [keys[i] for i in perm] and MASK_FIELD in out.fields and SCORE_FIELD in out.fields
+
+    data = _worker_view(out)
+    assert data[MASK_FIELD].is_nested and data[MASK_FIELD].dtype == torch.bool
+    # expected: top ceil(0.2 N) entropies over the real rows (the padding row is excluded)
+    real = [i for i in range(N - 1)]
+    pool = torch.cat([rows["entropy"][i] for i in real])
+    k = math.ceil(0.2 * pool.numel())
+    threshold = pool.topk(k).values.min()
+    for pos, i in enumerate(perm):
+        got = data[MASK_FIELD][pos]
+        assert torch.equal(data["responses"][pos], rows["responses"][i])  # row order is the meta's
+        assert got.numel() == rows["lens"][i]
+        if i == N - 1:
+            assert not got.any(), "a padding row was selected"
+        else:
+            assert torch.equal(got, rows["entropy"][i] >= threshold)
+            torch.testing.assert_close(data[SCORE_FIELD][pos], rows["entropy"][i])
+    assert sum(int(data[MASK_FIELD][p].sum()) for p in range(N)) == k
+    assert metrics["tokensel/driver_selected_tokens"] == k
+    assert metrics["tokensel/driver_valid_tokens"] == pool.numel()
+    # a meta from before the write lists the old fields: the worker would not see the mask
+    assert MASK_FIELD not in _worker_view(stale).keys()
+
+
+@pytest.mark.timeout(300)
+def test_ref_entropy_scored_by_the_reference_model(tq_ray, tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    from verl_tokensel.analysis.scorer import score_responses
+
+    tq = tq_ray
+    keys, meta, rows = _put_batch(tq, "t2", seed=1)
+    sel = resolve_selection("forking_paper", TokenSelectionConfig(score="ref_entropy", scope="group"))
+    driver = _driver(sel, model_path=str(tiny_dir))
+    try:
+        metrics = {}
+        out = driver.select_v1(meta, metrics)
+    finally:
+        driver.shutdown()
+    data = _worker_view(out)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    expect = score_responses(model, [(p.tolist(), r.tolist()) for p, r in zip(rows["prompts"], rows["responses"])])
+    for i in range(N - 1):
+        torch.testing.assert_close(data[SCORE_FIELD][i], expect[i].entropy.float(), rtol=1e-4, atol=1e-5)
+    for g in range(N // GROUP):  # group scope: ceil(0.2 n_g) per uid (padding row excluded)
+        idx = [i for i in range(g * GROUP, (g + 1) * GROUP) if i != N - 1]
+        n_g = sum(rows["lens"][i] for i in idx)
+        assert sum(int(data[MASK_FIELD][i].sum()) for i in idx) == math.ceil(0.2 * n_g)
