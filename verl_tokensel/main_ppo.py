@@ -68,12 +68,12 @@ def _v0_task_runner():
                 config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
             prepare_driver_config(config)
             TokenselCheckpointEngineManager.driver_config = config
-            # score_source=rollout selects on the driver before each actor update: verl's run() builds
-            # main_ppo_v0.RayPPOTrainer by its module-level name, so point that name at our subclass for
-            # this (TaskRunner actor) process
-            import verl.trainer.main_ppo_v0 as v0
-
-            v0.RayPPOTrainer = tokensel_ray_ppo_trainer_class()
+            # score_source=rollout selects on the driver before each actor update, in our RayPPOTrainer
+            # subclass. verl's run() builds the trainer by the global name RayPPOTrainer. Ray ships this class
+            # and its base by value (verl's module attribute TaskRunner is the Ray actor wrapper, not the
+            # class), so that run() reads a private copy of its globals: patch the dict of the function
+            # that actually runs, in this TaskRunner process (the module attribute would not reach it).
+            super().run.__func__.__globals__["RayPPOTrainer"] = tokensel_ray_ppo_trainer_class()
             return super().run(config)
 
     return ray.remote(TokenselTaskRunner)
