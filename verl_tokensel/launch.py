@@ -31,8 +31,9 @@ API::
   ``<log_path stem>.metrics.jsonl`` next to the log). ``file`` is added to ``trainer.logger`` (keeping
   ``console``) unless ``overrides`` set ``trainer.logger`` themselves; the path reaches the TaskRunner
   (where verl's ``Tracking`` lives) through the Ray runtime env (``VERL_FILE_LOGGER_PATH``).
-* ``entry``: the module run with ``python -m`` (``verl_tokensel.main_ppo``, or ``verl.trainer.main_ppo``
-  together with ``--config-path=pkg://verl_tokensel.config --config-name=tokensel_trainer`` in overrides).
+* ``entry``: the module run with ``python -m``: ``verl_tokensel.main_ppo`` (default), or, with
+  ``cpu=False`` only, verl's ``verl.trainer.main_ppo`` plus ``--config-path=pkg://verl_tokensel.config
+  --config-name=tokensel_trainer`` in ``overrides`` (verl's driver cannot apply the CPU switch).
 * ``ray_address``: ``"local"`` (default) starts a private Ray instance even if another one runs on
   this host (Ray's default would join the newest local cluster); ``None`` leaves Ray's own lookup
   (``RAY_ADDRESS``, then the newest local cluster); any other value is passed as ``ray_init.address``.
@@ -40,7 +41,8 @@ API::
   ...``) to a running cluster's dashboard address, e.g. ``http://127.0.0.1:8265``, instead of starting
   it here. The job's driver runs on the head node (``verl_tokensel`` must be installed there: image, or
   ``runtime_env`` pip); the timeout then covers submission, the whole job and log tailing. Use with
-  :func:`start_ray_head` for a local single-node cluster (tests).
+  :func:`start_ray_head` for a local single-node cluster (tests). The job gets the submission id
+  ``tokensel-<run id>``; on timeout or Ctrl-C it is stopped with ``ray job stop`` as well.
 * ``env``: extra environment variables for the run (str values).
 * ``echo``: also copy the run's output to this process's stdout as it arrives.
 
@@ -196,7 +198,8 @@ def _ray_executable(python: str) -> str:
 
 
 def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_path: Path,
-                   ray_address: Optional[str], python: str, ray_job_address: Optional[str] = None) -> list[str]:
+                   ray_address: Optional[str], python: str, ray_job_address: Optional[str] = None,
+                   submission_id: Optional[str] = None) -> list[str]:
     ov = list(overrides)
     if ray_job_address is not None:
         ray_address = None  # the job's driver joins the cluster it runs on (RAY_ADDRESS set by Ray)
@@ -210,8 +213,10 @@ def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_p
     if ray_job_address is not None:
         # no job-level runtime env: Ray refuses to merge one that shares a variable with the driver's
         # ray.init(runtime_env=...) (where the overrides above and the CPU switch put theirs)
-        return [_ray_executable(python), "job", "submit", "--address", ray_job_address, "--",
-                python, "-m", entry, *ov]
+        job = [_ray_executable(python), "job", "submit", "--address", ray_job_address]
+        if submission_id:
+            job += ["--submission-id", submission_id]
+        return [*job, "--", python, "-m", entry, *ov]
     return [python, "-m", entry, *ov]
 
 
@@ -350,6 +355,19 @@ def _wait_for_dashboard(address: str, deadline: float) -> None:
     raise TimeoutError(f"Ray dashboard {address} did not answer: {last}")
 
 
+def _stop_job(python: str, address: Optional[str], submission_id: Optional[str], env: dict, log_fp) -> None:
+    """``ray job stop`` the submitted job: killing the local ``ray job submit`` client does not end it."""
+    if address is None or submission_id is None:
+        return
+    try:
+        out = subprocess.run([_ray_executable(python), "job", "stop", "--address", address, submission_id],
+                             env=env, capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
+        log_fp.write(b"\n[verl_tokensel.launch] ray job stop " + submission_id.encode() + b"\n" + out.stdout[-2000:]
+                     + out.stderr[-2000:])
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log_fp.write(f"\n[verl_tokensel.launch] ray job stop {submission_id} failed: {e}\n".encode())
+
+
 def _pump(stream, log_fp, echo: bool) -> None:
     for chunk in iter(lambda: stream.readline(), b""):
         log_fp.write(chunk)
@@ -389,9 +407,10 @@ def run_main_ppo(
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     if metrics_path.exists():
         metrics_path.unlink()  # never report a previous run's steps
-    cmd = _build_command(entry, overrides, cpu=cpu, metrics_path=metrics_path.resolve(), ray_address=ray_address,
-                         python=python, ray_job_address=ray_job_address)
     marker = uuid.uuid4().hex
+    submission_id = f"tokensel-{marker[:12]}" if ray_job_address is not None else None
+    cmd = _build_command(entry, overrides, cpu=cpu, metrics_path=metrics_path.resolve(), ray_address=ray_address,
+                         python=python, ray_job_address=ray_job_address, submission_id=submission_id)
     run_env = {**os.environ, **(env or {}), RUN_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1",
                "VERL_FILE_LOGGER_PATH": str(metrics_path.resolve())}
     t0 = time.monotonic()
@@ -408,6 +427,7 @@ def run_main_ppo(
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_run(proc, marker, kill_grace_s)
+                _stop_job(python, ray_job_address, submission_id, run_env, log_fp)
                 returncode = TIMEOUT_RETURNCODE
             else:
                 # the driver exited; Ray's processes of a local instance may linger a moment: stop them
@@ -415,6 +435,7 @@ def run_main_ppo(
                     _kill_run(proc, marker, kill_grace_s)
         except KeyboardInterrupt:
             _kill_run(proc, marker, kill_grace_s)
+            _stop_job(python, ray_job_address, submission_id, run_env, log_fp)
             raise
         finally:
             pump.join(timeout=5.0)
