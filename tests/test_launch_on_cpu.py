@@ -103,3 +103,16 @@ def test_cpu_with_the_stock_entry_point_is_refused_before_starting(tmp_path):
     with pytest.raises(ValueError, match="verl_tokensel.main_ppo"):
         run_main_ppo([], timeout_s=5, log_path=tmp_path / "x.log", entry="verl.trainer.main_ppo")
     assert not (tmp_path / "x.log").exists()
+
+
+def test_job_submission_command(tmp_path):
+    from verl_tokensel.launch import _build_command
+
+    cmd = _build_command("verl_tokensel.main_ppo", ["a=1"], cpu=True, metrics_path=tmp_path / "m.jsonl",
+                         ray_address="local", python=sys.executable, ray_job_address="http://127.0.0.1:8265",
+                         submission_id="tokensel-x")
+    sep = cmd.index("--")
+    assert cmd[1:sep] == ["job", "submit", "--address", "http://127.0.0.1:8265", "--submission-id", "tokensel-x"]
+    assert cmd[sep + 1:sep + 4] == [sys.executable, "-m", "verl_tokensel.main_ppo"]
+    assert "--runtime-env-json" not in cmd  # Ray refuses to merge a job env with the driver's ray.init env
+    assert not any("ray_init.address" in a for a in cmd)  # the job's driver joins its own cluster
