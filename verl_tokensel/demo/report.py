@@ -99,9 +99,9 @@ COLUMNS = (  # (header, attribute, format)
     ("reward last", "reward_final", "{:.3f}"),
     ("reward mean", "reward_mean", "{:.3f}"),
     ("selected", "selected_fraction", "{:.3f}"),
-    ("H sel", "entropy_selected", "{:.3f}"),
-    ("H unsel", "entropy_unselected", "{:.3f}"),
-    ("H all", "entropy_all", "{:.3f}"),
+    ("H sel", "entropy_selected", "{:.4f}"),
+    ("H unsel", "entropy_unselected", "{:.4f}"),
+    ("H all", "entropy_all", "{:.4f}"),
     ("tokens/s", "tokens_per_s", "{:.0f}"),
     ("wall s", "wall_s", "{:.0f}"),
 )
