@@ -48,6 +48,7 @@ def test_switch_fills_every_setting_and_env():
             assert OmegaConf.select(cfg, s.key) == s.value, s.key
     assert cfg.actor_rollout_ref.ref.strategy == "fsdp2"  # follows the actor through verl's interpolation
     assert cfg.ray_kwargs.ray_init.num_gpus == 1
+    assert cfg.ray_kwargs.ray_init.address == "local"  # never joins someone else's cluster on this host
     assert env["VERL_PLATFORM"] == "cpu" and env["VLLM_TARGET_DEVICE"] == "cpu"
     assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == MODULE_NAME
     forwarded = OmegaConf.to_container(OmegaConf.select(cfg, ENV_VARS_KEY))
@@ -124,6 +125,7 @@ def test_joining_a_running_cluster_leaves_ray_resources_alone():
     """ray job submit / RAY_ADDRESS: Ray refuses num_cpus/num_gpus when connecting; the cluster's count."""
     cfg, _ = _apply(environ={"RAY_ADDRESS": "http://127.0.0.1:8265"})
     assert cfg.ray_kwargs.ray_init.num_cpus is None and "num_gpus" not in cfg.ray_kwargs.ray_init
+    assert "address" not in cfg.ray_kwargs.ray_init
     cfg, _ = _apply("++ray_kwargs.ray_init.address=local", environ={"RAY_ADDRESS": "http://127.0.0.1:8265"})
     assert cfg.ray_kwargs.ray_init.num_gpus == 1
 

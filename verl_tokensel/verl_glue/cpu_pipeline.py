@@ -41,10 +41,12 @@ key                                                           CPU value   why
                                                                           storage, reward and agent-loop actors)
 ``ray_kwargs.ray_init.num_gpus``                              nnodes x    logical "GPU" resources: verl's resource pools
                                                               n_gpus      and the vLLM server request them; must be >= that
+``ray_kwargs.ray_init.address``                               local       a private Ray instance: Ray's default joins the
+                                                                          newest Ray cluster on the host (anyone's)
 ============================================================  ==========  ==================================================
 
-``num_cpus``/``num_gpus`` are filled only when ``ray.init`` starts a local Ray instance. When it joins a
-running cluster (``ray job submit``, ``RAY_ADDRESS``, ``ray_kwargs.ray_init.address``), Ray refuses them:
+``num_cpus``/``num_gpus``/``address`` are filled only when ``ray.init`` starts a local Ray instance. When it
+joins a running cluster (``ray job submit``, ``RAY_ADDRESS``, ``ray_kwargs.ray_init.address``), Ray refuses them:
 start that cluster with logical resources instead, e.g. ``ray start --head --num-cpus=16 --num-gpus=1``.
 
 Environment (``ENV_SETTINGS``), set in the driver's ``os.environ`` AND in
@@ -100,6 +102,7 @@ __all__ = [
 SWITCH_KEY = "trainer.device"
 ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 NUM_GPUS_KEY = "ray_kwargs.ray_init.num_gpus"
+ADDRESS_KEY = "ray_kwargs.ray_init.address"
 _ABSENT = object()
 #: ray.init arguments that only apply when ray.init starts a local instance
 _RAY_INIT_RESOURCE_KEYS = ("ray_kwargs.ray_init.num_cpus", NUM_GPUS_KEY)
@@ -257,18 +260,23 @@ def joins_existing_cluster(config: DictConfig, environ: dict) -> bool:
     """True when ``ray.init`` will connect to a running cluster (``ray job submit``, ``RAY_ADDRESS``,
     ``ray_kwargs.ray_init.address``): Ray then refuses ``num_cpus``/``num_gpus`` (the cluster's own
     resources count; start it with a logical ``--num-gpus``)."""
-    address = OmegaConf.select(config, "ray_kwargs.ray_init.address", default=None) or environ.get("RAY_ADDRESS")
+    address = OmegaConf.select(config, ADDRESS_KEY, default=None) or environ.get("RAY_ADDRESS")
     return bool(address) and str(address).strip().lower() != "local"
 
 
 def _apply_resources(config: DictConfig, explicit: set[str]) -> list[str]:
+    filled = []
+    if _raw(config, ADDRESS_KEY) in (_ABSENT, None):
+        # a private instance: Ray's default would join the newest cluster on this host (someone else's)
+        _set(config, ADDRESS_KEY, "local")
+        filled.append(f"{ADDRESS_KEY}=local")
     nnodes = int(OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
     n_gpus = int(OmegaConf.select(config, "trainer.n_gpus_per_node"))
     needed = nnodes * n_gpus
     current = _raw(config, NUM_GPUS_KEY)
     if current is _ABSENT or current is None:
         _set(config, NUM_GPUS_KEY, needed)
-        return [f"{NUM_GPUS_KEY}={needed}"]
+        return filled + [f"{NUM_GPUS_KEY}={needed}"]
     if int(current) < needed:
         raise ValueError(
             f"{NUM_GPUS_KEY}={current} is less than trainer.nnodes x trainer.n_gpus_per_node = {needed}: with "
@@ -276,7 +284,7 @@ def _apply_resources(config: DictConfig, explicit: set[str]) -> list[str]:
             "these are logical GPU resources that verl's resource pools request, and too few make Ray wait "
             f"forever. Fix: remove {NUM_GPUS_KEY} (the CPU switch sets it) or set it to >= {needed}."
         )
-    return []
+    return filled
 
 
 def _merge_modules(existing: str) -> str:
