@@ -184,6 +184,7 @@ class DriverSelector:
         self.params = score_params(config.actor_rollout_ref.actor)
         self.trainer = trainer
         self._ref_scorer: Optional[RefEntropyScorer] = None
+        self._warned_sp2 = False
 
     @classmethod
     def from_config(cls, config: DictConfig, trainer: Any = None) -> Optional["DriverSelector"]:
@@ -205,6 +206,10 @@ class DriverSelector:
         return {"ref_entropy": self._ref_scorer(prompts, responses, width)}
 
     def _select(self, padded: dict[str, torch.Tensor], uids, row_keys, row_valid, external) -> DriverSelection:
+        if self.spec.uses_sum_pi_squared and padded.get("sum_pi_squared") is None and not self._warned_sp2:
+            self._warned_sp2 = True
+            logger.warning("verl_tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
+                           "using its (1 - p_a) lower bound", self.sel.score)
         return select_on_driver(
             self.sel,
             response_mask=padded["response_mask"],
