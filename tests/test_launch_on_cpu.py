@@ -77,11 +77,12 @@ def test_success_adds_cpu_switch_and_file_logger(tmp_path):
     assert any(a.startswith("++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH=") for a in args)
     assert "++ray_kwargs.ray_init.address=local" in args
     assert result.metric("actor/pg_loss") == [0.5]
-    # cpu=False and an explicit trainer.logger are left alone
-    result = run_main_ppo(["trainer.logger=[console]"], timeout_s=60, log_path=tmp_path / "gpu.log",
+    # cpu=False: no switch; an explicit trainer.logger keeps its loggers and gets `file` added
+    result = run_main_ppo(["trainer.logger=['console', wandb]"], timeout_s=60, log_path=tmp_path / "gpu.log",
                           entry="fake_main_ppo", cwd=tmp_path, env={"FAKE_MODE": "ok"}, cpu=False)
     args = json.loads(next(line[5:] for line in result.log_path.read_text().splitlines() if line.startswith("ARGS ")))
-    assert "trainer.device=cpu" not in args and args.count("trainer.logger=[console]") == 1
+    assert "trainer.device=cpu" not in args
+    assert [a for a in args if a.startswith("trainer.logger")] == ["trainer.logger=[console,wandb,file]"]
 
 
 def test_read_metrics_merges_lines_of_a_step_and_skips_cut_lines(tmp_path):

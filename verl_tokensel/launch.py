@@ -28,8 +28,8 @@ API::
 * ``cpu`` (default True): add the one CPU switch ``trainer.device=cpu`` (see
   :mod:`verl_tokensel.verl_glue.cpu_pipeline`) unless ``trainer.device`` is already in ``overrides``.
 * ``metrics_path``: where verl's ``file`` logger writes one JSON line per step (default:
-  ``<log_path stem>.metrics.jsonl`` next to the log). ``file`` is added to ``trainer.logger`` (keeping
-  ``console``) unless ``overrides`` set ``trainer.logger`` themselves; the path reaches the TaskRunner
+  ``<log_path stem>.metrics.jsonl`` next to the log). ``file`` is added to a ``trainer.logger`` override
+  (``trainer.logger=[console,file]`` when there is none); the path reaches the TaskRunner
   (where verl's ``Tracking`` lives) through the Ray runtime env (``VERL_FILE_LOGGER_PATH``).
 * ``entry``: the module run with ``python -m``: ``verl_tokensel.main_ppo`` (default), or, with
   ``cpu=False`` only, verl's ``verl.trainer.main_ppo`` plus ``--config-path=pkg://verl_tokensel.config
@@ -192,6 +192,24 @@ def _has_override(overrides: Sequence[str], key: str) -> bool:
     return any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
 
 
+def _with_file_logger(overrides: list[str]) -> list[str]:
+    """Make sure verl's ``file`` logger is on: add it to a ``trainer.logger`` override, or add
+    ``trainer.logger=[console,file]`` (verl's default ``[console, wandb]`` fails without a wandb login)."""
+    out, found = [], False
+    for o in overrides:
+        prefix, sep, value = o.partition("=")
+        if prefix.lstrip("+") == "trainer.logger" and sep:
+            found = True
+            names = [n.strip().strip("'\"") for n in value.strip().strip("[]").split(",") if n.strip()]
+            if "file" not in names:
+                names.append("file")
+            o = f"{prefix}=[{','.join(names)}]"
+        out.append(o)
+    if not found:
+        out.append("trainer.logger=[console,file]")
+    return out
+
+
 def _ray_executable(python: str) -> str:
     candidate = Path(python).parent / "ray"
     return str(candidate) if candidate.exists() else "ray"
@@ -205,8 +223,7 @@ def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_p
         ray_address = None  # the job's driver joins the cluster it runs on (RAY_ADDRESS set by Ray)
     if cpu and not _has_override(ov, "trainer.device"):
         ov.append("trainer.device=cpu")
-    if not _has_override(ov, "trainer.logger"):
-        ov.append("trainer.logger=[console,file]")
+    ov = _with_file_logger(ov)
     ov.append(f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={json.dumps(str(metrics_path))}")
     if ray_address is not None and not _has_override(ov, "ray_kwargs.ray_init.address"):
         ov.append(f"++ray_kwargs.ray_init.address={ray_address}")
