@@ -50,7 +50,7 @@ On timeout or Ctrl-C the run's whole process group gets SIGTERM, then SIGKILL af
 and so does every other process that carries this run's marker variable (``VERL_TOKENSEL_RUN_ID``,
 inherited by the Ray head, raylet and Ray workers it started even when they left the process group);
 nothing else on the host is touched. A timed-out run returns ``timed_out=True`` and
-``returncode=124``; Ctrl-C kills, then re-raises ``KeyboardInterrupt``.
+``returncode=124``; Ctrl-C (or any exception raised while waiting) kills, then re-raises.
 
 :func:`start_ray_head` starts a private single-node Ray head (free ports, own temp dir, logical
 ``--num-gpus`` for the CPU platform) and returns a :class:`RayHead` whose ``stop()`` ends exactly the
@@ -450,7 +450,7 @@ def run_main_ppo(
                 # the driver exited; Ray's processes of a local instance may linger a moment: stop them
                 if _marked_pids(marker):
                     _kill_run(proc, marker, kill_grace_s)
-        except KeyboardInterrupt:
+        except BaseException:  # Ctrl-C, or an exception raised into this thread (e.g. pytest-timeout)
             _kill_run(proc, marker, kill_grace_s)
             _stop_job(python, ray_job_address, submission_id, run_env, log_fp)
             raise
