@@ -158,3 +158,32 @@ def test_ref_entropy_scored_by_the_reference_model(tq_ray, tiny_dir):
         idx = [i for i in range(g * GROUP, (g + 1) * GROUP) if i != N - 1]
         n_g = sum(rows["lens"][i] for i in idx)
         assert sum(int(data[MASK_FIELD][i].sum()) for i in idx) == math.ceil(0.2 * n_g)
+
+
+@pytest.mark.timeout(240)
+def test_grad_norm_reads_the_old_pass_sum_p2(tq_ray):
+    """The old-log-prob pass writes sum_j p_j^2 over the whole sequence (like log_probs); the driver takes
+    the response part (left-shifted by one) and ranks by |A| * ||e_a - p|| (r = 1 at the old policy)."""
+    from verl_tokensel.core.scores import logit_grad_norm
+
+    tq = tq_ray
+    keys, meta, rows = _put_batch(tq, "t3", seed=2)
+    data = tq.kv_batch_get(keys=keys, partition_id="t3", select_fields=["old_log_probs", "advantages"])
+    g = torch.Generator().manual_seed(3)
+    resp_sp2, full = [], []
+    for p, n, lp in zip(rows["prompts"], rows["lens"], data["old_log_probs"].unbind(0)):
+        pa2 = lp.exp() ** 2
+        sp2 = pa2 + (1 - lp.exp()) ** 2 * torch.rand(n, generator=g)  # inside its exact range
+        resp_sp2.append(sp2)
+        # whole-sequence layout of the engine's output: position t scores token t + 1
+        full.append(torch.cat([torch.full((p.numel() - 1,), 9.0), sp2, torch.full((1,), 9.0)]))
+    tq.kv_batch_put(keys=keys, partition_id="t3", fields=TensorDict({"sum_pi_squared": _nt(full)}, batch_size=N))
+    sel = resolve_selection("forking_paper", TokenSelectionConfig(score="grad_norm"))
+    metrics = {}
+    out = _driver(sel).select_v1(meta, metrics)
+    got = _worker_view(out)
+    for i in range(N - 1):
+        lp, adv = data["old_log_probs"][i], data["advantages"][i]
+        expect = adv.abs() * logit_grad_norm(lp, resp_sp2[i])
+        torch.testing.assert_close(got[SCORE_FIELD][i], expect)
+        assert not torch.allclose(expect, adv.abs() * logit_grad_norm(lp, None))  # not the lower bound
