@@ -122,10 +122,11 @@ class RefEntropyScorer:
     """The ``ref_entropy`` field: per-token entropy of a reference model, by a Ray scorer group.
 
     The model is ``token_selection.ref_model_path`` or ``actor_rollout_ref.model.path`` (the base model
-    the run starts from). One worker per node of the actor's pool on CPU clusters; on GPU clusters the
-    workers sit in the actor's placement-group bundles with a fraction of a GPU (verl's colocated
-    workers leave room for ``max_colocate_count`` processes per bundle), so nothing waits for a GPU the
-    trainer holds. The entropy is of the temperature-scaled distribution, like verl's old-policy entropy.
+    the run starts from). With verl's CPU platform one CPU worker; on GPU clusters one worker per GPU
+    bundle of the actor pool's first placement group, with a tenth of that GPU (verl's colocated workers
+    take ``1 / max_colocate_count`` of a bundle each), so nothing waits for a GPU the trainer holds; the
+    model then stays resident next to the actor (bf16 weights). The entropy is of the temperature-scaled
+    distribution, like verl's old-policy entropy.
     """
 
     def __init__(self, model_path: str, temperature: float, trainer: Any = None, num_workers: int = 1):
@@ -140,7 +141,8 @@ class RefEntropyScorer:
             kwargs["device"] = "cpu"
         elif ray.cluster_resources().get("GPU", 0) >= 1:
             pgs = _actor_placement_groups(trainer)
-            if pgs:
+            if pgs:  # one scorer per GPU bundle of the first node's placement group
+                num_workers = max(num_workers, int(pgs[0].bundle_count))
                 kwargs.update(placement_group=pgs[0], resources={"num_gpus": 0.1, "num_cpus": 0})
         self.group = RayScorerGroup(model_path, num_workers=num_workers, temperature=temperature, **kwargs)
         self.model_path = model_path
