@@ -302,10 +302,16 @@ class RayHead:
     marker: str
     #: env vars a client (``ray job submit``, ``run_main_ppo(env=...)``) needs: Ray 2.60 token auth
     client_env: dict = field(default_factory=lambda: {"RAY_AUTH_MODE": "token"})
+    #: remove ``temp_dir`` (Ray's session logs) on stop: True when start_ray_head created it
+    owns_temp_dir: bool = False
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End every process this head started (Ray daemons and workers, jobs), nothing else."""
         kill_marked(self.marker, grace_s)
+        if self.owns_temp_dir:
+            import shutil
+
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> "RayHead":
         return self
@@ -324,6 +330,7 @@ def start_ray_head(*, num_cpus: int = 16, num_gpus: int = 1, timeout_s: float = 
     """
     import tempfile
 
+    owns_temp_dir = temp_dir is None
     temp_dir = Path(temp_dir) if temp_dir else Path(tempfile.mkdtemp(prefix="rayh", dir="/tmp"))  # short: socket paths
     marker = uuid.uuid4().hex
     gcs_port, dash_port = _free_port(), _free_port()
@@ -342,7 +349,7 @@ def start_ray_head(*, num_cpus: int = 16, num_gpus: int = 1, timeout_s: float = 
     run_env = {**os.environ, "RAY_AUTH_MODE": "token", **(env or {}), RUN_MARKER_ENV: marker}
     run_env.pop("RAY_ADDRESS", None)
     head = RayHead(address=f"http://127.0.0.1:{dash_port}", gcs_address=f"127.0.0.1:{gcs_port}",
-                   temp_dir=temp_dir, marker=marker)
+                   temp_dir=temp_dir, marker=marker, owns_temp_dir=owns_temp_dir)
     try:
         out = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout_s,
                              stdin=subprocess.DEVNULL)
