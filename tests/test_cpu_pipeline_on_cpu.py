@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 
@@ -143,3 +144,21 @@ def test_docstring_table_lists_every_setting():
         assert f"``{key}``" in doc, f"{s.key} is missing from the cpu_pipeline docstring table"
     for name, _, _ in cpu_pipeline.ENV_SETTINGS:
         assert f"``{name}``" in doc
+
+
+def test_main_ppo_cli_refuses_an_explicit_conflict_before_ray(tmp_path):
+    """The real entry point: `strategy=fsdp` is verl's default, so only Hydra's record of the command line
+    shows the user chose it; the error names the key and no Ray instance is started."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "verl_tokensel.main_ppo", "trainer.device=cpu", "actor_rollout_ref.actor.strategy=fsdp",
+         f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert "actor_rollout_ref.actor.strategy='fsdp' cannot run with trainer.device=cpu" in out
+    assert "ray init kwargs" not in out
