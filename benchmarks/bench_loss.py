@@ -62,6 +62,17 @@ from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_pad
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss  # noqa: E402
 
 PRESETS = ["forking", "gmts", "grad_norm", "random"]
+# This benchmark times the loss itself, so every preset ranks inside it: the `gmts` preset's pre-pass
+# scores (score_source=prepass, group scope) are replaced by its in-loss twin (same score, ratio and
+# normaliser, micro-batch scope). The pre-pass's own cost is measured by benchmarks/bench_sources.py.
+IN_LOSS = {"scope": "micro_batch", "score_source": "current"}
+SELECTION_TARGET = "verl_tokensel.core.config.TokenSelectionConfig"
+
+
+def _in_loss_overrides(preset: str) -> dict:
+    from verl_tokensel.core.config import PRESETS as ALL
+
+    return dict(IN_LOSS) if ALL[preset].score_source != "current" else {}
 ACTOR_TARGET = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
 
 
@@ -90,6 +101,7 @@ def actor_configs():
             if selector is not None:
                 node._target_ = ACTOR_TARGET
                 node.token_selector = selector
+                node.token_selection = {"_target_": SELECTION_TARGET, **_in_loss_overrides(selector)}
         return omega_conf_to_dataclass(node)
 
     return {"stock": make(None), **{p: make(p) for p in PRESETS}}
@@ -207,7 +219,9 @@ def bench_engine(repeats: int, warmup: int = 2):
         cfg, _, _ = H.make_actor_config(
             model_dir, use_dynamic_bsz=False, use_remove_padding=True,
             overrides=[f"actor_rollout_ref.actor._target_={ACTOR_TARGET}",
-                       f"+actor_rollout_ref.actor.token_selector={p}"],
+                       f"+actor_rollout_ref.actor.token_selector={p}",
+                       f"+actor_rollout_ref.actor.token_selection._target_={SELECTION_TARGET}",
+                       *[f"+actor_rollout_ref.actor.token_selection.{k}={v}" for k, v in _in_loss_overrides(p).items()]],
             **worker_kw)
         variants[p] = (partial(tokensel_ppo_loss, config=cfg), bool(cfg.needs_entropy))
 
