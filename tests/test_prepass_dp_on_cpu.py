@@ -30,6 +30,12 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 import torch  # noqa: E402
 
 from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
+from verl_tokensel.testing.grad_probe import (  # noqa: E402
+    capture_logit_grads,
+    prompt_lengths,
+    response_lengths,
+    token_grad_norms,
+)
 
 RATIO = 0.2
 N = 12  # responses in the update batch (6 per rank)
@@ -81,72 +87,40 @@ def _rank_step(rank, world, model_dir):
 
         def spy(data, *args, **kwargs):
             out = inner(data, *args, **kwargs)  # the pre-pass wrote MASK_FIELD / SCORE_FIELD into `data`
-            resp_lens = _resp_lens(data)
+            resp_lens = response_lengths(data)
             minibatches.append(dict(
                 rows=_rows(data), uids=[str(u) for u in data.get("uid").tolist()], resp_lens=resp_lens,
                 mask=_padded(data[MASK_FIELD], resp_lens).bool(), scores=_padded(data[SCORE_FIELD], resp_lens),
                 adv=_padded(data["advantages"], resp_lens)))
             return out
 
-        logit_grads = []
-
-        def fwd_hook(module, inputs, output):
-            if torch.is_grad_enabled() and output.requires_grad:
-                slot = len(logit_grads)
-                logit_grads.append(None)
-                output.register_hook(lambda g, slot=slot: logit_grads.__setitem__(slot, g.detach().clone()))
-
         def observe(rec):
             d = rec["data"]
             micro.append(dict(mask=rec["mask"].clone(), response_mask=rec["response_mask"].clone(),
-                              prompt_lens=d["prompts"].offsets().diff().tolist() if d["prompts"].is_nested
-                              else d["attention_mask"][:, : d["prompts"].shape[1]].sum(1).tolist(),
-                              resp_lens=_resp_lens(d)))
+                              prompt_lens=prompt_lengths(d), resp_lens=response_lengths(d)))
 
         cfg = H.selecting_actor_config(actor, "gmts", scope=scope)
-        handle = actor.module.lm_head.register_forward_hook(fwd_hook)
         actor.worker.train_batch = spy
         try:
-            r = H.run_train_step(actor, shard, loss_fn=functools.partial(tokensel_ppo_loss, config=cfg, observer=observe),
-                                 capture_params=False)
+            with capture_logit_grads(actor) as logit_grads:
+                r = H.run_train_step(actor, shard, capture_params=False,
+                                     loss_fn=functools.partial(tokensel_ppo_loss, config=cfg, observer=observe))
         finally:
             actor.worker.train_batch = inner
-            handle.remove()
         results[scope] = dict(minibatches=minibatches, entropy_by_row=entropy_by_row,
-                              grad_norms=_token_grad_norms(logit_grads, micro, actor.use_remove_padding), micro=micro,
+                              grad_norms=token_grad_norms(logit_grads, micro, actor.use_remove_padding), micro=micro,
                               fraction=r.metrics.get("tokensel/prepass/selected_fraction"),
                               tokens=r.metrics.get("tokensel/prepass/selected_tokens"))
     return results
 
 
-def _resp_lens(data):
-    rm = data["response_mask"]
-    if rm.is_nested:
-        return rm.offsets().diff().tolist()
-    return data["attention_mask"][:, data["prompts"].shape[1]:].sum(1).tolist()
 
 
 def _padded_list(field, data):
-    lens = _resp_lens(data)
+    lens = response_lengths(data)
     if field.is_nested:
         return [r.clone() for r in field.unbind(0)]
     return [field[i, :n].clone() for i, n in enumerate(lens)]
-
-
-def _token_grad_norms(logit_grads, micro, rmpad):
-    """Per micro-batch: (batch, max_resp) norms of the logits' gradient at each response token."""
-    assert len(logit_grads) == len(micro), (len(logit_grads), len(micro))
-    out = []
-    for grad, m in zip(logit_grads, micro):
-        norms = torch.zeros_like(m["mask"], dtype=torch.float64)
-        offset = 0
-        for i, (pl, rl) in enumerate(zip(m["prompt_lens"], m["resp_lens"])):
-            for j in range(rl):
-                pos = pl + j - 1  # logits at position t predict token t + 1
-                norms[i, j] = (grad[0, offset + pos] if rmpad else grad[i, pos]).double().norm()
-            offset += pl + rl
-        out.append(norms)
-    return out
 
 
 @pytest.fixture(scope="module")

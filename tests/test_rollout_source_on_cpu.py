@@ -32,6 +32,12 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 import torch  # noqa: E402
 
 from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
+from verl_tokensel.testing.grad_probe import (  # noqa: E402
+    capture_logit_grads,
+    prompt_lengths,
+    response_lengths,
+    token_grad_norms,
+)
 
 N = 12
 GROUP_SIZE = 4
@@ -88,16 +94,11 @@ def _rows(data):
             for i in range(data["responses"].shape[0])]
 
 
-def _resp_lens(data):
-    rm = data["response_mask"]
-    if rm.is_nested:
-        return rm.offsets().diff().tolist()
-    return data["attention_mask"][:, data["prompts"].shape[1]:].sum(1).tolist()
 
 
 def _row_masks(data, field):
     """Per row: the 1-D bool mask over its response tokens."""
-    lens = _resp_lens(data)
+    lens = response_lengths(data)
     rows = data[field].unbind(0) if data[field].is_nested else [data[field][i, :n] for i, n in enumerate(lens)]
     return [r.bool().clone() for r in rows]
 
@@ -107,7 +108,7 @@ def _expected_masks(sel, full, entropy_rows, order=None):
     sees: ties are broken by position, and the tiny random model's entropies do tie)."""
     from verl_tokensel.verl_glue.driver_select import group_ids_from_uids, select_on_driver
 
-    lens = _resp_lens(full)
+    lens = response_lengths(full)
     width = max(lens)
 
     def pad(rows):
@@ -127,7 +128,7 @@ def _expected_masks(sel, full, entropy_rows, order=None):
 
 
 def _row_masks_float(data, field):
-    lens = _resp_lens(data)
+    lens = response_lengths(data)
     return [r.clone() for r in data[field].unbind(0)] if data[field].is_nested else \
         [data[field][i, :n].clone() for i, n in enumerate(lens)]
 
@@ -177,7 +178,7 @@ def _driver_v0(actor, cfg_node, sel, full):
 
     _, entropy = H.compute_old_log_probs(actor, full)
     full[RS.V0_ENTROPY_FIELD] = entropy * full["response_mask"]
-    expected = _expected_masks(sel, full, [entropy[i, :n] for i, n in enumerate(_resp_lens(full))])
+    expected = _expected_masks(sel, full, [entropy[i, :n] for i, n in enumerate(response_lengths(full))])
     proto = type("Proto", (), {})()
     proto.batch = full
     proto.non_tensor_batch = {"uid": np.array([str(u) for u in full["uid"]], dtype=object)}
@@ -209,46 +210,20 @@ def _rank_step(rank, world, model_dir):
         uid_of = dict(zip(_rows(sent), [str(u) for u in sent["uid"]]))
         shard = H.split_for_dp(sent, world)[rank]
 
-        micro, logit_grads = [], []
-
-        def fwd_hook(module, inputs, output):
-            if torch.is_grad_enabled() and output.requires_grad:
-                slot = len(logit_grads)
-                logit_grads.append(None)
-                output.register_hook(lambda g, slot=slot: logit_grads.__setitem__(slot, g.detach().clone()))
+        micro = []
 
         def observe(rec):
             d = rec["data"]
             micro.append(dict(rows=_rows(d), mask=rec["mask"].clone(), response_mask=rec["response_mask"].clone(),
-                              prompt_lens=d["prompts"].offsets().diff().tolist() if d["prompts"].is_nested
-                              else d["attention_mask"][:, : d["prompts"].shape[1]].sum(1).tolist(),
-                              resp_lens=_resp_lens(d)))
+                              prompt_lens=prompt_lengths(d), resp_lens=response_lengths(d)))
 
-        handle = actor.module.lm_head.register_forward_hook(fwd_hook)
-        try:
+        with capture_logit_grads(actor) as logit_grads:
             r = H.run_train_step(actor, shard, capture_params=False,
                                  loss_fn=functools.partial(tokensel_ppo_loss, config=cfg, observer=observe))
-        finally:
-            handle.remove()
         results[preset] = dict(driver_mask=driver_mask, uid_of=uid_of, driver_metrics=driver_metrics, micro=micro,
-                               grad_norms=_token_grad_norms(logit_grads, micro, actor.use_remove_padding),
+                               grad_norms=token_grad_norms(logit_grads, micro, actor.use_remove_padding),
                                fraction=r.metrics.get("tokensel/selected_fraction"))
     return results
-
-
-def _token_grad_norms(logit_grads, micro, rmpad):
-    assert len(logit_grads) == len(micro), (len(logit_grads), len(micro))
-    out = []
-    for grad, m in zip(logit_grads, micro):
-        norms = torch.zeros_like(m["mask"], dtype=torch.float64)
-        offset = 0
-        for i, (pl, rl) in enumerate(zip(m["prompt_lens"], m["resp_lens"])):
-            for j in range(rl):
-                pos = pl + j - 1  # logits at position t predict token t + 1
-                norms[i, j] = (grad[0, offset + pos] if rmpad else grad[i, pos]).double().norm()
-            offset += pl + rl
-        out.append(norms)
-    return out
 
 
 @pytest.fixture(scope="module")

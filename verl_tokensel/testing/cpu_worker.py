@@ -55,6 +55,7 @@ import copy
 import functools
 import os
 import socket
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -142,6 +143,14 @@ def setup_cpu_process(
     }
     os.environ.update(values)
     env.update(values)
+    if world_size == 1 and harness_device() == "cpu":
+        # One rank needs no rendezvous: a FileStore instead of a TCP store on MASTER_PORT, so a port
+        # taken between free_port() and the bind (Ray processes open ports all the time) cannot fail
+        # the run. verl then reuses this default group instead of creating its own.
+        store = tempfile.NamedTemporaryFile(prefix="tokensel_pg_", delete=False)
+        store.close()
+        os.unlink(store.name)
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
     return env
 
 

@@ -1,0 +1,69 @@
+"""Per-token logit gradients of a real verl update, for tests that check which tokens got gradient.
+
+Use with the in-process harness (:mod:`verl_tokensel.testing.cpu_worker`)::
+
+    with capture_logit_grads(actor) as grads:            # one tensor per micro-batch backward
+        run_train_step(actor, batch, loss_fn=partial(tokensel_ppo_loss, config=cfg, observer=observe))
+    norms = token_grad_norms(grads, micro, actor.use_remove_padding)
+
+where ``observe`` appends, per micro-batch, a dict with ``mask`` (``(batch, max_resp)``),
+``prompt_lens`` and ``resp_lens`` (:func:`prompt_lengths` / :func:`response_lengths` of the loss's
+``data``). A token's norm is that of the gradient reaching the logits that predict it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+def response_lengths(data) -> list[int]:
+    """Valid response tokens per row of a micro-batch as the engine passes it (nested or padded)."""
+    rm = data["response_mask"]
+    if rm.is_nested:
+        return rm.offsets().diff().tolist()
+    return data["attention_mask"][:, data["prompts"].shape[1]:].sum(1).tolist()
+
+
+def prompt_lengths(data) -> list[int]:
+    """Valid prompt tokens per row (left padding excluded)."""
+    prompts = data["prompts"]
+    if prompts.is_nested:
+        return prompts.offsets().diff().tolist()
+    return data["attention_mask"][:, : prompts.shape[1]].sum(1).tolist()
+
+
+@contextlib.contextmanager
+def capture_logit_grads(actor) -> Iterator[list]:
+    """Record the gradient reaching the LM head's output at every backward of a training forward."""
+    grads: list = []
+
+    def fwd_hook(module, inputs, output):
+        if torch.is_grad_enabled() and output.requires_grad:
+            slot = len(grads)
+            grads.append(None)
+            output.register_hook(lambda g, slot=slot: grads.__setitem__(slot, g.detach().clone()))
+
+    handle = actor.module.lm_head.register_forward_hook(fwd_hook)
+    try:
+        yield grads
+    finally:
+        handle.remove()
+
+
+def token_grad_norms(logit_grads: list, micro: list[dict], rmpad: bool) -> list[torch.Tensor]:
+    """Per micro-batch: ``(batch, max_resp)`` float64 norms of the logits' gradient at each response token."""
+    assert len(logit_grads) == len(micro), (len(logit_grads), len(micro))
+    out = []
+    for grad, m in zip(logit_grads, micro):
+        norms = torch.zeros_like(m["mask"], dtype=torch.float64)
+        offset = 0
+        for i, (pl, rl) in enumerate(zip(m["prompt_lens"], m["resp_lens"])):
+            for j in range(rl):
+                pos = pl + j - 1  # logits at position t predict token t + 1
+                norms[i, j] = (grad[0, offset + pos] if rmpad else grad[i, pos]).double().norm()
+            offset += pl + rl
+        out.append(norms)
+    return out
