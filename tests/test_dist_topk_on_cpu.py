@@ -55,10 +55,14 @@ def _cases(world: int, seed: int):
     return cases
 
 
-def _worker(rank, world, port, seed, out_dir):
+def _init_gloo(rank, world, port):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+def _worker(rank, world, port, seed, out_dir):
+    _init_gloo(rank, world, port)
     try:
         results = []
         for parts, k, largest in _cases(world, seed):
@@ -154,9 +158,7 @@ def _group_cases(world: int, seed: int):
 def _group_worker(rank, world, port, seed, out_dir):
     from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    _init_gloo(rank, world, port)
     try:
         results = []
         for parts, ratio, largest in _group_cases(world, seed):

@@ -34,6 +34,7 @@ from verl_tokensel.testing.grad_probe import (  # noqa: E402
     capture_logit_grads,
     prompt_lengths,
     response_lengths,
+    row_ids,
     token_grad_norms,
 )
 
@@ -45,18 +46,6 @@ WORKER_KW = dict(use_dynamic_bsz=True, ppo_mini_batch_size=6, ppo_micro_batch_si
 CASES = [("mini_batch", "v1", 6), ("group", "v0", 12)]  # (scope, batch format, global mini-batch size)
 
 
-def _row_id(prompt, response) -> tuple:
-    return tuple(prompt), tuple(response)
-
-
-def _rows(data):
-    """(prompt ids, response ids) of each row, for nested (v1) or padded (v0) batches."""
-    if data["responses"].is_nested:
-        return [_row_id(p.tolist(), r.tolist()) for p, r in zip(data["prompts"].unbind(0), data["responses"].unbind(0))]
-    attn = data["attention_mask"].bool()
-    width = data["prompts"].shape[1]
-    return [_row_id(data["prompts"][i][attn[i, :width]].tolist(), data["responses"][i][attn[i, width:]].tolist())
-            for i in range(data["responses"].shape[0])]
 
 
 def _padded(field, resp_lens):
@@ -81,7 +70,7 @@ def _rank_step(rank, world, model_dir):
         tu.assign_non_tensor(full, mini_batch_size=mini, global_batch_size=mini)
         shard = H.split_for_dp(full, world)[rank]
         _, old_entropy = H.compute_old_log_probs(actor, shard)
-        entropy_by_row = dict(zip(_rows(shard), _padded_list(old_entropy, shard)))
+        entropy_by_row = dict(zip(row_ids(shard), _padded_list(old_entropy, shard)))
 
         minibatches, micro = [], []
 
@@ -89,7 +78,7 @@ def _rank_step(rank, world, model_dir):
             out = inner(data, *args, **kwargs)  # the pre-pass wrote MASK_FIELD / SCORE_FIELD into `data`
             resp_lens = response_lengths(data)
             minibatches.append(dict(
-                rows=_rows(data), uids=[str(u) for u in data.get("uid").tolist()], resp_lens=resp_lens,
+                rows=row_ids(data), uids=[str(u) for u in data.get("uid").tolist()], resp_lens=resp_lens,
                 mask=_padded(data[MASK_FIELD], resp_lens).bool(), scores=_padded(data[SCORE_FIELD], resp_lens),
                 adv=_padded(data["advantages"], resp_lens)))
             return out

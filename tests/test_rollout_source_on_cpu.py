@@ -36,6 +36,7 @@ from verl_tokensel.testing.grad_probe import (  # noqa: E402
     capture_logit_grads,
     prompt_lengths,
     response_lengths,
+    row_ids,
     token_grad_norms,
 )
 
@@ -81,17 +82,6 @@ class FakeTQ:
         return out
 
 
-def _row_id(prompt, response):
-    return tuple(prompt), tuple(response)
-
-
-def _rows(data):
-    if data["responses"].is_nested:
-        return [_row_id(p.tolist(), r.tolist()) for p, r in zip(data["prompts"].unbind(0), data["responses"].unbind(0))]
-    attn = data["attention_mask"].bool()
-    w = data["prompts"].shape[1]
-    return [_row_id(data["prompts"][i][attn[i, :w]].tolist(), data["responses"][i][attn[i, w:]].tolist())
-            for i in range(data["responses"].shape[0])]
 
 
 
@@ -123,7 +113,7 @@ def _expected_masks(sel, full, entropy_rows, order=None):
     res = select_on_driver(sel, response_mask=valid[order], old_log_prob=f["old_log_probs"][order],
                            advantages=f["advantages"][order], entropy=pad(entropy_rows)[order],
                            group_ids=group_ids_from_uids([str(list(full["uid"])[i]) for i in order]))
-    rows = _rows(full)
+    rows = row_ids(full)
     return {rows[j]: res.mask[i, : lens[j]] for i, j in enumerate(order)}
 
 
@@ -203,18 +193,18 @@ def _rank_step(rank, world, model_dir):
             "model": {"path": "unused"}, "rollout": {"temperature": 1.0}}})
         full = H.make_update_batch(actor, n=N, seed=5, fmt=fmt, resp_len=(3, 9), group_size=GROUP_SIZE)
         sent, driver_metrics = (_driver_v1 if fmt == "v1" else _driver_v0)(actor, cfg_node, cfg.selection, full)
-        driver_mask = dict(zip(_rows(sent), _row_masks(sent, MASK_FIELD)))
+        driver_mask = dict(zip(row_ids(sent), _row_masks(sent, MASK_FIELD)))
         expected = driver_metrics.pop("expected")
         assert driver_mask.keys() == expected.keys()
         assert all(torch.equal(driver_mask[row], expected[row]) for row in expected), "mask stored on the wrong rows"
-        uid_of = dict(zip(_rows(sent), [str(u) for u in sent["uid"]]))
+        uid_of = dict(zip(row_ids(sent), [str(u) for u in sent["uid"]]))
         shard = H.split_for_dp(sent, world)[rank]
 
         micro = []
 
         def observe(rec):
             d = rec["data"]
-            micro.append(dict(rows=_rows(d), mask=rec["mask"].clone(), response_mask=rec["response_mask"].clone(),
+            micro.append(dict(rows=row_ids(d), mask=rec["mask"].clone(), response_mask=rec["response_mask"].clone(),
                               prompt_lens=prompt_lengths(d), resp_lens=response_lengths(d)))
 
         with capture_logit_grads(actor) as logit_grads:

@@ -67,3 +67,15 @@ def token_grad_norms(logit_grads: list, micro: list[dict], rmpad: bool) -> list[
             offset += pl + rl
         out.append(norms)
     return out
+
+
+def row_ids(data) -> list[tuple]:
+    """(prompt ids, response ids) of each row, nested (V1) or padded (v0): a row's identity that survives
+    reordering, balancing and the split over data-parallel ranks."""
+    if data["responses"].is_nested:
+        return [(tuple(p.tolist()), tuple(r.tolist()))
+                for p, r in zip(data["prompts"].unbind(0), data["responses"].unbind(0))]
+    attn = data["attention_mask"].bool()
+    width = data["prompts"].shape[1]
+    return [(tuple(data["prompts"][i][attn[i, :width]].tolist()), tuple(data["responses"][i][attn[i, width:]].tolist()))
+            for i in range(data["responses"].shape[0])]
