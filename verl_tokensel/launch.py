@@ -252,36 +252,41 @@ def _marked_pids(marker: str) -> list[int]:
     return pids
 
 
-def _kill_run(proc: subprocess.Popen, marker: str, grace_s: float) -> None:
-    """SIGTERM the run's process group and marked processes, SIGKILL what is left after ``grace_s``."""
+def _escalate(send, done, grace_s: float) -> None:
+    """``send(SIGTERM)``, wait up to ``grace_s`` for ``done()``, then ``send(SIGKILL)`` and wait 5 s more."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in _marked_pids(marker):
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+        send(sig)
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
         while time.monotonic() < deadline:
-            if proc.poll() is not None and not _marked_pids(marker):
+            if done():
                 return
             time.sleep(0.2)
 
 
+def _signal_marked(marker: str, sig: int) -> None:
+    for pid in _marked_pids(marker):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _kill_run(proc: subprocess.Popen, marker: str, grace_s: float) -> None:
+    """SIGTERM the run's process group and marked processes, SIGKILL what is left after ``grace_s``."""
+
+    def send(sig: int) -> None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        _signal_marked(marker, sig)
+
+    _escalate(send, lambda: proc.poll() is not None and not _marked_pids(marker), grace_s)
+
+
 def kill_marked(marker: str, grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after ``grace_s``, every process carrying ``RUN_MARKER_ENV=marker``."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in _marked_pids(marker):
-            try:
-                os.kill(pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < deadline and _marked_pids(marker):
-            time.sleep(0.2)
+    _escalate(lambda sig: _signal_marked(marker, sig), lambda: not _marked_pids(marker), grace_s)
 
 
 def _free_port() -> int:
