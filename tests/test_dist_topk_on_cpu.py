@@ -76,8 +76,8 @@ def _worker(rank, world, port, seed, out_dir):
         dist.destroy_process_group()
 
 
-def _run(world, seed, tmp_path):
-    ctx = mp.start_processes(_worker, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world,
+def _run(world, seed, tmp_path, worker=None):
+    ctx = mp.start_processes(worker or _worker, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world,
                              join=False, start_method="spawn")
     deadline = time.monotonic() + 180
     try:
@@ -173,18 +173,7 @@ def _group_worker(rank, world, port, seed, out_dir):
 def test_grouped_topk_equals_single_process_over_union(world, tmp_path):
     from verl_tokensel.core.select import _select_grouped, budget
 
-    ctx = mp.start_processes(_group_worker, args=(world, _free_port(), world, str(tmp_path)), nprocs=world,
-                             join=False, start_method="spawn")
-    deadline = time.monotonic() + 180
-    try:
-        while not ctx.join(timeout=1):
-            if time.monotonic() > deadline:
-                raise TimeoutError("gloo ranks did not finish in 180 s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    per_rank = _run(world, world, tmp_path, worker=_group_worker)
     for i, (parts, ratio, largest) in enumerate(_group_cases(world, world)):
         width = parts[0][0].shape[1]
         scores = torch.cat([p[0] for p in parts])
