@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_check.sh                # wheels from wheels/, results in $OUT/gpu_check.json
 #   bash scripts/gpu_check.sh /tmp/wheels    # another wheel folder (or a folder of chunkN/ folders)
+#   bash scripts/gpu_check.sh gpu_site.tar.xz # one-transfer bundle from scripts/pack_gpu_site.sh (27 MiB):
+#                                             # unpacked to a temp dir on PYTHONPATH, nothing installed
 #   GPU_CHECK_ARGS="--steps 3 --no-megatron" bash scripts/gpu_check.sh
 #
 # 1. checks the assumption this relies on: the machine's python3 (or $PYTHON) has a CUDA build of
@@ -64,33 +66,45 @@ then
     exit 4
 fi
 
-# ---- 2. offline install from the wheel folder ----------------------------------------------------
-if [ ! -d "$WHEELS" ]; then
+# ---- 2. offline install from the wheel folder (or the site bundle) --------------------------------
+SITE=""
+if [ -f "$WHEELS" ] && [[ "$WHEELS" == *.tar.xz ]]; then
+    SITE="$(mktemp -d)"
+    trap 'rm -rf "$SITE"' EXIT
+    say "unpacking the site bundle $WHEELS"
+    if ! tar -xJf "$WHEELS" -C "$SITE" || [ ! -d "$SITE/site" ]; then
+        echo "ERROR: $WHEELS is not a bundle made by scripts/pack_gpu_site.sh (no site/ inside)." >&2
+        exit 5
+    fi
+    export PYTHONPATH="$SITE/site${PYTHONPATH:+:$PYTHONPATH}"
+elif [ ! -d "$WHEELS" ]; then
     echo "ERROR: no wheel folder at $WHEELS. Fix: on a machine with network run 'bash scripts/pack_wheels.sh'" \
          "and bring its wheels/ folder here (or pass its path)." >&2
     exit 5
 fi
-STAGE="$(mktemp -d)"
-trap 'rm -rf "$STAGE"' EXIT
-# flatten chunkN/ folders and join split wheels (parts sort in order: part-aa, part-ab, ...)
-find "$WHEELS" -name '*.whl' -exec cp -t "$STAGE" {} +
-while IFS= read -r whl; do
-    [ -e "$STAGE/$whl" ] && continue
-    find "$WHEELS" -name "$whl.part-*" -print0 | sort -z | xargs -0 cat >"$STAGE/$whl"
-done < <(find "$WHEELS" -name '*.whl.part-*' -printf '%f\n' | sed 's/\.part-[a-z]*$//' | sort -u)
-OWN="$(ls "$STAGE"/verl_tokensel-*.whl 2>/dev/null | head -n1 || true)"
-if [ -z "$OWN" ]; then
-    echo "ERROR: $WHEELS has no verl_tokensel-*.whl (are all chunks there?). Fix: run scripts/pack_wheels.sh." >&2
-    exit 5
-fi
-"$PY" -c 'import torch; print("torch==" + torch.__version__)' >"$STAGE/constraints.txt"
-say "installing offline from $WHEELS ($(ls "$STAGE"/*.whl | wc -l) wheels; torch pinned: $(cat "$STAGE/constraints.txt"))"
-if ! "$PY" -m pip install -q --no-index --find-links "$STAGE" --no-compile --disable-pip-version-check \
-        -c "$STAGE/constraints.txt" "$OWN"; then
-    echo "ERROR: the offline install failed (pip's message above names the missing or conflicting package)." \
-         "Fix: re-run scripts/pack_wheels.sh for this image's Python ($("$PY" -c 'import sys; print(sys.version.split()[0])'))" \
-         "without SKIP_PRESENT, and bring the whole folder." >&2
-    exit 5
+if [ -z "$SITE" ]; then
+    STAGE="$(mktemp -d)"
+    trap 'rm -rf "$STAGE"' EXIT
+    # flatten chunkN/ folders and join split wheels (parts sort in order: part-aa, part-ab, ...)
+    find "$WHEELS" -name '*.whl' -exec cp -t "$STAGE" {} +
+    while IFS= read -r whl; do
+        [ -e "$STAGE/$whl" ] && continue
+        find "$WHEELS" -name "$whl.part-*" -print0 | sort -z | xargs -0 cat >"$STAGE/$whl"
+    done < <(find "$WHEELS" -name '*.whl.part-*' -printf '%f\n' | sed 's/\.part-[a-z]*$//' | sort -u)
+    OWN="$(ls "$STAGE"/verl_tokensel-*.whl 2>/dev/null | head -n1 || true)"
+    if [ -z "$OWN" ]; then
+        echo "ERROR: $WHEELS has no verl_tokensel-*.whl (are all chunks there?). Fix: run scripts/pack_wheels.sh." >&2
+        exit 5
+    fi
+    "$PY" -c 'import torch; print("torch==" + torch.__version__)' >"$STAGE/constraints.txt"
+    say "installing offline from $WHEELS ($(ls "$STAGE"/*.whl | wc -l) wheels; torch pinned: $(cat "$STAGE/constraints.txt"))"
+    if ! "$PY" -m pip install -q --no-index --find-links "$STAGE" --no-compile --disable-pip-version-check \
+            -c "$STAGE/constraints.txt" "$OWN"; then
+        echo "ERROR: the offline install failed (pip's message above names the missing or conflicting package)." \
+             "Fix: re-run scripts/pack_wheels.sh for this image's Python ($("$PY" -c 'import sys; print(sys.version.split()[0])'))" \
+             "without SKIP_PRESENT, and bring the whole folder." >&2
+        exit 5
+    fi
 fi
 "$PY" -c 'import verl, transformers, tensordict; print("verl", verl.__version__, "| transformers", transformers.__version__, "| tensordict", tensordict.__version__)'
 
