@@ -37,7 +37,7 @@ def _run(args, timeout):
                           timeout=timeout, cwd=str(ROOT), env=env)
 
 
-@pytest.mark.parametrize("script", ["gpu_check.sh", "pack_wheels.sh"])
+@pytest.mark.parametrize("script", ["gpu_check.sh", "pack_wheels.sh", "pack_gpu_site.sh"])
 def test_shell_scripts_parse(script):
     r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
