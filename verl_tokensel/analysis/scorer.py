@@ -175,11 +175,11 @@ def _streaming_stats(hidden, weight, targets, bias, temperature, chunk):
     return logp.float(), entropy.clamp(min=0).float(), sum_p2.float()
 
 
-def naive_token_stats(hidden, weight, targets, *, bias=None, temperature: float = 1.0):
-    """Reference: the same three statistics from the full ``(tokens, vocab)`` softmax."""
-    z = hidden.float() @ weight.float().T
+def naive_token_stats(hidden, weight, targets, *, bias=None, temperature: float = 1.0, dtype=torch.float32):
+    """Reference: the same three statistics from the full ``(tokens, vocab)`` softmax, computed in ``dtype``."""
+    z = hidden.to(dtype) @ weight.to(dtype).T
     if bias is not None:
-        z = z + bias.float()
+        z = z + bias.to(dtype)
     z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     p = logp_all.exp()
