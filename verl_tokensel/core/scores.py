@@ -308,12 +308,45 @@ def compute_score(name: str, inp: ScoreInputs) -> torch.Tensor:
     return spec.fn(inp)
 
 
+def grad_mass(name: str, scores: torch.Tensor, inp: ScoreInputs) -> Optional[torch.Tensor]:
+    """Per-token estimate of the logit-gradient norm, ``|omega| * ||e_a - p||`` (the scores themselves for
+    ``grad_norm``), for the "share of gradient mass kept" metric; None when the KL type has no
+    gradient-weight formula (only possible for scores without omega)."""
+    if name == "grad_norm":
+        return scores
+    try:
+        return omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
+    except ValueError:
+        return None
+
+
+def score_params(actor_config: Any) -> dict[str, Any]:
+    """Clip and KL parameters of ``actor_rollout_ref.actor`` (an OmegaConf node or verl's dataclass)
+    as :class:`ScoreInputs` keyword arguments, resolved like verl's loss (``clip_ratio_low/high``
+    fall back to ``clip_ratio``; the KL weight is 0 unless ``use_kl_loss``)."""
+
+    def get(key, default=None):
+        value = getattr(actor_config, key, default)
+        return default if value is None else value
+
+    clip_ratio = get("clip_ratio", 0.2)
+    use_kl = bool(get("use_kl_loss", False))
+    return dict(
+        clip_ratio_low=float(get("clip_ratio_low", clip_ratio)),
+        clip_ratio_high=float(get("clip_ratio_high", clip_ratio)),
+        clip_ratio_c=float(get("clip_ratio_c", 3.0)),
+        kl_coef=float(get("kl_loss_coef", 0.0)) if use_kl else 0.0,
+        kl_type=str(get("kl_loss_type", "low_var_kl")),
+    )
+
+
 __all__ = [
     "LOG_RATIO_CLAMP",
     "SCORE_REGISTRY",
     "ScoreInputs",
     "ScoreSpec",
     "compute_score",
+    "grad_mass",
     "kl_gradient_weight",
     "logit_grad_norm",
     "omega",
@@ -321,5 +354,6 @@ __all__ = [
     "register_score",
     "row_keys_from_packed",
     "row_keys_from_tokens",
+    "score_params",
     "seeded_uniform",
 ]

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from verl_tokensel.core.config import Selection
-from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreInputs, compute_score, logit_grad_norm, omega
+from verl_tokensel.core.scores import ScoreInputs, compute_score, grad_mass, score_params
 from verl_tokensel.core.select import select_tokens, selection_stats
 
 DRIVER_METRIC_PREFIX = "tokensel/driver_"
@@ -56,25 +56,6 @@ def group_ids_from_uids(uids: Sequence[Any]) -> torch.Tensor:
     """``(batch,)`` int64 group index of each row: rows with equal ``uid`` share an index (first-seen order)."""
     index: dict[Any, int] = {}
     return torch.tensor([index.setdefault(u, len(index)) for u in uids], dtype=torch.int64)
-
-
-def score_params(actor_config: Any) -> dict[str, Any]:
-    """Clip and KL parameters of ``actor_rollout_ref.actor`` (an OmegaConf node or verl's dataclass)
-    as :class:`~verl_tokensel.core.scores.ScoreInputs` keyword arguments, resolved like verl's loss."""
-
-    def get(key, default=None):
-        value = getattr(actor_config, key, default)
-        return default if value is None else value
-
-    clip_ratio = get("clip_ratio", 0.2)
-    use_kl = bool(get("use_kl_loss", False))
-    return dict(
-        clip_ratio_low=float(get("clip_ratio_low", clip_ratio)),
-        clip_ratio_high=float(get("clip_ratio_high", clip_ratio)),
-        clip_ratio_c=float(get("clip_ratio_c", 3.0)),
-        kl_coef=float(get("kl_loss_coef", 0.0)) if use_kl else 0.0,
-        kl_type=str(get("kl_loss_type", "low_var_kl")),
-    )
 
 
 def select_on_driver(
@@ -137,35 +118,17 @@ def select_on_driver(
     mask = select_tokens(scores, valid, sel.ratio, scope=sel.scope, direction=sel.direction,
                          group_ids=group_ids if sel.scope == "group" else None)
 
-    if sel.score == "grad_norm":
-        grad_mass = scores
-    else:
-        try:
-            grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
-        except ValueError:  # a KL type without a gradient-weight formula (only for non-omega scores)
-            grad_mass = None
-    stats = selection_stats(mask, valid, scores, entropy=entropy, grad_mass=grad_mass)
+    stats = selection_stats(mask, valid, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
     metrics = {DRIVER_METRIC_PREFIX + k: v for k, v in stats.items()}
     if sel.scope == "group" and group_ids is not None:
         metrics[DRIVER_METRIC_PREFIX + "groups"] = float(torch.unique(group_ids[valid.any(1)]).numel())
     return DriverSelection(mask=mask, scores=scores, metrics=metrics)
 
 
-def required_score_inputs(sel: Selection) -> dict[str, bool]:
-    """Which optional old-policy inputs the driver must gather for ``sel.score``."""
-    spec = SCORE_REGISTRY[sel.score]
-    return {
-        "entropy": True,  # also feeds the entropy_selected/unselected metrics
-        "sum_pi_squared": sel.score == "grad_norm",
-        "row_keys": spec.needs_row_keys,
-    }
-
-
 __all__ = [
     "DRIVER_METRIC_PREFIX",
     "DriverSelection",
     "group_ids_from_uids",
-    "required_score_inputs",
     "score_params",
     "select_on_driver",
 ]

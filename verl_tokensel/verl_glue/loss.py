@@ -40,7 +40,7 @@ from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_tokensel.core.config import Selection
-from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreInputs, compute_score, logit_grad_norm, omega
+from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreInputs, compute_score, grad_mass, score_params
 from verl_tokensel.core.select import select_tokens, selection_stats
 
 METRIC_PREFIX = "tokensel/"
@@ -64,9 +64,11 @@ def _row_keys(data: TensorDict, batch: int) -> torch.Tensor:
     return row_keys_from_tokens([ids[i] for i in range(batch)])
 
 
-def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared, padded, data) -> ScoreInputs:
+def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared, padded, data,
+                       with_row_keys: bool = True) -> ScoreInputs:
+    """:class:`ScoreInputs` of one micro-batch (padded tensors). ``with_row_keys=False`` skips hashing the
+    rows' token ids when the caller will not rank (a mask measured before the update is applied)."""
     spec = SCORE_REGISTRY[sel.score]
-    clip_ratio = config.clip_ratio
     inp = ScoreInputs(
         log_prob=log_prob.detach(),
         response_mask=padded["response_mask"].to(torch.bool),
@@ -75,14 +77,10 @@ def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared
         advantages=padded["advantages"],
         sum_pi_squared=sum_pi_squared,
         ref_log_prob=padded.get("ref_log_prob", None),
-        clip_ratio_low=config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio,
-        clip_ratio_high=config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio,
-        clip_ratio_c=config.get("clip_ratio_c", 3.0),
-        kl_coef=config.kl_loss_coef if config.use_kl_loss else 0.0,
-        kl_type=config.kl_loss_type,
         seed=sel.seed,
+        **score_params(config),
     )
-    if spec.needs_row_keys:
+    if with_row_keys and spec.needs_row_keys:
         inp.row_keys = _row_keys(data, log_prob.shape[0]).to(log_prob.device)
     if "rollout_is_weights" in padded.keys():
         # the rollout-correction weight multiplies the token loss, hence its gradient
@@ -158,7 +156,8 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     rollout_is_weights = padded.get("rollout_is_weights", None)
 
     # ---- score and select (no gradient) ----
-    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data)
+    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data,
+                             with_row_keys=not precomputed)
     if precomputed:
         mask = padded[MASK_FIELD].to(torch.bool) & response_mask
         scores = padded[SCORE_FIELD].float() if SCORE_FIELD in padded.keys() else torch.zeros_like(log_prob)
@@ -214,14 +213,7 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         metrics["kl_coef"] = config.kl_loss_coef
 
     # ---- selection metrics (per micro-batch, averaged over micro-batches and ranks) ----
-    if sel.score == "grad_norm":
-        grad_mass = scores
-    else:
-        try:  # per-token gradient-norm estimate, for the "share of gradient mass kept" metric
-            grad_mass = omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
-        except ValueError:  # a KL type without a gradient-weight formula (only for non-omega scores)
-            grad_mass = None
-    stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass)
+    stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
     for key, value in stats.items():
         metrics[METRIC_PREFIX + key] = Metric(value=value, aggregation=AggregationType.MEAN)
     return policy_loss, metrics
