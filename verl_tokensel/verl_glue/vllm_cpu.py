@@ -114,12 +114,6 @@ def _install_alias() -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _live_linear(x, weight, bias):
-    import torch
-
-    return torch.nn.functional.linear(x, weight, bias)
-
-
 def keep_live_weight_gemm_dispatch(module: Any) -> bool:
     """Replace ``module.dispatch_cpu_unquantized_gemm`` (vLLM's) by a keep-the-weight version. Idempotent."""
     original = getattr(module, "dispatch_cpu_unquantized_gemm", None)
@@ -138,7 +132,9 @@ def keep_live_weight_gemm_dispatch(module: Any) -> bool:
             return original(layer, remove_weight)
         # keep `layer.weight` (with its weight_loader) and read it at call time: verl's weight sync
         # writes into it in place and the next forward must see the new values
-        layer.cpu_linear = _live_linear
+        import torch
+
+        layer.cpu_linear = torch.nn.functional.linear
 
     dispatch_cpu_unquantized_gemm.__wrapped__ = original  # type: ignore[attr-defined]
     dispatch_cpu_unquantized_gemm.__doc__ = (
