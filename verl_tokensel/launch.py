@@ -63,6 +63,7 @@ Command line (same thing, exit code 124 on timeout)::
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -136,10 +137,9 @@ class RunResult:
 
     def log_tail(self, n_lines: int = 60) -> str:
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            return log_tail(self.log_path, n_lines)
         except OSError:
             return ""
-        return "\n".join(lines[-n_lines:])
 
     def describe(self) -> str:
         if self.timed_out:
@@ -174,6 +174,17 @@ def read_metrics(path: Path) -> list[dict]:
         step = int(rec.get("step", -1))
         steps.setdefault(step, {"step": step}).update(rec.get("data", {}))
     return [steps[k] for k in sorted(steps)]
+
+
+def log_tail(path: Path, n_lines: int = 60) -> str:
+    """The last ``n_lines`` lines of a log (streamed, not read whole); OSError if it cannot be read."""
+    with open(path, errors="replace") as f:
+        return "".join(collections.deque(f, maxlen=n_lines)).rstrip("\n")
+
+
+def default_metrics_path(log_path: Path) -> Path:
+    """Where a run logged to ``log_path`` writes its per-step metrics unless told otherwise."""
+    return log_path.with_name(log_path.stem + ".metrics.jsonl")
 
 
 def last_stage(log_text: str) -> Optional[str]:
@@ -432,7 +443,7 @@ def run_main_ppo(
         )
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    metrics_path = Path(metrics_path) if metrics_path is not None else log_path.with_name(log_path.stem + ".metrics.jsonl")
+    metrics_path = Path(metrics_path) if metrics_path is not None else default_metrics_path(log_path)
     metrics_path.parent.mkdir(parents=True, exist_ok=True)
     if metrics_path.exists():
         metrics_path.unlink()  # never report a previous run's steps
