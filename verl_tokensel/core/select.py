@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.dist_topk import ordered_keys32, topk_mask_distributed
+from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed, ordered_keys32, topk_mask_distributed
 
 _PAD_KEY = -(2**31)  # below every key, NaN included
 
@@ -102,8 +102,6 @@ def select_tokens(
                              f"{None if group_ids is None else tuple(group_ids.shape)}")
         if _world(dp_group) == 1:
             return _select_grouped(scores, valid, group_ids, ratio, direction)
-        from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed
-
         return grouped_topk_mask_distributed(scores, valid, group_ids, ratio, dp_group,
                                              largest=direction == "top")
     if scope != "micro_batch" and scope not in _POOLED_DP:
