@@ -2,17 +2,24 @@
 # Launch one recipe with one token-selection preset:
 #   recipes/run.sh <recipe-name> <preset> [extra hydra overrides...]
 # e.g. recipes/run.sh dapo_qwen3_14b forking trainer.nnodes=16
+# The recipes are package data of verl-tokensel (pkg://verl_tokensel.recipes), so this script works with the
+# package installed from a wheel or from a checkout alike; it needs nothing else from the repository.
 # Needs TOKENSEL_MODEL_PATH, TOKENSEL_TRAIN_FILES, TOKENSEL_VAL_FILES. Optional: TOKENSEL_TIMEOUT
 # (a `timeout` duration, default 7d), TOKENSEL_PYTHON (default python3). No secrets here: log in to
 # wandb etc. through the environment of the job, not this script.
 set -euo pipefail
 
-RECIPES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PYTHON="${TOKENSEL_PYTHON:-python3}"
+TIMEOUT="${TOKENSEL_TIMEOUT:-7d}"
 
+# the installed package's recipes and presets (an import of verl_tokensel only, no verl)
+recipe_list() {
+    "$PYTHON" -c 'import importlib.resources as r; print(" ".join(sorted(p.name[:-5] for p in r.files("verl_tokensel.recipes").iterdir() if p.name.endswith(".yaml"))))'
+}
 usage() {
     echo "usage: $0 <recipe-name> <preset> [extra hydra overrides...]" >&2
-    echo "  recipes: $(cd "$RECIPES_DIR" && ls *.yaml | sed 's/\.yaml$//' | tr '\n' ' ')" >&2
-    echo "  presets: none forking forking_bottom random gmts grad_norm" >&2
+    echo "  recipes: $(recipe_list 2>/dev/null)" >&2
+    echo "  presets: none forking forking_paper forking_bottom random gmts grad_norm" >&2
 }
 
 if [ "$#" -lt 2 ]; then
@@ -23,8 +30,9 @@ recipe="${1%.yaml}"
 preset="$2"
 shift 2
 
-if [ ! -f "$RECIPES_DIR/$recipe.yaml" ]; then
-    echo "error: no recipe '$recipe' in $RECIPES_DIR" >&2
+recipes="$(recipe_list 2>/dev/null)" || recipes=""  # empty: $PYTHON cannot import verl_tokensel (said below)
+if [ -n "$recipes" ] && [[ " $recipes " != *" $recipe "* ]]; then
+    echo "error: no recipe '$recipe' in the installed verl_tokensel.recipes" >&2
     usage
     exit 2
 fi
@@ -42,14 +50,16 @@ check_var TOKENSEL_VAL_FILES "the validation parquet file(s), e.g. /data/aime-20
 if [ "$missing" -ne 0 ]; then
     exit 2
 fi
-
-PYTHON="${TOKENSEL_PYTHON:-python3}"
-TIMEOUT="${TOKENSEL_TIMEOUT:-7d}"
+if [ -z "$recipes" ]; then
+    echo "error: $PYTHON cannot import verl_tokensel; install it first (pip install verl-tokensel, or a wheel)," \
+         "or set TOKENSEL_PYTHON to the interpreter that has it" >&2
+    exit 2
+fi
 
 # Run in its own process group so that everything it starts is killed on exit or signal.
 set -m
 timeout --kill-after=60 "$TIMEOUT" "$PYTHON" -m verl_tokensel.main_ppo \
-    --config-path="$RECIPES_DIR" --config-name="$recipe" \
+    --config-path=pkg://verl_tokensel.recipes --config-name="$recipe" \
     "actor_rollout_ref.actor.token_selector=$preset" "$@" &
 child=$!
 cleanup() {

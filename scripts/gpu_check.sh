@@ -18,6 +18,8 @@
 #    environment (it replaces the image's transformers 5.17 with 5.9.0): meant for a throwaway
 #    machine; elsewhere make a venv with --system-site-packages (to keep the system torch) and pass
 #    PYTHON=that-venv/bin/python.
+#    Then `verl-tokensel env` from outside the repository: the installed wheel's plugin loads in verl and
+#    registers its trainer modes on this stack, and no known-broken package is present (exit 5 if not).
 # 3. runs benchmarks/gpu_check.py with the repository's own verl_tokensel (PYTHONPATH=repo root)
 #    under `timeout` (GPU_CHECK_TIMEOUT s, default 390; the check's own deadline is 360 s).
 #
@@ -107,6 +109,14 @@ if [ -z "$SITE" ]; then
     fi
 fi
 "$PY" -c 'import verl, transformers, tensordict; print("verl", verl.__version__, "| transformers", transformers.__version__, "| tensordict", tensordict.__version__)'
+
+# ---- 2b. the installed plugin (the wheel, not this checkout) imports and registers on this stack ---------
+say "checking the installed verl-tokensel: verl-tokensel env, from outside the repository"
+if ! (cd "$(mktemp -d)" && "$PY" -m verl_tokensel.cli.main env); then
+    echo "ERROR: the installed verl-tokensel does not load or register on this stack (see the lines above:" \
+         "'verl plugin', 'trainer modes' and any 'broken environment' line with its fix)." >&2
+    exit 5
+fi
 
 # ---- 3. the check ---------------------------------------------------------------------------------
 mkdir -p "$OUT_DIR"

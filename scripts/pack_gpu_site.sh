@@ -7,7 +7,7 @@
 #
 # then on the GPU machine: bash scripts/gpu_check.sh gpu_site.tar.xz
 #
-# What it does: downloads the cp$PYVER manylinux wheels pinned in scripts/gpu_site_packages.txt (no
+# What it does: builds verl-tokensel's wheel (python -m build), downloads the cp$PYVER manylinux wheels pinned in scripts/gpu_site_packages.txt (no
 # dependency resolution: the list is the import closure of the check minus what the image ships;
 # torch, numpy, pandas, pyarrow, huggingface-hub, accelerate, peft, ... come from the image), installs
 # them with `pip install --target` into site/, drops ray's cluster binaries (gcs_server, raylet, the
@@ -30,6 +30,8 @@ grep -v '^#' "$ROOT/scripts/gpu_site_packages.txt" | grep -v '^antlr4' >"$WORK/b
     "${PLAT[@]}" -d "$WORK/wheels" -r "$WORK/binary.txt"
 # antlr4-python3-runtime (hydra/omegaconf) is published as a source archive only: build its wheel
 "$PY" -m pip wheel -q --no-deps -w "$WORK/wheels" "$(grep '^antlr4' "$ROOT/scripts/gpu_site_packages.txt")"
+# verl-tokensel itself, as the release wheel (gpu_check.sh checks that this installed copy loads and registers)
+"$PY" -m build -q --wheel --outdir "$WORK/wheels" "$ROOT" >/dev/null
 "$PY" -m pip install -q --no-deps --no-compile --target "$WORK/site" --python-version "$PYVER" \
     --implementation cp --only-binary=:all: "${PLAT[@]}" "$WORK"/wheels/*.whl
 rm -rf "$WORK/site/ray/core/src/ray/gcs/gcs_server" "$WORK/site/ray/core/src/ray/raylet/raylet" \

@@ -1,4 +1,4 @@
-"""Project hygiene that CI enforces: the README's test command is what .ci/run runs, the
+"""Project hygiene that CI enforces: the README's set-up block is what .ci/run runs, the
 CHANGELOG names the verl version the suite ran against, and the entry point is declared."""
 
 from __future__ import annotations
@@ -13,12 +13,34 @@ import verl_tokensel
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_ci_runs_the_readme_test_command():
+def _setup_block() -> list[str]:
+    """The command lines of the README's set-up block (the fenced block after its marker comment)."""
     readme = (ROOT / "README.md").read_text()
-    ci = (ROOT / ".ci" / "run").read_text()
-    cmds = re.findall(r"^(python -m pytest .*)$", readme, flags=re.M)
-    assert cmds, "README has no test command"
-    assert cmds[0] in ci
+    m = re.search(r"<!-- set-up block:[^\n]*-->\n```bash\n(.*?)\n```", readme, flags=re.S)
+    assert m, "README has no set-up block (marker '<!-- set-up block: ... -->' then a ```bash block)"
+    return [ln for ln in m.group(1).splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def test_ci_runs_the_readme_setup_block_verbatim():
+    """.ci/run executes the README's set-up lines as they are, in order: one install, one truth."""
+    block = _setup_block()
+    assert len(block) == 2, f"the README's set-up is two commands (install + main job, tests), got {block}"
+    assert "scripts/install_cpu.sh" in block[0] and "verl-tokensel demo" in block[0]
+    assert block[1].startswith("python -m pytest tests ")
+    ci_lines = [ln for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+                if ln.strip() and not ln.lstrip().startswith("#")]
+    positions = [ci_lines.index(ln) for ln in block if ln in ci_lines]
+    assert len(positions) == len(block), f".ci/run lacks README set-up line(s): {set(block) - set(ci_lines)}"
+    assert positions == sorted(positions), ".ci/run runs the README's set-up lines out of order"
+
+
+def test_ci_installs_nothing_the_readme_does_not_show():
+    """No private install variant: every pip/venv line of .ci/run is a README set-up line."""
+    block = set(_setup_block())
+    for ln in (ROOT / ".ci" / "run").read_text().splitlines():
+        code = ln.split("#", 1)[0]
+        if re.search(r"\bpip\b|-m venv|install_cpu", code):
+            assert ln in block, f".ci/run installs outside the README's set-up block: {ln!r}"
 
 
 def test_changelog_names_the_tested_verl_version():

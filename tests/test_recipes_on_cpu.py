@@ -1,4 +1,4 @@
-"""Recipes under recipes/: every recipe x every preset composes, resolves and passes verl's own
+"""Recipes (package data under verl_tokensel/recipes/, launch scripts under recipes/): every recipe x every preset composes, resolves and passes verl's own
 validate_config and our driver check; the paper hyperparameters are what the recipes claim; a
 missing env var is a clear error (Hydra and run.sh); every YAML key has a comment; scripts parse."""
 
@@ -21,7 +21,8 @@ from verl_tokensel.core.config import PRESETS
 from verl_tokensel.verl_glue.install import validate_driver_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "recipes"
+RECIPES = ROOT / "verl_tokensel" / "recipes"  # the recipe YAMLs, shipped in the wheel
+SCRIPTS = ROOT / "recipes"  # run.sh, submit_ray_job.sh
 ENV_VARS = ("TOKENSEL_MODEL_PATH", "TOKENSEL_TRAIN_FILES", "TOKENSEL_VAL_FILES")
 DAPO_8020 = ["dapo_qwen3_8b", "dapo_qwen3_14b", "dapo_qwen3_32b"]
 GMTS = [f"gmts_qwen2.5_math_{s}_{a}" for s in ("1.5b", "7b") for a in ("dapo", "grpo")]
@@ -169,7 +170,7 @@ def test_run_sh_missing_env_var(var):
     env.update({k: f"/dummy/{k}" for k in ENV_VARS if k != var})
     # a python that would fail loudly if reached: nothing may start before the env check
     env["TOKENSEL_PYTHON"] = "/nonexistent/python-must-not-run"
-    res = subprocess.run(["bash", str(RECIPES / "run.sh"), "dapo_qwen3_14b", "forking"],
+    res = subprocess.run(["bash", str(SCRIPTS / "run.sh"), "dapo_qwen3_14b", "forking"],
                          capture_output=True, text=True, timeout=30, env=env, cwd=str(ROOT))
     assert res.returncode != 0
     assert var in res.stderr
@@ -178,9 +179,9 @@ def test_run_sh_missing_env_var(var):
 
 
 def test_run_sh_unknown_recipe_and_usage():
-    res = subprocess.run(["bash", str(RECIPES / "run.sh")], capture_output=True, text=True, timeout=30)
+    res = subprocess.run(["bash", str(SCRIPTS / "run.sh")], capture_output=True, text=True, timeout=30)
     assert res.returncode != 0 and "usage" in res.stderr
-    res = subprocess.run(["bash", str(RECIPES / "run.sh"), "no_such_recipe", "forking"],
+    res = subprocess.run(["bash", str(SCRIPTS / "run.sh"), "no_such_recipe", "forking"],
                          capture_output=True, text=True, timeout=30)
     assert res.returncode != 0 and "no_such_recipe" in res.stderr
 
@@ -197,12 +198,12 @@ def test_every_key_has_a_comment(name):
 
 @pytest.mark.parametrize("script", ["run.sh", "submit_ray_job.sh"])
 def test_scripts_parse(script):
-    res = subprocess.run(["bash", "-n", str(RECIPES / script)], capture_output=True, text=True, timeout=30)
+    res = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True, timeout=30)
     assert res.returncode == 0, res.stderr
 
 
 def test_scripts_hold_no_secrets():
-    for path in RECIPES.glob("*.sh"):
+    for path in SCRIPTS.glob("*.sh"):
         text = path.read_text()
         for needle in ("API_KEY=", "TOKEN=", "SECRET", "PASSWORD"):
             assert needle not in text, f"{path.name} contains {needle}"

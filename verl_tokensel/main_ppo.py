@@ -19,19 +19,26 @@ Example::
 
 from __future__ import annotations
 
-import hydra
-import ray
-from omegaconf import DictConfig, open_dict
+import sys
 
-from verl_tokensel.verl_glue.cpu_pipeline import apply_cpu_pipeline, wants_cpu
-from verl_tokensel.verl_glue.install import (
+if __name__ == "__main__":  # a known-broken stack gets one line naming the fix, before verl's imports crash on it
+    from verl_tokensel.stack import exit_if_broken
+
+    exit_if_broken(cpu_rollout="trainer.device=cpu" in sys.argv[1:])
+
+import hydra  # noqa: E402
+import ray  # noqa: E402
+from omegaconf import DictConfig, open_dict  # noqa: E402
+
+from verl_tokensel.verl_glue.cpu_pipeline import apply_cpu_pipeline, wants_cpu  # noqa: E402
+from verl_tokensel.verl_glue.install import (  # noqa: E402
     CHECKPOINT_MANAGER_FQN,
     TokenselCheckpointEngineManager,
     prepare_driver_config,
     register_v1_trainers,
     validate_driver_config,
 )
-from verl_tokensel.verl_glue.rollout_source import tokensel_ray_ppo_trainer_class
+from verl_tokensel.verl_glue.rollout_source import tokensel_ray_ppo_trainer_class  # noqa: E402
 
 
 def _v0_task_runner():

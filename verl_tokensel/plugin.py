@@ -15,6 +15,16 @@ import warnings
 LOAD_ERROR: str | None = None
 
 
+def _diagnosis() -> str:
+    """The known cause of a load failure, one line each (:mod:`verl_tokensel.stack`), or ""."""
+    try:
+        from verl_tokensel.stack import check_stack
+
+        return "".join(p.line() + "\n" for p in check_stack())
+    except Exception:  # noqa: BLE001 - the traceback below is still printed
+        return ""
+
+
 def load() -> None:
     global LOAD_ERROR
     try:
@@ -30,6 +40,7 @@ def load() -> None:
         LOAD_ERROR = traceback.format_exc()
         msg = (
             "verl_tokensel: the verl plugin failed to load, token selection is NOT active in this process.\n"
+            + _diagnosis()
             + LOAD_ERROR
         )
         print(msg, file=sys.stderr, flush=True)

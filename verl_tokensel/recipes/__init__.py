@@ -1,0 +1,6 @@
+"""The papers' DAPO/GRPO recipes as Hydra primary configs, shipped in the wheel.
+
+Launch one with ``python -m verl_tokensel.main_ppo --config-path=pkg://verl_tokensel.recipes
+--config-name=<recipe> actor_rollout_ref.actor.token_selector=<preset>``, or with the launch scripts
+``recipes/run.sh`` / ``recipes/submit_ray_job.sh`` of the repository (recipes/README.md).
+"""
