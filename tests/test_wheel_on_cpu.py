@@ -1,0 +1,184 @@
+"""The release wheel is the product: built as a release builds it, installed non-editable into its own
+environment, and used from a directory outside the checkout.
+
+- ``python -m build`` makes the sdist and, from it, the wheel (so the sdist is complete too);
+- the wheel's file list equals the package tree (every tracked file under ``verl_tokensel/`` that the
+  package needs at run time: modules, Hydra configs, recipes);
+- a fresh venv gets the wheel with ``pip install --no-deps``; its third-party dependencies are the pinned
+  stack of this test run, shared through a path entry (not a site dir, so the checkout's editable install
+  is invisible there) to save a second 4 GB install;
+- from a temp dir: ``verl-tokensel env``, ``python -m verl_tokensel.main_ppo --cfg job`` for the FSDP and
+  Megatron configs, verl's stock ``main_ppo`` with ``--config-path=pkg://verl_tokensel.config``, a
+  recipe through ``recipes/run.sh`` and through ``pkg://verl_tokensel.recipes``, ``verl-tokensel
+  cpu-step`` (a real FSDP2 update per preset), and ``recipes/submit_ray_job.sh``'s wheel route.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import verl_tokensel
+
+ROOT = Path(__file__).resolve().parents[1]
+WHEEL_NAME = f"verl_tokensel-{verl_tokensel.__version__}-py3-none-any.whl"
+RUNTIME_SUFFIXES = {".py", ".yaml"}  # what the package reads at run time
+
+
+def _package_files() -> list[str]:
+    """Tracked files of the package (a clean clone's tree; untracked scratch files do not count)."""
+    res = subprocess.run(["git", "ls-files", "verl_tokensel"], cwd=ROOT, capture_output=True, text=True)
+    if res.returncode == 0 and res.stdout.strip():
+        files = res.stdout.split()
+    else:  # not a git checkout (e.g. an unpacked sdist)
+        files = [p.relative_to(ROOT).as_posix() for p in (ROOT / "verl_tokensel").rglob("*") if p.is_file()
+                 and "__pycache__" not in p.parts]
+    return sorted(f for f in files if Path(f).suffix in RUNTIME_SUFFIXES)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    res = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    wheel = out / WHEEL_NAME
+    sdists = list(out.glob("verl_tokensel-*.tar.gz"))
+    assert wheel.is_file() and len(sdists) == 1, sorted(p.name for p in out.iterdir())
+    return wheel, sdists[0]
+
+
+@pytest.fixture(scope="module")
+def wheel_env(built, tmp_path_factory):
+    """A venv with the wheel installed non-editable; returns (python, env vars, a cwd outside the checkout)."""
+    wheel, _ = built
+    base = tmp_path_factory.mktemp("wheel_venv")
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # the pinned dependencies of this run, as a plain path entry after the venv's own site-packages
+    (site / "_tokensel_shared_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
+    cwd = base / "work"
+    cwd.mkdir()
+    return py, env, cwd, site
+
+
+def _run(wheel_env, argv, timeout=300, extra_env=None):
+    py, env, cwd, _ = wheel_env
+    env = {**env, **(extra_env or {})}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(cwd))
+    assert res.returncode == 0, f"{shlex.join(map(str, argv))} -> {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    return res
+
+
+def test_wheel_holds_the_whole_package(built):
+    wheel, sdist = built
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+    in_wheel = sorted(n for n in names if n.startswith("verl_tokensel/"))
+    assert in_wheel == _package_files(), (
+        f"missing from the wheel: {sorted(set(_package_files()) - set(in_wheel))}; "
+        f"not in the package tree: {sorted(set(in_wheel) - set(_package_files()))}")
+    meta = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    with zipfile.ZipFile(wheel) as zf:
+        eps = zf.read(meta).decode()
+    assert "[verl.plugins]\ntokensel = verl_tokensel.plugin" in eps
+    assert "verl-tokensel = verl_tokensel.cli.main:main" in eps
+    import tarfile
+
+    with tarfile.open(sdist) as tf:
+        top = tf.getnames()[0].split("/")[0]
+        in_sdist = {n[len(top) + 1:] for n in tf.getnames()}
+    assert set(_package_files()) <= in_sdist, sorted(set(_package_files()) - in_sdist)
+
+
+def test_wheel_env_imports_the_wheel_not_the_checkout(wheel_env):
+    py, _, _, site = wheel_env
+    code = ("import json, importlib.metadata as m, verl_tokensel; "
+            "d = m.distribution('verl-tokensel'); "
+            "print(json.dumps({'file': verl_tokensel.__file__, 'dist': str(d._path), "
+            "'plugin': [str(e.value) for e in m.entry_points(group='verl.plugins') if e.name == 'tokensel']}))")
+    info = json.loads(_run(wheel_env, [str(py), "-c", code]).stdout)
+    assert Path(info["file"]).is_relative_to(site), info
+    assert Path(info["dist"]).is_relative_to(site) and info["plugin"] == ["verl_tokensel.plugin"], info
+
+
+def test_env_from_the_wheel(wheel_env):
+    out = _run(wheel_env, ["verl-tokensel", "env"]).stdout
+    assert re.search(r"^verl plugin +loaded$", out, flags=re.M), out
+    assert re.search(r"^trainer modes +tokensel_sync, tokensel_colocate_async, tokensel_separate_async$", out,
+                     flags=re.M), out
+
+
+@pytest.mark.parametrize("config_name,strategy", [("tokensel_trainer", "fsdp"),
+                                                  ("tokensel_megatron_trainer", "megatron")])
+def test_main_ppo_composes_from_the_wheel(wheel_env, config_name, strategy):
+    py = wheel_env[0]
+    out = _run(wheel_env, [str(py), "-m", "verl_tokensel.main_ppo", f"--config-name={config_name}", "--cfg", "job",
+                           "actor_rollout_ref.actor.token_selector=gmts"]).stdout
+    assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
+    assert re.search(rf"^    strategy: {strategy}", out, flags=re.M), out[-2000:]
+    assert "trainer_mode: tokensel_sync" in out
+
+
+def test_stock_main_ppo_with_our_config_from_the_wheel(wheel_env):
+    py = wheel_env[0]
+    out = _run(wheel_env, [str(py), "-m", "verl.trainer.main_ppo", "--config-path=pkg://verl_tokensel.config",
+                           "--config-name=tokensel_trainer", "--cfg", "job",
+                           "actor_rollout_ref.actor.token_selector=gmts"]).stdout
+    assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
+    assert re.search(r"^    _target_: verl_tokensel\.\S+_actor_config$", out, flags=re.M), out[-2000:]  # our actor class
+
+
+RECIPE_ENV = {"TOKENSEL_MODEL_PATH": "/models/Qwen3-14B-Base", "TOKENSEL_TRAIN_FILES": "/data/train.parquet",
+              "TOKENSEL_VAL_FILES": "/data/val.parquet"}
+
+
+def test_recipe_from_the_wheel(wheel_env):
+    py = wheel_env[0]
+    out = _run(wheel_env, ["bash", str(ROOT / "recipes" / "run.sh"), "dapo_qwen3_14b", "gmts", "--cfg", "job"],
+               extra_env={**RECIPE_ENV, "TOKENSEL_PYTHON": str(py)}).stdout
+    assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
+    assert re.search(r"^  experiment_name: dapo_qwen3_14b_\$\{actor_rollout_ref.actor.token_selector\}$", out,
+                     flags=re.M), out[-2000:]  # the recipe's own trainer block (--cfg job does not resolve)
+    out = _run(wheel_env, [str(py), "-m", "verl_tokensel.main_ppo", "--config-path=pkg://verl_tokensel.recipes",
+                           "--config-name=gmts_qwen2.5_math_7b_dapo", "--cfg", "job"], extra_env=RECIPE_ENV).stdout
+    assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
+
+
+def test_cpu_step_from_the_wheel(wheel_env):
+    res = _run(wheel_env, ["verl-tokensel", "cpu-step", "--workdir", str(wheel_env[2] / "cache")], timeout=600)
+    rows = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) +([0-9.]+) ", res.stdout, flags=re.M)}
+    assert rows.get("none") == 1.0, res.stdout
+    for preset in ("forking", "random", "gmts", "grad_norm"):
+        assert 0.19 <= rows[preset] <= 0.25, (preset, res.stdout)
+    assert 0.79 <= rows["forking_bottom"] <= 0.85, res.stdout
+
+
+def test_submit_ray_job_wheel_route(built, wheel_env):
+    wheel, _ = built
+    res = _run(wheel_env, ["bash", str(ROOT / "recipes" / "submit_ray_job.sh"), "dapo_qwen3_14b", "forking"],
+               extra_env={**RECIPE_ENV, "RAY_ADDRESS": "http://127.0.0.1:8265", "TOKENSEL_WHEEL": str(wheel),
+                          "TOKENSEL_DRY_RUN": "1"})
+    argv = shlex.split(res.stdout.strip())
+    assert argv[:4] == ["ray", "job", "submit", "--address"]
+    runtime_env = json.loads(argv[argv.index("--runtime-env-json") + 1])
+    assert runtime_env["pip"] == ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/" + WHEEL_NAME]
+    assert runtime_env["env_vars"] == RECIPE_ENV
+    assert argv[argv.index("--") + 1:] == ["bash", "run.sh", "dapo_qwen3_14b", "forking"]
