@@ -123,15 +123,15 @@ def _companion_problems() -> list[StackProblem]:
         if tag and tag != torch_acc:
             bad.append((name, f"{name} {ver} (a {tag.upper()} build)"))
             continue
-        pins = [Requirement(r) for r in dist.requires or () if r.split(";")[0].strip().startswith("torch")]
-        pins = [r for r in pins if r.name == "torch" and r.marker is None and r.specifier]
-        if torch_base is not None and pins and not all(torch_base in r.specifier for r in pins):
+        pins = [q for q in map(Requirement, dist.requires or ()) if q.name == "torch" and q.marker is None
+                and q.specifier]
+        built_for = _base(ver)
+        if torch_base is not None and pins and not all(torch_base in q.specifier for q in pins):
             bad.append((name, f"{name} {ver} (built for torch{pins[0].specifier})"))
-        elif name == "torchaudio" and torch_base is not None and _base(ver) is not None:
+        elif name == "torchaudio" and torch_base is not None and built_for is not None \
+                and built_for.release[:2] != torch_base.release[:2]:
             # torchaudio X.Y is built for torch X.Y (its metadata pins only a lower bound)
-            if _base(ver).release[:2] != torch_base.release[:2]:
-                built_for = ".".join(map(str, _base(ver).release[:2]))
-                bad.append((name, f"torchaudio {ver} (built for torch {built_for})"))
+            bad.append((name, f"torchaudio {ver} (built for torch {'.'.join(map(str, built_for.release[:2]))})"))
     if not bad:
         return []
     what = (f"{', '.join(w for _, w in bad)} {'does' if len(bad) == 1 else 'do'} not match torch {torch_ver} "
