@@ -1,0 +1,1 @@
+"""Hydra config group ``tokensel`` (package data; a package so that setuptools ships it as one)."""
