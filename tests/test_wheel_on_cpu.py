@@ -72,6 +72,10 @@ def wheel_env(built, tmp_path_factory):
     res = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
+    # the `ray` command of the shared dependencies, run by this venv's python (console scripts are not shared)
+    ray_cli = venv / "bin" / "ray"
+    ray_cli.write_text(f"#!{py}\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n")
+    ray_cli.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
     cwd = base / "work"
@@ -169,6 +173,21 @@ def test_cpu_step_from_the_wheel(wheel_env):
     for preset in ("forking", "random", "gmts", "grad_norm"):
         assert 0.19 <= rows[preset] <= 0.25, (preset, res.stdout)
     assert 0.79 <= rows["forking_bottom"] <= 0.85, res.stdout
+
+
+def test_submit_ray_job_from_the_wheel_to_a_local_head(wheel_env):
+    """recipes/submit_ray_job.sh (image route: the plugin is already installed on the node, here the wheel
+    venv the head runs in) submits a recipe to a real Ray head; the job's working dir holds only run.sh, so
+    the job can only have found the wheel-installed package."""
+    from verl_tokensel.launch import start_ray_head
+
+    py, env, cwd, _ = wheel_env
+    with start_ray_head(num_cpus=2, num_gpus=0, python=str(py), env=env) as head:
+        res = _run(wheel_env, ["bash", str(ROOT / "recipes" / "submit_ray_job.sh"), "dapo_qwen3_14b", "forking",
+                               "--cfg", "job"], timeout=300,
+                   extra_env={**RECIPE_ENV, **head.client_env, "RAY_ADDRESS": head.address, "TOKENSEL_PIP": ""})
+    assert re.search(r"^    token_selector: forking$", res.stdout, flags=re.M), res.stdout[-3000:]
+    assert "succeeded" in res.stdout, res.stdout[-3000:]
 
 
 def test_submit_ray_job_wheel_route(built, wheel_env):
