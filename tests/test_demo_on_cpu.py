@@ -59,7 +59,7 @@ def test_dataset_rejects_bad_split(tmp_path):
 def tiny_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
     return AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path_factory.mktemp("demo") / "model"))
 

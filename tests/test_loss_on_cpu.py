@@ -1,6 +1,6 @@
 """The selecting loss ``tokensel_ppo_loss`` against verl's stock ``ppo_loss`` (CPU).
 
-Micro-batches come from ``tests/loss_inputs.py`` (verl's no-padding layout, as the engines hand it to
+Micro-batches come from ``tests/helpers/loss_inputs.py`` (verl's no-padding layout, as the engines hand it to
 the loss). Actor configs are verl's own ``ppo_trainer`` Hydra tree, composed with
 ``initialize_config_module("verl.trainer.config")``, converted by verl's ``omega_conf_to_dataclass``:
 stock ``FSDPActorConfig`` for the reference, ``TokenselFSDPActorConfig`` (``_target_`` swapped, plus
@@ -31,10 +31,7 @@ from verl_tokensel.core.config import PRESETS
 from verl_tokensel.verl_glue.actor_config import StockLossGuard, TokenselFSDPActorConfig, TokenselMcoreActorConfig
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
-try:
-    from loss_inputs import make_micro_batch
-except ImportError:  # tests/ imported as a package
-    from .loss_inputs import make_micro_batch
+from helpers.loss_inputs import make_micro_batch
 
 OUR_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
 OUR_MCORE_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig"
@@ -102,7 +99,7 @@ def actor_config(selector=None, selection=None, *, megatron=False, fresh=False, 
 # micro-batches and helpers
 # --------------------------------------------------------------------------------------------
 def micro_batch(seed=0, batch=6, resp_len=16, noise=0.15, with_ref=False, **kw):
-    """A micro-batch from tests/loss_inputs.py, made near on-policy: old_log_probs = log_prob + noise,
+    """A micro-batch from tests/helpers/loss_inputs.py, made near on-policy: old_log_probs = log_prob + noise,
     so that most tokens are unclipped (omega != 0) and some are clipped (omega == 0)."""
     mo, data, lp = make_micro_batch(batch=batch, resp_len=resp_len, seed=seed, with_ref=with_ref, **kw)
     # the drivers also send the global batch size (seq-mean-* modes need it when dp_size > 1)

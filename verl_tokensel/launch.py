@@ -26,7 +26,7 @@ API::
 * ``timeout_s``: wall-clock limit of the whole run (Ray start, model load, training, shutdown).
 * ``log_path``: stdout+stderr of the run go there (line-buffered, kept after the run).
 * ``cpu`` (default True): add the one CPU switch ``trainer.device=cpu`` (see
-  :mod:`verl_tokensel.verl_glue.cpu_pipeline`) unless ``trainer.device`` is already in ``overrides``.
+  :mod:`verl_tokensel.cpu.pipeline`) unless ``trainer.device`` is already in ``overrides``.
 * ``metrics_path``: where verl's ``file`` logger writes one JSON line per step (default:
   ``<log_path stem>.metrics.jsonl`` next to the log). ``file`` is added to a ``trainer.logger`` override
   (``trainer.logger=[console,file]`` when there is none); the path reaches the TaskRunner

@@ -12,7 +12,7 @@ share increased) for A's top-20% tokens vs the rest.
 Examples::
 
     # two tiny random models (seeds 0 and 1) built locally, no download
-    python -c "from verl_tokensel.testing.tiny_assets import build_tiny_model_dir as b; print(b('/tmp/tiny'), b('/tmp/tiny1', seed=1))"
+    python -c "from verl_tokensel.cpu.tiny_model import build_tiny_model_dir as b; print(b('/tmp/tiny'), b('/tmp/tiny1', seed=1))"
     verl-tokensel compare --model-a /tmp/tiny --model-b /tmp/tiny1 --data /path/to/rollout_data_dir --out /tmp/cmp
 
     # base vs RL checkpoint (HF format) on a GPU

@@ -192,7 +192,7 @@ def run(args) -> int:
     from verl_tokensel import launch
     from verl_tokensel.demo import report
     from verl_tokensel.demo.dataset import write_dataset
-    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
     progress = _Progress()
     out = Path(args.out).resolve()
