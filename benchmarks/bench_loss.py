@@ -5,8 +5,8 @@ Run (from the repository root, about a minute)::
     python benchmarks/bench_loss.py
 
 Options: ``--repeats N`` (loss timings per variant, default 40), ``--engine-repeats N`` (train steps per
-variant, default 9), ``--no-engine`` (skip part 2), ``--threads N`` (torch intra-op threads, default 1: on a shared, busy CPU
-OpenMP spin-waits make multi-threaded element-wise kernels 100x slower and the timings meaningless).
+variant, default 9), ``--no-engine`` (skip part 2), ``--threads N`` (torch intra-op threads, default 1: on a
+shared, busy CPU OpenMP spin-waits make multi-threaded element-wise kernels 100x slower and the timings meaningless).
 
 Part 1 (loss only): one micro-batch of 16 responses of up to 1024 tokens (prompts 64..256 tokens,
 responses 512..1024 tokens, verl's no-padding layout as the engine hands it to the loss, with
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -223,7 +222,8 @@ def bench_engine(repeats: int, warmup: int = 2):
             overrides=[f"actor_rollout_ref.actor._target_={ACTOR_TARGET}",
                        f"+actor_rollout_ref.actor.token_selector={p}",
                        f"+actor_rollout_ref.actor.token_selection._target_={SELECTION_TARGET}",
-                       *[f"+actor_rollout_ref.actor.token_selection.{k}={v}" for k, v in _in_loss_overrides(p).items()]],
+                       *[f"+actor_rollout_ref.actor.token_selection.{k}={v}"
+                         for k, v in _in_loss_overrides(p).items()]],
             **worker_kw)
         variants[p] = (partial(tokensel_ppo_loss, config=cfg), bool(cfg.needs_entropy))
 

@@ -158,7 +158,8 @@ def main(argv=None):
         step = total - extra
         share = statistics.median(e / t for e, t in zip(extras[mode], totals))  # same-step ratio: load-robust
         print(f"{mode:<9} {KNOBS[mode]['scope']:<12} {step:>11.2f}x {extra:>7.2f}x {total:>7.2f}x "
-              f"{min(totals) / ref_min:>10.2f}x {share:>10.1%} {_iqr_over_median(totals):>11.2f} {fractions[mode]:>9.3f}")
+              f"{min(totals) / ref_min:>10.2f}x {share:>10.1%} {_iqr_over_median(totals):>11.2f} "
+              f"{fractions[mode]:>9.3f}")
     print("\nextra: prepass = its no-grad forward + selection (inside the step, split out here); rollout = the "
           "driver's selection (padding, select_on_driver, nesting), outside the step. total(min): fastest repeat "
           "vs current's fastest (less sensitive to a busy machine). extra/own: the extra's share of the same "

@@ -344,7 +344,8 @@ class SanityRecorder:
         if starved:
             out["failures"].append(f"{starved} selected tokens got no logit gradient")
         if not rmpad:
-            out["grad_check_skipped"] = "use_remove_padding=False: the position map is only written for the packed layout"
+            out["grad_check_skipped"] = ("use_remove_padding=False: the position map is only written for the "
+                                         "packed layout")
         elif self.handle is None:
             out["grad_check_skipped"] = "the model has no lm_head module (Megatron): selected counts and metrics only"
         return out
@@ -685,7 +686,8 @@ def print_table(title: str, rec: dict, base: str) -> None:
           f"{'mb':>4}{'unsel.grad':>11}{'sanity':>8}")
     for name, p in rec["variants"].items():
         s = p["sanity"]
-        mem = f"{p['peak_mem_gib']:>10.2f}{p['mem_ratio_vs_' + base]:>7.3f}x" if p.get("peak_mem_gib") else f"{'-':>10}{'-':>8}"
+        mem = (f"{p['peak_mem_gib']:>10.2f}{p['mem_ratio_vs_' + base]:>7.3f}x" if p.get("peak_mem_gib")
+               else f"{'-':>10}{'-':>8}")
         spread = f"{p['step_iqr_over_median']:>8.3f}" if "step_iqr_over_median" in p else f"{'-':>8}"
         print(f"{name:<14}{p['step_s_median']:>9.3f}{p['step_ratio_vs_' + base]:>7.3f}x{spread}{mem}"
               f"{s.get('selected_fraction', float('nan')):>10.4f}{s['micro_batches']:>4}"
@@ -700,7 +702,8 @@ def parse_args(argv=None):
                                         "  python benchmarks/gpu_check.py --variants none forking --steps 3")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny Qwen3 and short responses (the CPU self-test)")
-    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None,
+    ap.add_argument("--out",
+                    default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None,
                     help="JSON results path (default $OUT/gpu_check.json if $OUT is set)")
     ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                     help="presets to compare, the first is the baseline; 'P+entropy' turns the entropy pass on")
@@ -790,7 +793,8 @@ def main(argv=None) -> int:
     if "variants" in results.get("fsdp", {}):
         print_table("FSDP2", results["fsdp"], base)
     print_table("Megatron", results.get("megatron", {"status": "not reached"}), base)
-    print(f"\nstep ratio / peak-memory ratio: vs {base}; spread: IQR / median of the step times; selected: fraction of valid response tokens selected "
+    print(f"\nstep ratio / peak-memory ratio: vs {base}; spread: IQR / median of the step times; "
+          "selected: fraction of valid response tokens selected "
           f"(sanity step); mb: micro-batches; unsel.grad: unselected tokens whose logits got gradient (must be 0)")
     for f in results["failures"]:
         print(f"FAILURE: {f}")

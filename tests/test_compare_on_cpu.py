@@ -109,7 +109,8 @@ def test_compare_refuses_models_with_different_tokenizers(tmp_path, tiny_models,
     a, _ = tiny_models
     other = tmp_path / "other_tokenizer_model"
     tok = build_tiny_tokenizer(other, vocab_size=320)
-    _write_model(other, len(tok), tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"), 0)
+    _write_model(other, len(tok), tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"),
+                 0)
     out = tmp_path / "cmp"
     assert cli_main(["compare", "--model-a", a, "--model-b", str(other), "--data", str(data),
                      "--out", str(out)]) == 2

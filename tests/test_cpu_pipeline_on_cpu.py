@@ -57,7 +57,8 @@ def test_switch_fills_every_setting_and_env():
 
 
 def test_user_values_that_work_on_cpu_are_kept():
-    cfg, env = _apply("trainer.n_gpus_per_node=2", "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='3'",
+    cfg, env = _apply("trainer.n_gpus_per_node=2",
+                      "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='3'",
                       "ray_kwargs.ray_init.num_cpus=8",
                       environ={"VERL_USE_EXTERNAL_MODULES": "my_plugin"})
     assert cfg.trainer.n_gpus_per_node == 2 and cfg.ray_kwargs.ray_init.num_gpus == 2

@@ -40,8 +40,8 @@ for _mod, _why in [
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(_why, allow_module_level=True)
 
-from helpers import ray_actor as RA
-from verl_tokensel.cpu import tiny_model  # noqa: E402  (selects the CPU platform)
+from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
+from verl_tokensel.cpu import tiny_model  # noqa: E402
 
 import ray  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
@@ -149,7 +149,8 @@ def test_c_v0_checkpoint_manager_installs_the_loss(cluster, monkeypatch):
         config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
     monkeypatch.setattr(TokenselCheckpointEngineManager, "driver_config", config)
     # RayPPOTrainer.init_workers (verl/trainer/ppo/ray_trainer.py), replicas from an LLMServerManager -> none here
-    manager_cls = load_class_from_fqn(config.actor_rollout_ref.rollout.checkpoint_manager_class, "CheckpointEngineManager")
+    manager_cls = load_class_from_fqn(config.actor_rollout_ref.rollout.checkpoint_manager_class,
+                                      "CheckpointEngineManager")
     assert manager_cls is TokenselCheckpointEngineManager
     manager = manager_cls(
         config=omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine),

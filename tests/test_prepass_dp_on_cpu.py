@@ -185,5 +185,6 @@ def test_logit_gradient_is_zero_exactly_on_unselected_tokens(dp_run, scope):
             assert torch.all(norms[mask] > 0), f"rank {r}: a selected token got no gradient"
             n_sel += int(mask.sum())
         # the loss applied exactly the pre-pass mask: same number of selected tokens
-        assert sum(int(m["mask"].sum()) for m in res["micro"]) == sum(int(mb["mask"].sum()) for mb in res["minibatches"])
+        assert (sum(int(m["mask"].sum()) for m in res["micro"])
+                == sum(int(mb["mask"].sum()) for mb in res["minibatches"]))
     assert n_sel > 0

@@ -14,8 +14,8 @@ does two actor updates:
 For both: the logit gradient of a response token is nonzero exactly where the driver's mask (looked up
 by the row's token ids, not by position) is True; ``tokensel/selected_fraction`` is verl's mean over
 micro-batches and ranks of the fraction each micro-batch's mask realises, and
-``tokensel/driver_selected_fraction`` the exact fraction of the whole batch; the masks of both ranks together hold exactly the driver's
-``ceil(0.2 N)`` tokens (batch) or ``ceil(0.2 n_g)`` per prompt (group).
+``tokensel/driver_selected_fraction`` the exact fraction of the whole batch; the masks of both ranks
+together hold exactly the driver's ``ceil(0.2 N)`` tokens (batch) or ``ceil(0.2 n_g)`` per prompt (group).
 """
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def tiny_pipeline_overrides(
         f"{r}.n={rollout_n}",
         f"{r}.log_prob_micro_batch_size_per_gpu={train_batch_size * rollout_n}",
         f"{r}.max_model_len={max_prompt_length + max_response_length}",
-        f"{r}.max_num_batched_tokens={max(256, train_batch_size * rollout_n * (max_prompt_length + max_response_length))}",
+        f"{r}.max_num_batched_tokens="
+        f"{max(256, train_batch_size * rollout_n * (max_prompt_length + max_response_length))}",
         f"trainer.use_v1={str(use_v1).lower()}",
         f"trainer.total_training_steps={steps}",
         "trainer.total_epochs=1",

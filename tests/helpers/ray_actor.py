@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import time
 from typing import Any, Iterator, Optional, Sequence
 

@@ -1,5 +1,9 @@
 """A CPU platform for verl 0.9 (``VERL_PLATFORM=cpu``): run verl's real worker/engine code without a GPU.
 
+Why one file over 400 lines: about 80 lines are this docstring (the CPU port's manual); the platform
+class, its torch.cuda-like device module and the switch must be registered together, in this order, by
+one module that verl imports first (``VERL_USE_EXTERNAL_MODULES``).
+
 verl 0.9 resolves every device question (device name, ``torch.<device>`` module, collective backend,
 Ray resource, IPC) through one platform object looked up in
 :class:`verl.plugin.platform.platform_manager.PlatformRegistry`. This module registers a platform named

@@ -93,7 +93,9 @@ class VllmCpuAliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):  # not a module finder
         return None
 
-    def find_distributions(self, context: Any = metadata.DistributionFinder.Context()) -> Iterable[metadata.Distribution]:
+    def find_distributions(
+        self, context: Any = metadata.DistributionFinder.Context()
+    ) -> Iterable[metadata.Distribution]:
         name = getattr(context, "name", None)
         if name is None or name.replace("_", "-").lower() != ALIAS_NAME:
             return iter(())

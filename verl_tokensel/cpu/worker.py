@@ -1,5 +1,9 @@
 """Run verl 0.9's REAL actor training path on CPU, in-process (helper module, not a test file).
 
+Why one file over 400 lines: process set-up, config, the worker, the old-log-prob pass and the training
+step share :class:`CpuActor` and the env priming that must run before verl is imported; about 45 lines
+are this docstring. Batches are in :mod:`verl_tokensel.cpu.batches`.
+
 What it drives: ``verl.workers.engine_workers.TrainingWorker`` (the actor that
 ``ActorRolloutRefWorker.init_model`` builds) with the FSDP2 engine, fed with the ``TensorDict`` that verl's
 drivers send to ``update_actor`` (``TrainingWorker.train_mini_batch``), with a loss function set through

@@ -113,7 +113,8 @@ def register_v1_trainers() -> None:
         if name in TRAINER_REGISTRY:
             if getattr(TRAINER_REGISTRY[name], "_tokensel_base_mode", None) == base_mode:
                 continue
-            raise RuntimeError(f"verl trainer mode {name!r} is already registered by someone else; refusing to overwrite")
+            raise RuntimeError(
+                f"verl trainer mode {name!r} is already registered by someone else; refusing to overwrite")
         cls = type(
             f"Tokensel{base.__name__}",
             (_TokenselTrainerMixin, base),

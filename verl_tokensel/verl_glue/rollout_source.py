@@ -18,10 +18,10 @@ The seams:
   None), so a field written but not listed would never reach them. ``_compute_old_log_prob`` adds
   ``calculate_sum_pi_squared`` to that pass when the score reads sum_j p_j^2 (V1 never asks for it).
 - v0 driver (``RayPPOTrainer``, ``trainer.use_v1=false``): fenced in :mod:`verl_tokensel.verl_glue.v0`;
-  its ``RayPPOTrainer`` subclass overrides ``_compute_old_log_prob`` (keeps a copy of the old-policy entropy that ``fit`` pops after
-  logging ``actor/entropy``, as a batch field that follows the rows) and ``_update_actor`` (adds the
-  padded mask and scores to the ``DataProto`` before verl's own ``_update_actor`` sends it).
-  sum_j p_j^2 comes from verl's own
+  its ``RayPPOTrainer`` subclass overrides ``_compute_old_log_prob`` (keeps a copy of the old-policy
+  entropy that ``fit`` pops after logging ``actor/entropy``, as a batch field that follows the rows)
+  and ``_update_actor`` (adds the padded mask and scores to the ``DataProto`` before verl's own
+  ``_update_actor`` sends it). sum_j p_j^2 comes from verl's own
   ``actor.calculate_sum_pi_squared`` switch, which :func:`prepare_rollout_config` turns on.
 
 The ``ref_entropy`` score's field is computed here, by a
