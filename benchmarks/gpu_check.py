@@ -291,7 +291,7 @@ class SanityRecorder:
         """Counts per micro-batch and the gradient-zero checks; ``failures`` lists what did not hold."""
         import torch
 
-        from verl_tokensel.core.select import budget
+        from verl_tokensel.core.pools import budget
 
         out = {"micro_batches": len(self.calls), "count_checked": 0, "grad_checked": 0, "failures": []}
         if not self.calls:

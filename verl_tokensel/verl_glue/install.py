@@ -30,6 +30,7 @@ from functools import partial
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from verl_tokensel.verl_glue.actor_config import resolve_actor_config
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 from verl_tokensel.verl_glue.rollout_source import (
     DriverSelector,
@@ -69,10 +70,8 @@ def validate_driver_config(config: DictConfig) -> None:
 
 def prepare_driver_config(config: DictConfig) -> None:
     """Driver-side adjustments, in place: turn on entropy for the update pass when needed."""
-    from verl.utils.config import omega_conf_to_dataclass
-
     prepare_rollout_config(config)
-    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    actor = resolve_actor_config(config)
     if getattr(actor, "needs_entropy", False) and not actor.calculate_entropy and actor.entropy_coeff == 0:
         # resolve_selection already refused this combination when auto_enable_entropy is false
         with open_dict(config):
@@ -83,10 +82,7 @@ def prepare_driver_config(config: DictConfig) -> None:
 
 def build_actor_loss(config: DictConfig):
     """``partial(tokensel_ppo_loss, config=<actor config dataclass>)`` for ``set_loss_fn``."""
-    from verl.utils.config import omega_conf_to_dataclass
-
-    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    return partial(tokensel_ppo_loss, config=actor)
+    return partial(tokensel_ppo_loss, config=resolve_actor_config(config))
 
 
 def install_actor_loss(actor_wg, config: DictConfig) -> None:

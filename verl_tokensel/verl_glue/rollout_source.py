@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.core.config import Selection, TokenSelectionConfigError
 from verl_tokensel.core.scores import SCORE_REGISTRY, row_keys_from_packed
+from verl_tokensel.verl_glue.actor_config import actor_selection
 from verl_tokensel.verl_glue.driver_select import (
     DriverSelection,
     group_ids_from_uids,
@@ -55,11 +56,7 @@ DRIVER_EXTERNAL_FIELDS = ("ref_entropy",)
 
 def rollout_selection(config: DictConfig) -> Optional[Selection]:
     """The resolved rule when ``score_source=rollout`` (None otherwise or for stock configs)."""
-    if OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None) in (None, "none"):
-        return None
-    from verl.utils.config import omega_conf_to_dataclass
-
-    sel = getattr(omega_conf_to_dataclass(config.actor_rollout_ref.actor), "selection", None)
+    sel = actor_selection(config)
     return sel if sel is not None and sel.score_source == "rollout" else None
 
 
