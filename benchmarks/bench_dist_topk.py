@@ -194,6 +194,7 @@ def rank_main(rank: int, world: int, port: int, args, log2s: list[int], deadline
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         counter = CollectiveBytes()
         previous_s = None  # seconds the previous size took (checks and every timed call)
+        prev_log2 = None
         for log2 in log2s:
             n = 1 << log2
             k = math.ceil(args.ratio * world * n)
@@ -230,13 +231,14 @@ def rank_main(rank: int, world: int, port: int, args, log2s: list[int], deadline
                 t_base.append(timed_max_over_ranks(lambda: allgather_mask(values, k)))
                 stage(f"2^{log2}: timed repeat {i + 1}/{args.repeats}, gather only")
                 t_gather.append(timed_max_over_ranks(lambda: gather_union(values)))
-            del values
+            values = None  # free the scores before the next size
             rss = _all_reduce_scalar(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, dist.ReduceOp.MAX)
             previous_s, prev_log2 = _all_reduce_scalar(time.perf_counter() - t_size, dist.ReduceOp.MAX), log2
             if rank == 0:
                 q.put(("row", dict(log2=log2, k=k, b_radix=int(b_radix), c_radix=c_radix, b_base=int(b_base),
                                    c_base=c_base, t_radix=statistics.median(t_radix),
-                                   t_base=statistics.median(t_base), t_gather=statistics.median(t_gather), rss=rss, **check)))
+                                   t_base=statistics.median(t_base), t_gather=statistics.median(t_gather), rss=rss,
+                                   **check)))
         stage("destroy_process_group")
         dist.barrier()
         dist.destroy_process_group()
@@ -289,7 +291,8 @@ def print_header(world: int) -> None:
 
 def print_row(r: dict) -> None:
     ties = f"{r['tied']:,} ({r['tied_kept']:,})"
-    print(f"{'2^' + str(r['log2']):>10} | {r['b_radix']:>10,} B ({r['c_radix']}) | {r['b_base']:>15,} B ({r['c_base']}) | "
+    print(f"{'2^' + str(r['log2']):>10} | {r['b_radix']:>10,} B ({r['c_radix']}) | "
+          f"{r['b_base']:>15,} B ({r['c_base']}) | "
           f"{r['b_radix'] / r['b_base']:>10.2e}x | {r['t_radix'] / r['t_base']:>9.3f}x || "
           f"{1e3 * r['t_radix']:>9.1f} {1e3 * r['t_base']:>13.1f} {1e3 * r['t_gather']:>13.1f} {ties:>20} "
           f"{fmt_bytes(r['rss']):>13}", flush=True)
@@ -372,7 +375,8 @@ def main() -> int:
         return 1
 
     print("-" * RULE)
-    print("bytes: payload one rank hands to all_reduce/all_gather per selection (number of calls); ratios: radix / all-gather")
+    print("bytes: payload one rank hands to all_reduce/all_gather per selection (number of calls); "
+          "ratios: radix / all-gather")
     print("gather only: the all-gather baseline's communication alone (its selection over the union is the rest)")
     print("thr. ties: items over all ranks equal to the k-th score (how many of them the selection keeps)")
     print(f"every size: radix mask == all-gather mask on all {world} ranks, exactly k selected by both")

@@ -5,8 +5,8 @@ Run (from the repository root, about a minute)::
     python benchmarks/bench_loss.py
 
 Options: ``--repeats N`` (loss timings per variant, default 40), ``--engine-repeats N`` (train steps per
-variant, default 9), ``--no-engine`` (skip part 2), ``--threads N`` (torch intra-op threads, default 1: on a shared, busy CPU
-OpenMP spin-waits make multi-threaded element-wise kernels 100x slower and the timings meaningless).
+variant, default 9), ``--no-engine`` (skip part 2), ``--threads N`` (torch intra-op threads, default 1: on a
+shared, busy CPU OpenMP spin-waits make multi-threaded element-wise kernels 100x slower and the timings meaningless).
 
 Part 1 (loss only): one micro-batch of 16 responses of up to 1024 tokens (prompts 64..256 tokens,
 responses 512..1024 tokens, verl's no-padding layout as the engine hands it to the loss, with
@@ -16,7 +16,7 @@ its loss w.r.t. the log-probs; variants are interleaved (stock, forking, gmts, g
 grad_norm+spsq, stock, ...) and the median over the repeats is compared with stock's. Target: <= 1.05x.
 
 Part 2 (one real verl actor update step on CPU): verl's ``TrainingWorker`` with the FSDP2 engine and the
-tiny random Qwen2 from ``verl_tokensel.testing.cpu_worker``.
+tiny random Qwen2 from ``verl_tokensel.cpu.worker``.
 Same weights every step (lr=0), same batch; the selecting loss is bound as the worker's loss function;
 presets that rank by entropy get ``calculate_entropy=True`` (what the plugin turns on), stock does not.
 Target: <= 1.02x. The tiny model makes the model's share of a step far smaller than in a real run, so
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -40,17 +39,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _import_cpu_worker():
-    """verl's real TrainingWorker on CPU (``verl_tokensel.testing.cpu_worker``). Returns (module or None, why not)."""
+    """verl's real TrainingWorker on CPU (``verl_tokensel.cpu.worker``). Returns (module or None, why not)."""
     try:
-        import verl_tokensel.testing.cpu_worker as mod
+        import verl_tokensel.cpu.worker as mod
 
         return mod, None
     except Exception as e:  # pragma: no cover
-        return None, f"verl_tokensel.testing.cpu_worker: {type(e).__name__}: {e}"
+        return None, f"verl_tokensel.cpu.worker: {type(e).__name__}: {e}"
 
 
 # The CPU worker helper must select verl's CPU platform before verl is imported: import it first.
 H, HARNESS_ERROR = _import_cpu_worker()
+
+from verl_tokensel.cpu import batches as B  # noqa: E402
 
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
@@ -209,9 +210,9 @@ def bench_loss(configs, repeats: int, warmup: int = 3):
 def bench_engine(repeats: int, warmup: int = 2):
     worker_kw = dict(ppo_mini_batch_size=16, ppo_micro_batch_size_per_gpu=4, ppo_max_token_len_per_gpu=4096,
                      lr=0.0, clip_grad=1e6)
-    model_dir = H.tiny_assets.build_tiny_model_dir()
+    model_dir = H.tiny_model.build_tiny_model_dir()
     actor = H.make_training_worker(model_dir, use_dynamic_bsz=False, use_remove_padding=True, **worker_kw)
-    batch = H.make_update_batch(actor, n=16, seed=0, prompt_len=(32, 96), resp_len=(192, 384))
+    batch = B.make_update_batch(actor, n=16, seed=0, prompt_len=(32, 96), resp_len=(192, 384))
     H.compute_old_log_probs(actor, batch)  # the real old-log-prob pass (on-policy)
 
     variants = {"stock": (H.default_loss_fn(actor.actor_config), False)}
@@ -221,7 +222,8 @@ def bench_engine(repeats: int, warmup: int = 2):
             overrides=[f"actor_rollout_ref.actor._target_={ACTOR_TARGET}",
                        f"+actor_rollout_ref.actor.token_selector={p}",
                        f"+actor_rollout_ref.actor.token_selection._target_={SELECTION_TARGET}",
-                       *[f"+actor_rollout_ref.actor.token_selection.{k}={v}" for k, v in _in_loss_overrides(p).items()]],
+                       *[f"+actor_rollout_ref.actor.token_selection.{k}={v}"
+                         for k, v in _in_loss_overrides(p).items()]],
             **worker_kw)
         variants[p] = (partial(tokensel_ppo_loss, config=cfg), bool(cfg.needs_entropy))
 

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # must come before verl: selects verl's CPU platform
-from verl_tokensel.testing import cpu_worker as H  # noqa: E402
+from verl_tokensel.cpu import worker as H  # noqa: E402
+from verl_tokensel.cpu import batches as B  # noqa: E402
 
 import torch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
@@ -84,9 +85,9 @@ def _driver_select(config, batch) -> tuple[float, dict, float]:
 def bench(repeats: int, n: int, warmup: int = 1):
     worker_kw = dict(ppo_mini_batch_size=n, ppo_micro_batch_size_per_gpu=max(1, n // 4),
                      ppo_max_token_len_per_gpu=4096, lr=0.0, clip_grad=1e6)
-    model_dir = H.tiny_assets.build_tiny_model_dir()
+    model_dir = H.tiny_model.build_tiny_model_dir()
     actor = H.make_training_worker(model_dir, use_dynamic_bsz=False, use_remove_padding=True, **worker_kw)
-    batch = H.make_update_batch(actor, n=n, seed=0, prompt_len=(32, 96), resp_len=(192, 384), group_size=4)
+    batch = B.make_update_batch(actor, n=n, seed=0, prompt_len=(32, 96), resp_len=(192, 384), group_size=4)
     H.compute_old_log_probs(actor, batch)  # the real old-log-prob pass (on-policy); keeps `entropy`
 
     configs = {}
@@ -157,7 +158,8 @@ def main(argv=None):
         step = total - extra
         share = statistics.median(e / t for e, t in zip(extras[mode], totals))  # same-step ratio: load-robust
         print(f"{mode:<9} {KNOBS[mode]['scope']:<12} {step:>11.2f}x {extra:>7.2f}x {total:>7.2f}x "
-              f"{min(totals) / ref_min:>10.2f}x {share:>10.1%} {_iqr_over_median(totals):>11.2f} {fractions[mode]:>9.3f}")
+              f"{min(totals) / ref_min:>10.2f}x {share:>10.1%} {_iqr_over_median(totals):>11.2f} "
+              f"{fractions[mode]:>9.3f}")
     print("\nextra: prepass = its no-grad forward + selection (inside the step, split out here); rollout = the "
           "driver's selection (padding, select_on_driver, nesting), outside the step. total(min): fastest repeat "
           "vs current's fastest (less sensitive to a busy machine). extra/own: the extra's share of the same "

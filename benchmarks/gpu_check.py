@@ -9,12 +9,12 @@ Here, on a CPU (tiny model, fp32, eager attention; the test suite runs this, < 6
 
     python benchmarks/gpu_check.py --tiny --device cpu --out /tmp/gpu_check.json
 
-What it does, in one process, through verl's own ``TrainingWorker`` (``verl_tokensel.testing.cpu_worker``
+What it does, in one process, through verl's own ``TrainingWorker`` (``verl_tokensel.cpu.worker``
 with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
 
 1. model: writes a random-init Qwen3 shaped like Qwen3-0.6B (hidden 1024, 28 layers, 16 heads, 8 KV
    heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings) and a locally trained
-   byte-level BPE tokenizer (``verl_tokensel.testing.tiny_assets``). Nothing is downloaded.
+   byte-level BPE tokenizer (``verl_tokensel.cpu.tiny_model``). Nothing is downloaded.
 2. fsdp: FSDP2 engine, bf16 compute (fp32 master weights), ``flash_attention_2`` if ``flash_attn``
    imports, else ``sdpa``; ``use_remove_padding`` and ``use_dynamic_bsz``, gradient checkpointing
    (verl's defaults); one mini-batch of 16 responses of 3584..4096 tokens (4 GRPO groups of 4)
@@ -208,12 +208,12 @@ def build_model_dir(path: Path, tiny: bool, device: str, seed: int = 0) -> tuple
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from verl_tokensel.testing import tiny_assets
+    from verl_tokensel.cpu import tiny_model
 
     path.mkdir(parents=True, exist_ok=True)
-    tok = tiny_assets.build_tiny_tokenizer(path)
+    tok = tiny_model.build_tiny_tokenizer(path)
     shape = dict(TINY_QWEN3 if tiny else QWEN3_0_6B)
-    eos, pad = tok.convert_tokens_to_ids(tiny_assets.EOS_TOKEN), tok.convert_tokens_to_ids(tiny_assets.PAD_TOKEN)
+    eos, pad = tok.convert_tokens_to_ids(tiny_model.EOS_TOKEN), tok.convert_tokens_to_ids(tiny_model.PAD_TOKEN)
     dtype = torch.float32 if tiny else torch.bfloat16
     config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=pad, use_sliding_window=False)
     config.dtype = dtype
@@ -291,7 +291,7 @@ class SanityRecorder:
         """Counts per micro-batch and the gradient-zero checks; ``failures`` lists what did not hold."""
         import torch
 
-        from verl_tokensel.core.select import budget
+        from verl_tokensel.core.pools import budget
 
         out = {"micro_batches": len(self.calls), "count_checked": 0, "grad_checked": 0, "failures": []}
         if not self.calls:
@@ -344,7 +344,8 @@ class SanityRecorder:
         if starved:
             out["failures"].append(f"{starved} selected tokens got no logit gradient")
         if not rmpad:
-            out["grad_check_skipped"] = "use_remove_padding=False: the position map is only written for the packed layout"
+            out["grad_check_skipped"] = ("use_remove_padding=False: the position map is only written for the "
+                                         "packed layout")
         elif self.handle is None:
             out["grad_check_skipped"] = "the model has no lm_head module (Megatron): selected counts and metrics only"
         return out
@@ -430,10 +431,12 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
     import torch
     from verl.utils import tensordict_utils as tu
 
+    from verl_tokensel.cpu import batches as B
+
     failures: list[str] = []
     variants = make_variants(H, actor, args.variants, selecting_config)
     vocab = actor.model_config.hf_config.vocab_size
-    batch = H.make_config_batch(actor.cfg, vocab, n=workload.n, seed=args.seed, calculate_entropy=False,
+    batch = B.make_config_batch(actor.cfg, vocab, n=workload.n, seed=args.seed, calculate_entropy=False,
                                 prompt_len=workload.prompt_len, resp_len=workload.resp_len,
                                 group_size=workload.group_size)
     resp = batch["response_mask"].offsets().diff()
@@ -683,7 +686,8 @@ def print_table(title: str, rec: dict, base: str) -> None:
           f"{'mb':>4}{'unsel.grad':>11}{'sanity':>8}")
     for name, p in rec["variants"].items():
         s = p["sanity"]
-        mem = f"{p['peak_mem_gib']:>10.2f}{p['mem_ratio_vs_' + base]:>7.3f}x" if p.get("peak_mem_gib") else f"{'-':>10}{'-':>8}"
+        mem = (f"{p['peak_mem_gib']:>10.2f}{p['mem_ratio_vs_' + base]:>7.3f}x" if p.get("peak_mem_gib")
+               else f"{'-':>10}{'-':>8}")
         spread = f"{p['step_iqr_over_median']:>8.3f}" if "step_iqr_over_median" in p else f"{'-':>8}"
         print(f"{name:<14}{p['step_s_median']:>9.3f}{p['step_ratio_vs_' + base]:>7.3f}x{spread}{mem}"
               f"{s.get('selected_fraction', float('nan')):>10.4f}{s['micro_batches']:>4}"
@@ -698,7 +702,8 @@ def parse_args(argv=None):
                                         "  python benchmarks/gpu_check.py --variants none forking --steps 3")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny Qwen3 and short responses (the CPU self-test)")
-    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None,
+    ap.add_argument("--out",
+                    default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None,
                     help="JSON results path (default $OUT/gpu_check.json if $OUT is set)")
     ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
                     help="presets to compare, the first is the baseline; 'P+entropy' turns the entropy pass on")
@@ -753,7 +758,7 @@ def main(argv=None) -> int:
             return EXIT_ENV
         import tempfile
 
-        H = clock.run_phase("imports", 120, importlib.import_module, "verl_tokensel.testing.cpu_worker")  # verl, ray
+        H = clock.run_phase("imports", 120, importlib.import_module, "verl_tokensel.cpu.worker")  # verl, ray
         attn = pick_attention(args)
         workload = TINY_WORKLOAD if args.tiny else GPU_WORKLOAD
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
@@ -788,7 +793,8 @@ def main(argv=None) -> int:
     if "variants" in results.get("fsdp", {}):
         print_table("FSDP2", results["fsdp"], base)
     print_table("Megatron", results.get("megatron", {"status": "not reached"}), base)
-    print(f"\nstep ratio / peak-memory ratio: vs {base}; spread: IQR / median of the step times; selected: fraction of valid response tokens selected "
+    print(f"\nstep ratio / peak-memory ratio: vs {base}; spread: IQR / median of the step times; "
+          "selected: fraction of valid response tokens selected "
           f"(sanity step); mb: micro-batches; unsel.grad: unselected tokens whose logits got gradient (must be 0)")
     for f in results["failures"]:
         print(f"FAILURE: {f}")

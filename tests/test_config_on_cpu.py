@@ -204,3 +204,23 @@ def test_readme_recipe_snippet_composes(tmp_path):
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.selection.score == "gmts" and actor.selection.ratio == 0.2
     assert cfg.trainer.v1.trainer_mode == "tokensel_sync"
+
+
+def test_selection_fields_are_the_knob_set():
+    """TokenSelectionConfig declares the knobs; a resolved Selection carries exactly those (the README table
+    and the YAML are checked against the same dataclass above)."""
+    from verl_tokensel.core.config import Selection
+
+    knobs = {f.name for f in fields(TokenSelectionConfig)} - {"auto_enable_entropy"}
+    assert {f.name for f in fields(Selection)} == knobs
+
+
+def test_actor_config_is_resolved_once_per_node_content():
+    from verl_tokensel.verl_glue.actor_config import actor_selection, resolve_actor_config
+
+    cfg = _compose(overrides=["actor_rollout_ref.actor.token_selector=gmts"])
+    first = resolve_actor_config(cfg)
+    assert resolve_actor_config(cfg) is first
+    assert actor_selection(cfg) is first.selection and first.selection == PRESETS["gmts"]
+    cfg.actor_rollout_ref.actor.token_selection.ratio = 0.5  # changed in place: resolved again
+    assert resolve_actor_config(cfg) is not first and actor_selection(cfg).ratio == 0.5

@@ -1,7 +1,7 @@
 """verl 0.9's REAL actor update path (TrainingWorker -> FSDP2 engine -> ppo_loss) on CPU.
 
 Builds ``verl.workers.engine_workers.TrainingWorker`` in-process on the CPU platform
-(:mod:`verl_tokensel.verl_glue.platform_cpu`) with a tiny random Qwen2, feeds it the TensorDict verl's
+(:mod:`verl_tokensel.cpu.platform`) with a tiny random Qwen2, feeds it the TensorDict verl's
 drivers send to ``update_actor`` and checks that one update step runs, the loss is finite and equals the
 analytic on-policy PPO loss, gradients/parameters move, and that the four engine modes
 (use_dynamic_bsz x use_remove_padding), both driver batch formats and 2-rank gloo data parallelism all
@@ -29,7 +29,8 @@ for _mod, _why in [
 
 import torch  # noqa: E402
 
-from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
+from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from helpers import distributed as D  # noqa: E402
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]  # (use_dynamic_bsz, use_remove_padding)
 COMBO_IDS = [f"dynbsz={d}-rmpad={r}" for d, r in COMBOS]
@@ -40,7 +41,7 @@ BATCH_KW = dict(n=8, seed=1, response_mask_holes=True)
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    return tiny_assets.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_model") / "qwen2")
+    return tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_model") / "qwen2")
 
 
 def _expected_on_policy_loss(batch) -> float:
@@ -66,7 +67,7 @@ def _assert_grads_close(a: dict, b: dict, rtol=1e-4, atol=1e-6, what=""):
 def test_tiny_assets_roundtrip(tiny_model_dir):
     from transformers import AutoConfig, AutoTokenizer
 
-    assert tiny_assets.build_tiny_model_dir(tiny_model_dir) == str(tiny_model_dir)  # cached by path
+    assert tiny_model.build_tiny_model_dir(tiny_model_dir) == str(tiny_model_dir)  # cached by path
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     cfg = AutoConfig.from_pretrained(tiny_model_dir)
     text = "Question: What is 12 plus 30? Answer: 12 + 30 = 42. \\boxed{42} (héllo, wörld)"
@@ -85,15 +86,15 @@ def test_cpu_platform_is_selected_and_sane():
     from verl.plugin.platform.platform_manager import PlatformRegistry
     from verl.utils.device import get_device_id, get_device_name, get_nccl_backend, get_torch_device
 
-    from verl_tokensel.verl_glue import platform_cpu
+    from verl_tokensel.cpu import platform as cpu_platform
 
-    env = platform_cpu.enable_cpu_mode()
+    env = cpu_platform.enable_cpu_mode()
     assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda"
-    assert platform_cpu.MODULE_NAME in env["VERL_USE_EXTERNAL_MODULES"].split(",")
-    assert platform_cpu.enable_cpu_mode() == env  # idempotent
-    assert PlatformRegistry.get("cpu") is platform_cpu.PlatformCPU
+    assert cpu_platform.MODULE_NAME in env["VERL_USE_EXTERNAL_MODULES"].split(",")
+    assert cpu_platform.enable_cpu_mode() == env  # idempotent
+    assert PlatformRegistry.get("cpu") is cpu_platform.PlatformCPU
     plat = get_platform()
-    assert isinstance(plat, platform_cpu.PlatformCPU)
+    assert isinstance(plat, cpu_platform.PlatformCPU)
     assert get_device_name() == "cpu" and get_device_id() == "cpu" and get_nccl_backend() == "gloo"
     assert plat.ray_resource_name() == "GPU" and plat.is_ipc_supported() is False
     assert plat.is_platform_available(use_smi_check=True) is False  # never auto-detected
@@ -115,7 +116,7 @@ def test_cpu_platform_is_selected_and_sane():
 
 
 def test_backend_string_fix():
-    from verl_tokensel.verl_glue.platform_cpu import dedupe_backend_string
+    from verl_tokensel.cpu.platform import dedupe_backend_string
 
     assert dedupe_backend_string("cpu:gloo,cpu:gloo") == "gloo"
     assert dedupe_backend_string("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
@@ -128,14 +129,14 @@ def test_backend_string_fix():
 def test_refuses_to_overwrite_foreign_cpu_platform(monkeypatch):
     from verl.plugin.platform.platform_manager import PlatformRegistry
 
-    from verl_tokensel.verl_glue import platform_cpu
+    from verl_tokensel.cpu import platform as cpu_platform
 
-    class OtherCPU(platform_cpu.PlatformCPU.__mro__[1]):  # a foreign PlatformBase subclass
+    class OtherCPU(cpu_platform.PlatformCPU.__mro__[1]):  # a foreign PlatformBase subclass
         pass
 
     monkeypatch.setitem(PlatformRegistry._platforms, "cpu", OtherCPU)
     with pytest.raises(RuntimeError, match="refusing to overwrite"):
-        platform_cpu.ensure_registered()
+        cpu_platform.ensure_registered()
     assert PlatformRegistry.get("cpu") is OtherCPU  # untouched
 
 
@@ -156,7 +157,7 @@ def test_train_step_runs(tiny_model_dir, use_dynamic_bsz, use_remove_padding):
     assert torch.distributed.get_backend() == "gloo"
     assert next(actor.module.parameters()).dtype == torch.float32
 
-    batch = H.make_update_batch(actor, **BATCH_KW)
+    batch = B.make_update_batch(actor, **BATCH_KW)
     H.compute_old_log_probs(actor, batch)  # the real old-log-prob pass: on-policy, ratio == 1
     expected = _expected_on_policy_loss(batch)
 
@@ -195,7 +196,7 @@ def _reference_grads(model_dir):
     if "grads" not in _REFERENCE:
         actor = H.make_training_worker(model_dir, use_dynamic_bsz=False, use_remove_padding=False, lr=0.0,
                                        clip_grad=1e6, **WORKER_KW)
-        batch = H.make_update_batch(actor, **BATCH_KW)
+        batch = B.make_update_batch(actor, **BATCH_KW)
         H.compute_old_log_probs(actor, batch)
         r = H.run_train_step(actor, batch, capture_grads=True)
         assert r.max_abs_param_delta == 0.0  # lr=0 leaves the weights alone
@@ -212,9 +213,9 @@ def test_all_modes_and_formats_give_the_same_gradient(tiny_model_dir):
                                        use_remove_padding=use_remove_padding, lr=0.0, clip_grad=1e6, **WORKER_KW)
         base = H.default_loss_fn(actor.actor_config)
         for fmt in ("v1", "v0"):
-            probe = H.make_ppo_batch(actor.tokenizer, n=BATCH_KW["n"], seed=BATCH_KW["seed"])
+            probe = B.make_ppo_batch(actor.tokenizer, n=BATCH_KW["n"], seed=BATCH_KW["seed"])
             select = [(torch.arange(len(r)) % 2).float() for r in probe["responses"].unbind()]
-            batch = H.make_update_batch(actor, fmt=fmt, calculate_entropy=True,
+            batch = B.make_update_batch(actor, fmt=fmt, calculate_entropy=True,
                                         extra_token_fields={"token_select_mask": select}, **BATCH_KW)
             H.compute_old_log_probs(actor, batch)
             seen = {"select_sum": 0.0, "calls": 0}
@@ -250,8 +251,8 @@ def test_two_rank_gloo_data_parallel_matches_single_process(tiny_model_dir):
     ref = _reference_grads(tiny_model_dir)
     worker_kwargs = dict(use_dynamic_bsz=True, use_remove_padding=True, lr=0.0, clip_grad=1e6,
                          ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=40)
-    results = H.run_distributed(
-        H.dp_train_step, world_size=2, args=(str(tiny_model_dir), worker_kwargs, 8, BATCH_KW["seed"], "v1", True,
+    results = D.run_distributed(
+        D.dp_train_step, world_size=2, args=(str(tiny_model_dir), worker_kwargs, 8, BATCH_KW["seed"], "v1", True,
                                             {"response_mask_holes": True}),
         timeout=200,
     )

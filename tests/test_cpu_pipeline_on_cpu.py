@@ -1,4 +1,4 @@
-"""The CPU switch ``trainer.device=cpu`` (verl_tokensel.verl_glue.cpu_pipeline), on the composed config, no Ray.
+"""The CPU switch ``trainer.device=cpu`` (verl_tokensel.cpu.pipeline), on the composed config, no Ray.
 
 - fills every setting of its table (values verl-0.9.md item 6/7 lists) and forwards the env vars as strings;
 - a user value that conflicts with CPU fails before Ray starts, naming the key (command line or YAML);
@@ -19,15 +19,15 @@ if importlib.util.find_spec("verl") is None:
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from verl_tokensel.verl_glue import cpu_pipeline  # noqa: E402
-from verl_tokensel.verl_glue.cpu_pipeline import (  # noqa: E402
+from verl_tokensel.cpu import pipeline as cpu_pipeline  # noqa: E402
+from verl_tokensel.cpu.pipeline import (  # noqa: E402
     CONFIG_SETTINGS,
     ENV_VARS_KEY,
     apply_cpu_pipeline,
     cli_override_keys,
     wants_cpu,
 )
-from verl_tokensel.verl_glue.platform_cpu import MODULE_NAME  # noqa: E402
+from verl_tokensel.cpu.platform import MODULE_NAME  # noqa: E402
 
 
 def _compose(*overrides: str):
@@ -57,7 +57,8 @@ def test_switch_fills_every_setting_and_env():
 
 
 def test_user_values_that_work_on_cpu_are_kept():
-    cfg, env = _apply("trainer.n_gpus_per_node=2", "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='3'",
+    cfg, env = _apply("trainer.n_gpus_per_node=2",
+                      "+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE='3'",
                       "ray_kwargs.ray_init.num_cpus=8",
                       environ={"VERL_USE_EXTERNAL_MODULES": "my_plugin"})
     assert cfg.trainer.n_gpus_per_node == 2 and cfg.ray_kwargs.ray_init.num_gpus == 2

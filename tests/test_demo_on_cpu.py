@@ -59,7 +59,7 @@ def test_dataset_rejects_bad_split(tmp_path):
 def tiny_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
     return AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path_factory.mktemp("demo") / "model"))
 
@@ -167,7 +167,8 @@ def test_summarise_and_table():
     # rewards 0, 0.1, 0.2: last 0.2, mean 0.1; throughput mean over steps 2..3 = (200 + 300) / 2
     assert fork.reward_final == pytest.approx(0.2) and fork.reward_mean == pytest.approx(0.1)
     assert fork.tokens_per_s == pytest.approx(250.0) and fork.steps == 3
-    assert fork.selected_fraction == pytest.approx(0.2) and fork.entropy_selected == 5.5 and fork.entropy_unselected == 4.5
+    assert (fork.selected_fraction == pytest.approx(0.2) and fork.entropy_selected == 5.5
+            and fork.entropy_unselected == 4.5)
     assert none.selected_fraction == 1.0 and none.entropy_selected is None and none.entropy_all == 5.0
     table = report.format_table([none, fork])
     lines = table.splitlines()
@@ -304,7 +305,8 @@ def test_demo_overrides_compose(tmp_path):
     job = yaml.safe_load(proc.stdout)
     assert job["reward"]["custom_reward_function"] == {"path": demo_cli.REWARD_FN, "name": "compute_score"}
     assert job["actor_rollout_ref"]["actor"]["token_selector"] == "gmts"
-    assert job["trainer"]["total_training_steps"] == 3 and job["actor_rollout_ref"]["rollout"]["n"] == demo_cli.ROLLOUT_N
+    assert (job["trainer"]["total_training_steps"] == 3
+            and job["actor_rollout_ref"]["rollout"]["n"] == demo_cli.ROLLOUT_N)
     assert job["algorithm"]["adv_estimator"] == "grpo"
     assert job["actor_rollout_ref"]["actor"]["calculate_entropy"] is True
 

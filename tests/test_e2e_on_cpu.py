@@ -35,8 +35,8 @@ for _mod, _why in [
         pytest.skip(_why, allow_module_level=True)
 
 from verl_tokensel.launch import run_main_ppo, start_ray_head  # noqa: E402
-from verl_tokensel.testing.pipeline import prepare_tiny_run  # noqa: E402
-from verl_tokensel.testing.tiny_assets import build_tiny_model_dir  # noqa: E402
+from helpers.pipeline import prepare_tiny_run  # noqa: E402
+from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 
 #: outer limit per run; a healthy run takes ~2 min alone on 2 cores (more when the machine is shared)
 RUN_TIMEOUT_S = 600

@@ -24,7 +24,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
+from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]
 COMBO_IDS = [f"dynbsz={d}-rmpad={r}" for d, r in COMBOS]
@@ -36,7 +36,7 @@ PRESETS = ["forking", "forking_bottom", "random", "gmts", "grad_norm"]
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    return tiny_assets.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_sel") / "qwen2")
+    return tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_sel") / "qwen2")
 
 
 _WORKERS: dict = {}
@@ -87,7 +87,7 @@ def _run(actor, preset, extra=()):
 
     # calculate_entropy on for every preset: the batch carries entropy either way
     cfg = H.selecting_actor_config(actor, preset, calculate_entropy=True, **dict(extra))
-    batch = H.make_update_batch(actor, calculate_entropy=True, **BATCH_KW)
+    batch = B.make_update_batch(actor, calculate_entropy=True, **BATCH_KW)
     H.compute_old_log_probs(actor, batch)  # on-policy: r = 1, nothing clipped
     rec = _Recorder(actor)
     try:

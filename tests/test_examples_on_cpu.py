@@ -21,8 +21,7 @@ def test_custom_score_example_selects_low_probability_tokens():
     from verl.utils.config import omega_conf_to_dataclass
     from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from loss_inputs import make_micro_batch
+    from helpers.loss_inputs import make_micro_batch
 
     with initialize_config_module("verl_tokensel.config", version_base=None):
         cfg = compose("tokensel_trainer", overrides=[

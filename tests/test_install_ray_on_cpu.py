@@ -40,19 +40,19 @@ for _mod, _why in [
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(_why, allow_module_level=True)
 
-from verl_tokensel.testing import ray_actor as RA, tiny_assets  # noqa: E402  (selects the CPU platform)
+from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
+from verl_tokensel.cpu import tiny_model  # noqa: E402
 
 import ray  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 
 from verl_tokensel.verl_glue import install  # noqa: E402
 from verl_tokensel.verl_glue.install import (  # noqa: E402
-    CHECKPOINT_MANAGER_FQN,
-    TokenselCheckpointEngineManager,
     install_actor_loss,
     prepare_driver_config,
     register_v1_trainers,
 )
+from verl_tokensel.verl_glue.v0 import CHECKPOINT_MANAGER_FQN, TokenselCheckpointEngineManager  # noqa: E402
 
 SELECTOR = "forking"
 RATIO = 0.2  # forking preset: top-20% entropy tokens per micro-batch pool (ceil)
@@ -65,7 +65,7 @@ TIMINGS: dict[str, float] = {}
 
 
 def _compose():
-    model_dir = tiny_assets.build_tiny_model_dir()
+    model_dir = tiny_model.build_tiny_model_dir()
     return RA.compose_tokensel_config(model_dir, OVERRIDES, **ACTOR_KW)
 
 
@@ -149,7 +149,8 @@ def test_c_v0_checkpoint_manager_installs_the_loss(cluster, monkeypatch):
         config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
     monkeypatch.setattr(TokenselCheckpointEngineManager, "driver_config", config)
     # RayPPOTrainer.init_workers (verl/trainer/ppo/ray_trainer.py), replicas from an LLMServerManager -> none here
-    manager_cls = load_class_from_fqn(config.actor_rollout_ref.rollout.checkpoint_manager_class, "CheckpointEngineManager")
+    manager_cls = load_class_from_fqn(config.actor_rollout_ref.rollout.checkpoint_manager_class,
+                                      "CheckpointEngineManager")
     assert manager_cls is TokenselCheckpointEngineManager
     manager = manager_cls(
         config=omega_conf_to_dataclass(config.actor_rollout_ref.rollout.checkpoint_engine),

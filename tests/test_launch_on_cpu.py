@@ -87,12 +87,14 @@ def test_success_adds_cpu_switch_and_file_logger(tmp_path):
 
 def test_read_metrics_merges_lines_of_a_step_and_skips_cut_lines(tmp_path):
     p = tmp_path / "m.jsonl"
-    p.write_text('{"step": 2, "data": {"a": 1}}\n{"step": 1, "data": {"a": 0}}\n{"step": 2, "data": {"b": 3}}\n{"step": 3, "da')
+    p.write_text('{"step": 2, "data": {"a": 1}}\n{"step": 1, "data": {"a": 0}}\n{"step": 2, "data": {"b": 3}}\n'
+                 '{"step": 3, "da')
     assert read_metrics(p) == [{"step": 1, "a": 0}, {"step": 2, "a": 1, "b": 3}]
 
 
 def test_last_stage_names_the_hang():
-    log = "ray init kwargs: {}\n(WorkerDict pid=3) AttributeError: 'Parameter' object has no attribute 'weight_loader'\n"
+    log = ("ray init kwargs: {}\n(WorkerDict pid=3) AttributeError: 'Parameter' object has no attribute "
+           "'weight_loader'\n")
     assert "weight sync" in last_stage(log)
     assert last_stage("nothing here") is None
     assert last_stage("Training Progress:  50%|#####     | 1/2 [01:57<01:57]") .startswith("training (steps done: 1")

@@ -1,6 +1,6 @@
 """The selecting loss ``tokensel_ppo_loss`` against verl's stock ``ppo_loss`` (CPU).
 
-Micro-batches come from ``tests/loss_inputs.py`` (verl's no-padding layout, as the engines hand it to
+Micro-batches come from ``tests/helpers/loss_inputs.py`` (verl's no-padding layout, as the engines hand it to
 the loss). Actor configs are verl's own ``ppo_trainer`` Hydra tree, composed with
 ``initialize_config_module("verl.trainer.config")``, converted by verl's ``omega_conf_to_dataclass``:
 stock ``FSDPActorConfig`` for the reference, ``TokenselFSDPActorConfig`` (``_target_`` swapped, plus
@@ -31,10 +31,7 @@ from verl_tokensel.core.config import PRESETS
 from verl_tokensel.verl_glue.actor_config import StockLossGuard, TokenselFSDPActorConfig, TokenselMcoreActorConfig
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
-try:
-    from loss_inputs import make_micro_batch
-except ImportError:  # tests/ imported as a package
-    from .loss_inputs import make_micro_batch
+from helpers.loss_inputs import make_micro_batch
 
 OUR_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
 OUR_MCORE_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig"
@@ -102,7 +99,7 @@ def actor_config(selector=None, selection=None, *, megatron=False, fresh=False, 
 # micro-batches and helpers
 # --------------------------------------------------------------------------------------------
 def micro_batch(seed=0, batch=6, resp_len=16, noise=0.15, with_ref=False, **kw):
-    """A micro-batch from tests/loss_inputs.py, made near on-policy: old_log_probs = log_prob + noise,
+    """A micro-batch from tests/helpers/loss_inputs.py, made near on-policy: old_log_probs = log_prob + noise,
     so that most tokens are unclipped (omega != 0) and some are clipped (omega == 0)."""
     mo, data, lp = make_micro_batch(batch=batch, resp_len=resp_len, seed=seed, with_ref=with_ref, **kw)
     # the drivers also send the global batch size (seq-mean-* modes need it when dp_size > 1)
@@ -141,7 +138,7 @@ def vanilla_token_loss(cfg, lp, old, adv) -> torch.Tensor:
     """Hand-written PPO/DAPO dual-clip token loss (independent of verl's code)."""
     r = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
     low, high, c = cfg.clip_ratio_low, cfg.clip_ratio_high, cfg.clip_ratio_c
-    l = torch.maximum(-adv * r, -adv * torch.clamp(r, 1 - low, 1 + high))
+    l = torch.maximum(-adv * r, -adv * torch.clamp(r, 1 - low, 1 + high))  # noqa: E741
     return torch.where(adv < 0, torch.minimum(l, -adv * c), l)
 
 
@@ -368,7 +365,8 @@ def _padded_twin(seed, extra):
     pad = torch.nn.functional.pad
     for k in ("old_log_probs", "advantages"):
         d1[k] = pad(d0[k], (0, extra))
-    assert torch.equal(d1["response_mask"][:, :-extra], d0["response_mask"]) and not d1["response_mask"][:, -extra:].any()
+    assert (torch.equal(d1["response_mask"][:, :-extra], d0["response_mask"])
+            and not d1["response_mask"][:, -extra:].any())
     offsets = d1["input_ids"].offsets()
     lp1 = lp0.detach().clone().requires_grad_(True)
     mo1 = {
@@ -538,3 +536,17 @@ def test_precomputed_source_without_mask_field_fails_loudly():
     mo, data, lp = micro_batch(0)
     with pytest.raises(RuntimeError, match=f"score_source=rollout.*'{loss_mod.MASK_FIELD}'"):
         tokensel_ppo_loss(cfg, mo, data)
+
+
+def test_verl_ppo_loss_source_is_pinned():
+    """verl_ppo_loss_body repeats part of verl's ppo_loss: a change there must be looked at here."""
+    import hashlib
+    import inspect
+
+    from verl.workers.utils import losses
+
+    digest = hashlib.sha256(inspect.getsource(losses.ppo_loss).encode()).hexdigest()
+    assert digest == loss_mod.VERL_PPO_LOSS_SHA256, (
+        "verl's ppo_loss source changed: re-check loss.py against verl's ppo_loss (verl_ppo_loss_body: global "
+        f"batch info, metric aggregation, entropy and KL terms), then set VERL_PPO_LOSS_SHA256 = {digest!r}"
+    )

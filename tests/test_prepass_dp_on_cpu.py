@@ -29,8 +29,9 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
-from verl_tokensel.testing.grad_probe import (  # noqa: E402
+from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from helpers import distributed as D  # noqa: E402
+from helpers.grad_probe import (  # noqa: E402
     capture_logit_grads,
     prompt_lengths,
     response_lengths,
@@ -66,9 +67,9 @@ def _rank_step(rank, world, model_dir):
     inner = actor.worker.train_batch  # the pre-pass wrap (install_prepass) around verl's train_batch
     results = {}
     for scope, fmt, mini in CASES:
-        full = H.make_update_batch(actor, n=N, seed=7, fmt=fmt, resp_len=(3, 9), group_size=GROUP_SIZE)
+        full = B.make_update_batch(actor, n=N, seed=7, fmt=fmt, resp_len=(3, 9), group_size=GROUP_SIZE)
         tu.assign_non_tensor(full, mini_batch_size=mini, global_batch_size=mini)
-        shard = H.split_for_dp(full, world)[rank]
+        shard = D.split_for_dp(full, world)[rank]
         _, old_entropy = H.compute_old_log_probs(actor, shard)
         entropy_by_row = dict(zip(row_ids(shard), _padded_list(old_entropy, shard)))
 
@@ -114,8 +115,8 @@ def _padded_list(field, data):
 
 @pytest.fixture(scope="module")
 def dp_run(tmp_path_factory):
-    model_dir = tiny_assets.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_prepass") / "qwen2")
-    return H.run_distributed(_rank_step, world_size=2, args=(str(model_dir),), timeout=240)
+    model_dir = tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_prepass") / "qwen2")
+    return D.run_distributed(_rank_step, world_size=2, args=(str(model_dir),), timeout=240)
 
 
 def _union(per_rank, scope, i):
@@ -184,5 +185,6 @@ def test_logit_gradient_is_zero_exactly_on_unselected_tokens(dp_run, scope):
             assert torch.all(norms[mask] > 0), f"rank {r}: a selected token got no gradient"
             n_sel += int(mask.sum())
         # the loss applied exactly the pre-pass mask: same number of selected tokens
-        assert sum(int(m["mask"].sum()) for m in res["micro"]) == sum(int(mb["mask"].sum()) for mb in res["minibatches"])
+        assert (sum(int(m["mask"].sum()) for m in res["micro"])
+                == sum(int(mb["mask"].sum()) for mb in res["minibatches"]))
     assert n_sel > 0

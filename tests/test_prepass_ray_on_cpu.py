@@ -18,7 +18,8 @@ for _mod in ("verl", "ray", "tensordict", "transformers", "tokenizers"):
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(f"{_mod} is not installed: this test needs verl 0.9", allow_module_level=True)
 
-from verl_tokensel.testing import ray_actor as RA, tiny_assets  # noqa: E402  (selects the CPU platform)
+from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
+from verl_tokensel.cpu import tiny_model  # noqa: E402
 
 N = 8
 GROUP_SIZE = 4
@@ -32,7 +33,7 @@ def test_update_actor_runs_the_prepass_in_the_ray_worker():
     from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
     from verl_tokensel.verl_glue.prepass import tokensel_worker_class
 
-    config = RA.compose_tokensel_config(str(tiny_assets.build_tiny_model_dir()),
+    config = RA.compose_tokensel_config(str(tiny_model.build_tiny_model_dir()),
                                         ["actor_rollout_ref.actor.token_selector=gmts"],
                                         ppo_mini_batch_size=N, ppo_micro_batch_size_per_gpu=2,
                                         ppo_max_token_len_per_gpu=64)

@@ -19,7 +19,8 @@ import pytest
 if importlib.util.find_spec("verl") is None:  # pragma: no cover
     pytest.skip("verl is not installed: these tests need verl 0.9", allow_module_level=True)
 
-from verl_tokensel.testing import ray_actor as RA, tiny_assets  # noqa: E402  (selects the CPU platform)
+from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
+from verl_tokensel.cpu import tiny_model  # noqa: E402
 
 import torch  # noqa: E402
 from verl.experimental.separation.engine_workers import DetachActorWorker  # noqa: E402
@@ -35,7 +36,7 @@ from verl_tokensel.verl_glue.prepass import (  # noqa: E402
 
 
 def _compose(selector="gmts", *overrides):
-    return RA.compose_tokensel_config(str(tiny_assets.build_tiny_model_dir()),
+    return RA.compose_tokensel_config(str(tiny_model.build_tiny_model_dir()),
                                       [f"actor_rollout_ref.actor.token_selector={selector}", *overrides])
 
 
@@ -94,7 +95,7 @@ def test_v1_trainers_swap_the_actor_worker_for_prepass_only(mode, hybrid, role, 
 
 @pytest.mark.parametrize("selector", ["gmts", "forking"])
 def test_v0_task_runner_builds_the_prepass_worker(selector):
-    from verl_tokensel.main_ppo import _v0_task_runner
+    from verl_tokensel.verl_glue.v0 import v0_task_runner as _v0_task_runner
 
     runner_cls = _base(_v0_task_runner())
     runner = runner_cls.__new__(runner_cls)
@@ -113,14 +114,16 @@ def test_megatron_refuses_prepass_on_the_driver():
 
     def actor(*overrides):
         with initialize_config_module("verl_tokensel.config", version_base=None):
-            cfg = compose("tokensel_megatron_trainer", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                                                                  "actor_rollout_ref.actor.token_selector=gmts",
-                                                                  *overrides])
+            cfg = compose("tokensel_megatron_trainer",
+                          overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                     "actor_rollout_ref.actor.token_selector=gmts",
+                                     *overrides])
         return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
     with pytest.raises(Exception, match=r"score_source='prepass'.*model_engine=megatron.*Fix") as err:
         actor()
-    assert isinstance(err.value, TokenSelectionConfigError) or isinstance(err.value.__cause__, TokenSelectionConfigError)
+    assert (isinstance(err.value, TokenSelectionConfigError)
+            or isinstance(err.value.__cause__, TokenSelectionConfigError))
     assert actor("actor_rollout_ref.actor.token_selection.score_source=rollout").selection.score_source == "rollout"
 
 

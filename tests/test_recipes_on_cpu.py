@@ -1,4 +1,5 @@
-"""Recipes (package data under verl_tokensel/recipes/, launch scripts under recipes/): every recipe x every preset composes, resolves and passes verl's own
+"""Recipes (package data under verl_tokensel/recipes/, launch scripts under recipes/): every recipe x every
+preset composes, resolves and passes verl's own
 validate_config and our driver check; the paper hyperparameters are what the recipes claim; a
 missing env var is a clear error (Hydra and run.sh); every YAML key has a comment; scripts parse."""
 

@@ -14,8 +14,8 @@ does two actor updates:
 For both: the logit gradient of a response token is nonzero exactly where the driver's mask (looked up
 by the row's token ids, not by position) is True; ``tokensel/selected_fraction`` is verl's mean over
 micro-batches and ranks of the fraction each micro-batch's mask realises, and
-``tokensel/driver_selected_fraction`` the exact fraction of the whole batch; the masks of both ranks together hold exactly the driver's
-``ceil(0.2 N)`` tokens (batch) or ``ceil(0.2 n_g)`` per prompt (group).
+``tokensel/driver_selected_fraction`` the exact fraction of the whole batch; the masks of both ranks
+together hold exactly the driver's ``ceil(0.2 N)`` tokens (batch) or ``ceil(0.2 n_g)`` per prompt (group).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-from verl_tokensel.testing import cpu_worker as H, tiny_assets  # noqa: E402
-from verl_tokensel.testing.grad_probe import (  # noqa: E402
+from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from helpers import distributed as D  # noqa: E402
+from helpers.grad_probe import (  # noqa: E402
     capture_logit_grads,
     prompt_lengths,
     response_lengths,
@@ -165,16 +166,17 @@ def _driver_v0(actor, cfg_node, sel, full):
     import numpy as np
 
     from verl_tokensel.verl_glue import rollout_source as RS
+    from verl_tokensel.verl_glue import v0 as glue_v0
 
     _, entropy = H.compute_old_log_probs(actor, full)
-    full[RS.V0_ENTROPY_FIELD] = entropy * full["response_mask"]
+    full[glue_v0.V0_ENTROPY_FIELD] = entropy * full["response_mask"]
     expected = _expected_masks(sel, full, [entropy[i, :n] for i, n in enumerate(response_lengths(full))])
     proto = type("Proto", (), {})()
     proto.batch = full
     proto.non_tensor_batch = {"uid": np.array([str(u) for u in full["uid"]], dtype=object)}
     driver = RS.DriverSelector(cfg_node, sel)
-    metrics = driver.select_v0(proto)
-    assert RS.V0_ENTROPY_FIELD not in full.keys()
+    metrics = glue_v0.select_v0(driver, proto)
+    assert glue_v0.V0_ENTROPY_FIELD not in full.keys()
     metrics["expected"] = expected
     return full, metrics
 
@@ -191,14 +193,14 @@ def _rank_step(rank, world, model_dir):
         cfg_node = OmegaConf.create({"actor_rollout_ref": {
             "actor": OmegaConf.to_container(actor.cfg.actor_rollout_ref.actor, resolve=True),
             "model": {"path": "unused"}, "rollout": {"temperature": 1.0}}})
-        full = H.make_update_batch(actor, n=N, seed=5, fmt=fmt, resp_len=(3, 9), group_size=GROUP_SIZE)
+        full = B.make_update_batch(actor, n=N, seed=5, fmt=fmt, resp_len=(3, 9), group_size=GROUP_SIZE)
         sent, driver_metrics = (_driver_v1 if fmt == "v1" else _driver_v0)(actor, cfg_node, cfg.selection, full)
         driver_mask = dict(zip(row_ids(sent), _row_masks(sent, MASK_FIELD)))
         expected = driver_metrics.pop("expected")
         assert driver_mask.keys() == expected.keys()
         assert all(torch.equal(driver_mask[row], expected[row]) for row in expected), "mask stored on the wrong rows"
         uid_of = dict(zip(row_ids(sent), [str(u) for u in sent["uid"]]))
-        shard = H.split_for_dp(sent, world)[rank]
+        shard = D.split_for_dp(sent, world)[rank]
 
         micro = []
 
@@ -220,8 +222,8 @@ def _rank_step(rank, world, model_dir):
 def dp_run(tmp_path_factory):
     if (__import__("os").cpu_count() or 1) < 2:
         pytest.skip("needs 2 CPU cores")
-    model_dir = tiny_assets.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_rollout") / "qwen2")
-    return H.run_distributed(_rank_step, world_size=2, args=(str(model_dir),), timeout=280)
+    model_dir = tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_rollout") / "qwen2")
+    return D.run_distributed(_rank_step, world_size=2, args=(str(model_dir),), timeout=280)
 
 
 @pytest.mark.timeout(300)

@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from transfer_queue import KVBatchMeta  # noqa: E402
 
 from verl_tokensel.verl_glue import install  # noqa: E402
-from verl_tokensel.verl_glue import rollout_source as RS  # noqa: E402
+from verl_tokensel.verl_glue import v0 as glue_v0  # noqa: E402
 
 SEL = "actor_rollout_ref.actor.token_selector"
 KNOB = "actor_rollout_ref.actor.token_selection."
@@ -94,7 +94,7 @@ def test_v0_task_runner_builds_our_trainer():
     import ray.cloudpickle as cloudpickle
     import verl.trainer.main_ppo_v0 as v0
 
-    from verl_tokensel.main_ppo import _v0_task_runner
+    from verl_tokensel.verl_glue.v0 import v0_task_runner as _v0_task_runner
 
     cls = _v0_task_runner().__ray_actor_class__
     shipped = cloudpickle.loads(cloudpickle.dumps(cls))  # what the TaskRunner actor process holds
@@ -108,8 +108,8 @@ def test_v0_task_runner_builds_our_trainer():
     shipped.add_actor_rollout_worker = stop
     with pytest.raises(_Stop):
         shipped.__new__(shipped).run(_compose(f"{SEL}=forking_paper", "trainer.use_v1=false"))
-    assert base_run.__globals__["RayPPOTrainer"] is RS.tokensel_ray_ppo_trainer_class()
-    assert v0.RayPPOTrainer is not RS.tokensel_ray_ppo_trainer_class()  # the driver's module is untouched
+    assert base_run.__globals__["RayPPOTrainer"] is glue_v0.tokensel_ray_ppo_trainer_class()
+    assert v0.RayPPOTrainer is not glue_v0.tokensel_ray_ppo_trainer_class()  # the driver's module is untouched
 
 
 def test_v0_trainer_keeps_the_entropy_fit_pops(monkeypatch):
@@ -119,9 +119,9 @@ def test_v0_trainer_keeps_the_entropy_fit_pops(monkeypatch):
     ent = torch.rand(2, 3)
     monkeypatch.setattr(RayPPOTrainer, "_compute_old_log_prob", lambda self, batch: (
         DataProto.from_dict({"old_log_probs": torch.zeros(2, 3), "entropys": ent.clone()}), 0.0))
-    cls = RS.tokensel_ray_ppo_trainer_class()
+    cls = glue_v0.tokensel_ray_ppo_trainer_class()
     t = cls.__new__(cls)
     t.tokensel_driver = object()
     old, _ = t._compute_old_log_prob(None)
     old.batch.pop("entropys")  # what fit() does after logging actor/entropy
-    assert torch.equal(old.batch[RS.V0_ENTROPY_FIELD], ent)
+    assert torch.equal(old.batch[glue_v0.V0_ENTROPY_FIELD], ent)

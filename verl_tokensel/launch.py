@@ -1,5 +1,9 @@
 """Run verl's ``main_ppo`` in a subprocess with an outer wall-clock timeout, and read its metrics back.
 
+Why one file over 400 lines: the launcher is one process-lifecycle story read top to bottom (command,
+process group, optional Ray head and job submission, timeout and kill escalation, metrics), used by
+``python -m verl_tokensel.launch``, the demo and the end-to-end tests; about 60 lines are this docstring.
+
 Why: two failure modes of the verl pipeline hang instead of failing (a weight-sync error inside the
 vLLM server, and Ray resources that never become available, see ``shared/design/verl-0.9.md`` item
 10). Anything that launches the pipeline unattended (tests, ``verl-tokensel demo``) goes through
@@ -26,7 +30,7 @@ API::
 * ``timeout_s``: wall-clock limit of the whole run (Ray start, model load, training, shutdown).
 * ``log_path``: stdout+stderr of the run go there (line-buffered, kept after the run).
 * ``cpu`` (default True): add the one CPU switch ``trainer.device=cpu`` (see
-  :mod:`verl_tokensel.verl_glue.cpu_pipeline`) unless ``trainer.device`` is already in ``overrides``.
+  :mod:`verl_tokensel.cpu.pipeline`) unless ``trainer.device`` is already in ``overrides``.
 * ``metrics_path``: where verl's ``file`` logger writes one JSON line per step (default:
   ``<log_path stem>.metrics.jsonl`` next to the log). ``file`` is added to a ``trainer.logger`` override
   (``trainer.logger=[console,file]`` when there is none); the path reaches the TaskRunner
@@ -370,7 +374,8 @@ def start_ray_head(*, num_cpus: int = 16, num_gpus: int = 1, timeout_s: float = 
         out = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout_s,
                              stdin=subprocess.DEVNULL)
         if out.returncode != 0:
-            raise RuntimeError(f"`ray start --head` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            raise RuntimeError(
+                f"`ray start --head` failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
         _wait_for_dashboard(head.address, deadline=time.monotonic() + timeout_s)
     except BaseException:
         head.stop()

@@ -3,12 +3,11 @@
 A thin wrapper over verl's own ``run_ppo``: same Hydra CLI (``--cfg job`` prints the composed
 config), config ``tokensel_trainer`` (or ``--config-name=tokensel_megatron_trainer``), and both
 drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sync`` trainer;
-``trainer.use_v1=false`` runs verl's v0 TaskRunner with the checkpoint-engine manager that
-installs the selecting loss (see :mod:`verl_tokensel.verl_glue.install`) and verl's ``RayPPOTrainer``
-subclassed for ``score_source=rollout`` (see :mod:`verl_tokensel.verl_glue.rollout_source`).
+``trainer.use_v1=false`` runs verl's v0 TaskRunner with the hooks that install the selecting loss
+and select on the driver (all fenced in :mod:`verl_tokensel.verl_glue.v0`).
 
 CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update) on CPU;
-it fills every CPU setting and refuses conflicting ones (:mod:`verl_tokensel.verl_glue.cpu_pipeline`).
+it fills every CPU setting and refuses conflicting ones (:mod:`verl_tokensel.cpu.pipeline`, imported only then).
 Unattended runs: :func:`verl_tokensel.launch.run_main_ppo` (outer timeout, metrics).
 
 Example::
@@ -27,63 +26,11 @@ if __name__ == "__main__":  # a known-broken stack gets one line naming the fix,
     exit_if_broken(cpu_rollout="trainer.device=cpu" in sys.argv[1:])
 
 import hydra  # noqa: E402
-import ray  # noqa: E402
-from omegaconf import DictConfig, open_dict  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
-from verl_tokensel.verl_glue.cpu_pipeline import apply_cpu_pipeline, wants_cpu  # noqa: E402
-from verl_tokensel.verl_glue.install import (  # noqa: E402
-    CHECKPOINT_MANAGER_FQN,
-    TokenselCheckpointEngineManager,
-    prepare_driver_config,
-    register_v1_trainers,
-    validate_driver_config,
-)
-from verl_tokensel.verl_glue.rollout_source import tokensel_ray_ppo_trainer_class  # noqa: E402
-
-
-def _v0_task_runner():
-    from verl.trainer.main_ppo_v0 import TaskRunner
-
-    base = getattr(TaskRunner, "__ray_actor_class__", TaskRunner)
-
-    class TokenselTaskRunner(base):
-        """verl's v0 TaskRunner; routes the checkpoint-engine manager through ours and, for
-        score_source=prepass, builds the actor workers with the pre-pass (verl_glue.prepass)."""
-
-        def add_actor_rollout_worker(self, config):
-            from verl_tokensel.verl_glue.prepass import (
-                selection_uses_prepass,
-                tokensel_worker_class,
-                use_prepass_workers,
-            )
-
-            actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)
-            if not selection_uses_prepass(config):
-                return actor_rollout_cls, group_cls
-            use_prepass_workers(self.role_worker_mapping)
-            return tokensel_worker_class(actor_rollout_cls), group_cls
-
-        def run(self, config):
-            current = config.actor_rollout_ref.rollout.get("checkpoint_manager_class")
-            if current and current != CHECKPOINT_MANAGER_FQN:
-                raise ValueError(
-                    f"actor_rollout_ref.rollout.checkpoint_manager_class={current!r} is set, but the v0 driver "
-                    f"needs {CHECKPOINT_MANAGER_FQN} to install the selecting loss. Fix: unset it or use "
-                    "trainer.use_v1=true."
-                )
-            with open_dict(config):
-                config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
-            prepare_driver_config(config)
-            TokenselCheckpointEngineManager.driver_config = config
-            # score_source=rollout selects on the driver before each actor update, in our RayPPOTrainer
-            # subclass. verl's run() builds the trainer by the global name RayPPOTrainer. Ray ships this class
-            # and its base by value (verl's module attribute TaskRunner is the Ray actor wrapper, not the
-            # class), so that run() reads a private copy of its globals: patch the dict of the function
-            # that actually runs, in this TaskRunner process (the module attribute would not reach it).
-            super().run.__func__.__globals__["RayPPOTrainer"] = tokensel_ray_ppo_trainer_class()
-            return super().run(config)
-
-    return ray.remote(TokenselTaskRunner)
+from verl_tokensel.plugin import wants_cpu  # noqa: E402
+from verl_tokensel.verl_glue.install import register_v1_trainers, validate_driver_config  # noqa: E402
+from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
 
 
 def run(config: DictConfig) -> None:
@@ -94,6 +41,8 @@ def run(config: DictConfig) -> None:
     from verl.utils.device import auto_set_device
 
     if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
+        from verl_tokensel.cpu.pipeline import apply_cpu_pipeline
+
         apply_cpu_pipeline(config)
     register_v1_trainers()
     validate_driver_config(config)
@@ -102,7 +51,7 @@ def run(config: DictConfig) -> None:
     if config.trainer.use_v1:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
-        run_ppo(config, task_runner_class=_v0_task_runner())
+        run_ppo(config, task_runner_class=v0_task_runner())
 
 
 @hydra.main(config_path="config", config_name="tokensel_trainer", version_base=None)

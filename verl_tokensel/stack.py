@@ -137,7 +137,8 @@ def _companion_problems() -> list[StackProblem]:
     what = (f"{', '.join(w for _, w in bad)} {'does' if len(bad) == 1 else 'do'} not match torch {torch_ver} "
             f"(a {torch_acc.upper()} build): {'it fails' if len(bad) == 1 else 'they fail'} to load and break "
             "transformers' model imports; text-only training needs none of them")
-    return [StackProblem(", ".join(n for n, _ in bad), what, f"python -m pip uninstall -y {' '.join(n for n, _ in bad)}")]
+    names = [n for n, _ in bad]
+    return [StackProblem(", ".join(names), what, f"python -m pip uninstall -y {' '.join(names)}")]
 
 
 def _range_problem(name: str, spec: SpecifierSet, required_by: str) -> StackProblem | None:

@@ -289,4 +289,6 @@ def render_page(info: PageInfo, responses: Sequence[ResponseView], *, score_name
     return "\n".join(out) + "\n"
 
 
-__all__ = ["COLOUR_STOPS", "PageInfo", "ResponseView", "TokenView", "colour", "escape_text", "render_page", "shade_range"]
+__all__ = [
+    "COLOUR_STOPS", "PageInfo", "ResponseView", "TokenView", "colour", "escape_text", "render_page", "shade_range",
+]

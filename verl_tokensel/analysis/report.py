@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -274,14 +274,15 @@ def compare_markdown(report: dict, plot: str) -> str:
         f"| Spearman(H_A, H_B) over all tokens | {_fmt(report['spearman_entropy_a_b'])} |",
         f"| mean H_A / mean H_B | {_fmt(report['mean_entropy_a'])} / {_fmt(report['mean_entropy_b'])} |",
         "",
-        f"## How entropy moved (H_B − H_A, nats)",
+        "## How entropy moved (H_B − H_A, nats)",
         "",
         "| tokens | count | mean change | median change | share increased |",
         "|---|---|---|---|---|",
     ]
     for name, key in ((f"A's top-{pct}%", "a_top"), ("the rest", "rest")):
         g = d[key]
-        lines.append(f"| {name} | {g['count']} | {_fmt(g['mean'])} | {_fmt(g['median'])} | {_fmt(g['share_increased'])} |")
+        lines.append(f"| {name} | {g['count']} | {_fmt(g['mean'])} | {_fmt(g['median'])} "
+                     f"| {_fmt(g['share_increased'])} |")
     lines += ["", "The paper (arXiv 2506.01939) reports that RL training keeps > 86% of the base model's "
               "top-20% positions.", "", f"![{plot}]({plot})"]
     return "\n".join(lines) + "\n"

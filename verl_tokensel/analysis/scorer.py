@@ -35,7 +35,7 @@ refused with a clear error rather than scored wrongly.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 

@@ -27,7 +27,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_tokensel.core.select import budget, select_tokens
+from verl_tokensel.core.pools import budget
+from verl_tokensel.core.select import select_tokens
 
 PERCENTILES = (50, 80, 90, 99)
 LOW_ENTROPY = 0.01

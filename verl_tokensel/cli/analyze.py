@@ -15,7 +15,7 @@ are decoded with ``skip_special_tokens``, so chat-template special tokens are no
 Examples::
 
     # the embedded tiny model (random weights, no download) on a rollout dump
-    python -c "from verl_tokensel.testing.tiny_assets import build_tiny_model_dir; print(build_tiny_model_dir('/tmp/tiny'))"
+    python -c "from verl_tokensel.cpu.tiny_model import build_tiny_model_dir; print(build_tiny_model_dir('/tmp/tiny'))"
     verl-tokensel analyze --model /tmp/tiny --data /path/to/rollout_data_dir --out /tmp/tiny_report
 
     # a real checkpoint on a GPU, bf16, the first 2000 responses of a parquet table

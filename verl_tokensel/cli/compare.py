@@ -12,7 +12,7 @@ share increased) for A's top-20% tokens vs the rest.
 Examples::
 
     # two tiny random models (seeds 0 and 1) built locally, no download
-    python -c "from verl_tokensel.testing.tiny_assets import build_tiny_model_dir as b; print(b('/tmp/tiny'), b('/tmp/tiny1', seed=1))"
+    verl-tokensel tiny-model --out /tmp/tiny && verl-tokensel tiny-model --out /tmp/tiny1 --seed 1
     verl-tokensel compare --model-a /tmp/tiny --model-b /tmp/tiny1 --data /path/to/rollout_data_dir --out /tmp/cmp
 
     # base vs RL checkpoint (HF format) on a GPU
@@ -22,7 +22,6 @@ Examples::
 
 from __future__ import annotations
 
-import sys
 import time
 
 HELP = "compare per-token entropies of two models on the same responses (top-20%% overlap, entropy change)"

@@ -62,11 +62,12 @@ def run(args) -> int:
         print(f"error: --presets {bad} unknown; valid: {', '.join(PRESETS)}", file=sys.stderr)
         return 2
     _progress("selecting verl's CPU platform and building the tiny model")
-    from verl_tokensel.testing import cpu_worker as H
-    from verl_tokensel.testing import tiny_assets
+    from verl_tokensel.cpu import worker as H
+    from verl_tokensel.cpu import batches as B
+    from verl_tokensel.cpu import tiny_model
     from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
-    model_dir = tiny_assets.build_tiny_model_dir(Path(args.workdir) / "tiny_qwen2")
+    model_dir = tiny_model.build_tiny_model_dir(Path(args.workdir) / "tiny_qwen2")
     _progress(f"starting verl's TrainingWorker (FSDP2, CPU) on {model_dir}")
     actor = H.make_training_worker(model_dir, use_dynamic_bsz=args.dynamic_bsz,
                                    use_remove_padding=not args.no_remove_padding, seed=args.seed,
@@ -76,7 +77,7 @@ def run(args) -> int:
     rows = []
     for preset in args.presets:
         config = H.selecting_actor_config(actor, preset)
-        batch = H.make_update_batch(actor, n=args.n, seed=args.seed + 1, calculate_entropy=True,
+        batch = B.make_update_batch(actor, n=args.n, seed=args.seed + 1, calculate_entropy=True,
                                     resp_len=(8, 24), group_size=4 if args.n % 4 == 0 else 1)
         H.compute_old_log_probs(actor, batch)
         _progress(f"update with token_selector={preset}")

@@ -14,7 +14,8 @@ The embedded-default main job. With no network and no GPU it:
 The model is random: rewards are chance level (a few % of answers right by luck, enough for non-zero
 GRPO advantages) and entropies near log(vocab); the runs show the plumbing (selection, metrics,
 throughput) of a real pipeline, not learning. Measured: 8 min for the three default runs on a busy
-2-core machine (~2.5 min each, mostly Ray / actor / vLLM start-up). Exits 1 naming the preset, its log and the log's last lines if a run fails.
+2-core machine (~2.5 min each, mostly Ray / actor / vLLM start-up). Exits 1 naming the preset, its log
+and the log's last lines if a run fails.
 
 Examples::
 
@@ -114,7 +115,8 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mini * ROLLOUT_N // 2}",
         f"actor_rollout_ref.rollout.max_model_len={MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH}",
-        f"actor_rollout_ref.rollout.max_num_batched_tokens={mini * ROLLOUT_N * (MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)}",
+        "actor_rollout_ref.rollout.max_num_batched_tokens="
+        f"{mini * ROLLOUT_N * (MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)}",
         f"reward.custom_reward_function.path={REWARD_FN}",
         "reward.custom_reward_function.name=compute_score",
         f"trainer.total_training_steps={steps}",
@@ -192,7 +194,7 @@ def run(args) -> int:
     from verl_tokensel import launch
     from verl_tokensel.demo import report
     from verl_tokensel.demo.dataset import write_dataset
-    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
     progress = _Progress()
     out = Path(args.out).resolve()

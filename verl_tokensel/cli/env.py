@@ -51,7 +51,8 @@ def collect(import_verl: bool = True) -> dict[str, str]:
 
         import verl_tokensel.plugin as plugin
 
-        out["verl plugin"] = "loaded" if plugin.LOAD_ERROR is None else "FAILED: " + plugin.LOAD_ERROR.strip().splitlines()[-1]
+        err = plugin.LOAD_ERROR
+        out["verl plugin"] = "loaded" if err is None else "FAILED: " + err.strip().splitlines()[-1]
     except Exception as exc:  # noqa: BLE001
         out["verl plugin"] = f"FAILED: {exc!r}"
     if out["verl plugin"] == "loaded":

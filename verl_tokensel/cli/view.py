@@ -221,7 +221,8 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
 
     from verl_tokensel.analysis.html import PageInfo, ResponseView, TokenView, render_page
     from verl_tokensel.core.scores import ScoreInputs, compute_score, row_keys_from_tokens
-    from verl_tokensel.core.select import budget, select_tokens
+    from verl_tokensel.core.pools import budget
+    from verl_tokensel.core.select import select_tokens
 
     b = len(scored)
     lmax = max([len(s.token_ids) for s in scored] + [1])

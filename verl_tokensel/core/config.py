@@ -16,10 +16,9 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
+from verl_tokensel.core.pools import DIRECTIONS, SCOPES
 from verl_tokensel.core.scores import SCORE_REGISTRY
 
-DIRECTIONS = ("top", "bottom")
-SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "batch")
 NORMALISERS = ("all", "selected")
 # Where the ranking scores come from, and the scopes each source can fill. A scope wider than one
 # micro-batch needs every score of the pool before the first backward of that pool:

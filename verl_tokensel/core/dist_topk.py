@@ -20,6 +20,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from verl_tokensel.core.pools import budget, world_size
+
 _BITS = 8
 _PASSES = 32 // _BITS
 _BINS = 1 << _BITS
@@ -51,12 +53,6 @@ def ordered_keys(values: torch.Tensor) -> torch.Tensor:
     return keys.masked_fill_(torch.isnan(values.detach().float()), 0)
 
 
-def _world(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 def _all_reduce(t: torch.Tensor, group, world: int) -> torch.Tensor:
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -72,7 +68,7 @@ def kth_largest_key(keys: torch.Tensor, k: int, group: Optional[dist.ProcessGrou
     ``group=None`` means the default group when torch.distributed is initialised, else one process.
     ``k`` must be in [1, total]; identical on every rank. Cost: 4 all-reduces of 256 int64; per item, int32 work only.
     """
-    world = _world(group)
+    world = world_size(group)
     prefix = 0
     remaining = k
     # unsigned view: int64 keys are already in [0, 2^32); int32 signed keys get their sign bit flipped
@@ -106,7 +102,7 @@ def topk_mask_distributed(
     """
     values = values.flatten()
     keys = ordered_keys32(values, largest)
-    world = _world(group)
+    world = world_size(group)
     rank = dist.get_rank(group) if world > 1 else 0
     total = int(_all_reduce(torch.tensor([keys.numel()], dtype=torch.int64, device=keys.device), group, world).item())
     if k <= 0 or total == 0:
@@ -178,9 +174,7 @@ def grouped_topk_mask_distributed(
     passes of one all-reduce of a ``(G, 256)`` int32 histogram each (G = number of groups, ~1 KiB
     per group per pass), and one all-reduce of per-rank tie counts ``(world + 1, G)``.
     """
-    from verl_tokensel.core.select import budget  # select imports this module at load time
-
-    world = _world(group)
+    world = world_size(group)
     rank = dist.get_rank(group) if world > 1 else 0
     valid = valid.to(torch.bool)
     device = scores.device

@@ -15,7 +15,7 @@ Each score is registered once in :data:`SCORE_REGISTRY`; selectors name a score.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 

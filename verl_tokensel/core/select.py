@@ -26,22 +26,11 @@ import torch
 import torch.distributed as dist
 
 from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed, ordered_keys32, topk_mask_distributed
+from verl_tokensel.core.pools import DIRECTIONS, SCOPES, budget, world_size
 
 _PAD_KEY = -(2**31)  # below every key, NaN included
 
-SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "batch")
 _POOLED_DP = ("micro_batch_dp", "mini_batch", "batch")
-DIRECTIONS = ("top", "bottom")
-
-
-def budget(ratio: float, n: int) -> int:
-    """Number of tokens kept from a pool of ``n``: ``ceil(ratio * n)`` clamped to ``[0, n]``.
-
-    A 1e-9 slack absorbs binary rounding (0.07 * 100 = 7.000000000000001 must give 7, not 8).
-    """
-    if n <= 0 or ratio <= 0:
-        return 0
-    return max(1, min(n, math.ceil(ratio * n - 1e-9)))
 
 
 def _rank_keys(values: torch.Tensor, direction: str) -> torch.Tensor:
@@ -162,9 +151,8 @@ def _select_grouped(
 
 
 def _world(group: Optional[dist.ProcessGroup]) -> int:
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)
+    """Ranks of the ``dp_group`` the engine passed; no group means this rank alone."""
+    return 1 if group is None else world_size(group)
 
 
 def _select_across_ranks(

@@ -160,3 +160,34 @@ def _unsupported_engine(name: str):
 
 torchtitan_actor_config = _unsupported_engine("torchtitan")
 veomni_actor_config = _unsupported_engine("veomni")
+
+
+_RESOLVED: dict[str, Any] = {}
+
+
+def resolve_actor_config(config) -> Any:
+    """``actor_rollout_ref.actor`` of the (OmegaConf) trainer config as verl's actor dataclass (ours, with
+    ``.selection``, the resolved rule), converted once per process for each content of the node.
+
+    The driver's checks, the trainer modes, the pre-pass swap and the loss installation all read the rule
+    from here. Keyed by the node's resolved content, so a node changed in place (e.g. ``calculate_entropy``
+    turned on by :func:`~verl_tokensel.verl_glue.install.prepare_driver_config`) is converted again.
+    """
+    from omegaconf import OmegaConf
+
+    from verl.utils.config import omega_conf_to_dataclass
+
+    node = config.actor_rollout_ref.actor
+    key = OmegaConf.to_yaml(node, resolve=True)
+    if key not in _RESOLVED:
+        _RESOLVED[key] = omega_conf_to_dataclass(node)
+    return _RESOLVED[key]
+
+
+def actor_selection(config) -> Optional[Selection]:
+    """The resolved selection rule of the trainer config (None for ``token_selector`` none / unset)."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None) in (None, "none"):
+        return None
+    return getattr(resolve_actor_config(config), "selection", None)

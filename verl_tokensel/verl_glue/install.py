@@ -12,12 +12,9 @@ can call it, so we hook the driver through verl's own extension points, one per 
   (after the workers are built, before the first weight sync). Our YAML selects
   ``tokensel_sync``. With ``score_source=rollout`` they also override ``_compute_old_log_prob`` and
   ``_update_actor`` (the driver selects; :mod:`verl_tokensel.verl_glue.rollout_source`).
-- v0 driver (``trainer.use_v1=false``): ``RayPPOTrainer`` builds its checkpoint-engine manager
-  from ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after ``init_model`` and hands
-  it the actor worker group. ``python -m verl_tokensel.main_ppo`` runs verl's own TaskRunner with
-  that key pointed at :class:`TokenselCheckpointEngineManager`, which installs the loss and then
-  behaves exactly like verl's manager; its TaskRunner also builds ``RayPPOTrainer`` as our subclass
-  (``score_source=rollout``, :mod:`verl_tokensel.verl_glue.rollout_source`).
+- v0 driver (``trainer.use_v1=false``, deprecated): its hooks (a checkpoint-engine manager that
+  calls :func:`install_actor_loss`, a ``RayPPOTrainer`` subclass, a TaskRunner) are fenced in
+  :mod:`verl_tokensel.verl_glue.v0`.
 
 Why not a worker-side hook: the only configurable object that reaches a worker's loss is the
 actor config, and verl's ``ppo_loss`` passes neither the entropy nor the dp group to a registered
@@ -33,6 +30,7 @@ from functools import partial
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from verl_tokensel.verl_glue.actor_config import resolve_actor_config
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 from verl_tokensel.verl_glue.rollout_source import (
     DriverSelector,
@@ -72,10 +70,8 @@ def validate_driver_config(config: DictConfig) -> None:
 
 def prepare_driver_config(config: DictConfig) -> None:
     """Driver-side adjustments, in place: turn on entropy for the update pass when needed."""
-    from verl.utils.config import omega_conf_to_dataclass
-
     prepare_rollout_config(config)
-    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    actor = resolve_actor_config(config)
     if getattr(actor, "needs_entropy", False) and not actor.calculate_entropy and actor.entropy_coeff == 0:
         # resolve_selection already refused this combination when auto_enable_entropy is false
         with open_dict(config):
@@ -86,10 +82,7 @@ def prepare_driver_config(config: DictConfig) -> None:
 
 def build_actor_loss(config: DictConfig):
     """``partial(tokensel_ppo_loss, config=<actor config dataclass>)`` for ``set_loss_fn``."""
-    from verl.utils.config import omega_conf_to_dataclass
-
-    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    return partial(tokensel_ppo_loss, config=actor)
+    return partial(tokensel_ppo_loss, config=resolve_actor_config(config))
 
 
 def install_actor_loss(actor_wg, config: DictConfig) -> None:
@@ -116,7 +109,8 @@ def register_v1_trainers() -> None:
         if name in TRAINER_REGISTRY:
             if getattr(TRAINER_REGISTRY[name], "_tokensel_base_mode", None) == base_mode:
                 continue
-            raise RuntimeError(f"verl trainer mode {name!r} is already registered by someone else; refusing to overwrite")
+            raise RuntimeError(
+                f"verl trainer mode {name!r} is already registered by someone else; refusing to overwrite")
         cls = type(
             f"Tokensel{base.__name__}",
             (_TokenselTrainerMixin, base),
@@ -170,32 +164,3 @@ class _TokenselTrainerMixin:
         if self.tokensel_driver is not None:
             batch = self.tokensel_driver.select_v1(batch, metrics)
         return super()._update_actor(batch, metrics)
-
-
-# ----------------------------------------------------------------------------- v0 driver
-def _checkpoint_manager_base():
-    from verl.checkpoint_engine import CheckpointEngineManager
-
-    return CheckpointEngineManager
-
-
-class TokenselCheckpointEngineManager(_checkpoint_manager_base()):
-    """verl's ``CheckpointEngineManager`` that first installs the selecting actor loss (v0 driver).
-
-    ``driver_config`` is set by :func:`verl_tokensel.main_ppo.run` in the TaskRunner process
-    before verl's ``RayPPOTrainer`` builds this manager.
-    """
-
-    driver_config: DictConfig | None = None
-
-    def __init__(self, config, actor_wg, replicas):
-        super().__init__(config=config, actor_wg=actor_wg, replicas=replicas)
-        if self.driver_config is None:
-            raise RuntimeError(
-                "TokenselCheckpointEngineManager was built without the trainer config; launch with "
-                "`python -m verl_tokensel.main_ppo`, which sets it."
-            )
-        install_actor_loss(actor_wg, self.driver_config)
-
-
-CHECKPOINT_MANAGER_FQN = f"{__name__}.TokenselCheckpointEngineManager"

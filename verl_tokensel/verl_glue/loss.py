@@ -24,6 +24,11 @@ How the mask acts (the clip maths stays verl's: the registered policy loss of
   then over the selected tokens, as in that code.
 - entropy bonus and KL loss see the mask only when ``mask_entropy_bonus`` / ``mask_kl_loss``.
 
+What is verl's and what is ours: the part of ``ppo_loss`` the selecting loss has to repeat (global batch
+info, metric aggregation, the entropy and KL terms) is one function, :func:`verl_ppo_loss_body`, pinned
+to verl's source by :data:`VERL_PPO_LOSS_SHA256` (a test fails when verl's ``ppo_loss`` changes); the
+rest of this module is the selection.
+
 ``token_selector=none`` calls verl's ``ppo_loss`` itself, so it is stock bit for bit; ratio 1.0
 with ``normaliser=all`` is bit-identical too (``where`` with an all-True mask is the identity in
 both directions).
@@ -117,21 +122,6 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     if sum_pi_squared is not None:
         sum_pi_squared = no_padding_2_padding(sum_pi_squared, data)
 
-    info = config.global_batch_info
-    info["dp_size"] = data["dp_size"]
-    info["batch_num_tokens"] = data["batch_num_tokens"]
-    info["global_batch_size"] = data["global_batch_size"]
-    info["loss_scale_factor"] = config.loss_scale_factor
-    if (
-        data["dp_size"] > 1
-        or data["batch_num_tokens"] is not None
-        or data["global_batch_size"] is not None
-        or config.loss_scale_factor is not None
-    ):
-        metric_aggregation = AggregationType.SUM
-    else:
-        metric_aggregation = AggregationType.MEAN
-
     fields = ["response_mask", "old_log_probs", "advantages"]
     if "rollout_is_weights" in data:
         fields.append("rollout_is_weights")
@@ -151,9 +141,6 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
             fields.append(SCORE_FIELD)
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
-    old_log_prob = padded["old_log_probs"]
-    advantages = padded["advantages"]
-    rollout_is_weights = padded.get("rollout_is_weights", None)
 
     # ---- score and select (no gradient) ----
     inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data,
@@ -168,52 +155,97 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     if observer is not None:
         observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data})
 
-    # ---- policy loss, via verl's registered loss for loss_mode ----
-    policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
+    # ---- policy loss, via verl's registered loss for loss_mode; only its inputs are ours ----
     gated_log_prob = torch.where(mask, log_prob, log_prob.detach())
-    loss_mask = response_mask
-    saved = info["batch_num_tokens"]
-    if sel.normaliser == "selected":
-        n_sel = int(mask.sum())
-        if n_sel > 0:
-            loss_mask = mask
-            if saved is not None:
-                info["batch_num_tokens"] = saved * n_sel / int(response_mask.sum())
-    try:
-        pg_loss, pg_metrics = policy_loss_fn(
-            old_log_prob=old_log_prob,
-            log_prob=gated_log_prob,
-            advantages=advantages,
-            response_mask=loss_mask,
-            loss_agg_mode=config.loss_agg_mode,
-            config=config,
-            rollout_is_weights=rollout_is_weights,
-        )
-    finally:
-        info["batch_num_tokens"] = saved
 
-    metrics = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
-    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
-    policy_loss = pg_loss
+    def policy_loss(info):
+        policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
+        loss_mask = response_mask
+        saved = info["batch_num_tokens"]
+        if sel.normaliser == "selected":
+            n_sel = int(mask.sum())
+            if n_sel > 0:
+                loss_mask = mask
+                if saved is not None:
+                    info["batch_num_tokens"] = saved * n_sel / int(response_mask.sum())
+        try:
+            return policy_loss_fn(
+                old_log_prob=padded["old_log_probs"],
+                log_prob=gated_log_prob,
+                advantages=padded["advantages"],
+                response_mask=loss_mask,
+                loss_agg_mode=config.loss_agg_mode,
+                config=config,
+                rollout_is_weights=padded.get("rollout_is_weights", None),
+            )
+        finally:
+            info["batch_num_tokens"] = saved
 
-    if entropy is not None:
-        ent_term = torch.where(mask, entropy, entropy.detach()) if sel.mask_entropy_bonus else entropy
-        entropy_loss = agg_loss(
-            loss_mat=ent_term, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info
-        )
-        policy_loss -= config.entropy_coeff * entropy_loss
-        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
-
-    if config.use_kl_loss:
-        kl_log_prob = gated_log_prob if sel.mask_kl_loss else log_prob
-        kld = kl_penalty(logprob=kl_log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=config.kl_loss_type)
-        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
-        policy_loss += kl_loss * config.kl_loss_coef
-        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
-        metrics["kl_coef"] = config.kl_loss_coef
+    ent_term = entropy
+    if entropy is not None and sel.mask_entropy_bonus:
+        ent_term = torch.where(mask, entropy, entropy.detach())
+    loss, metrics = verl_ppo_loss_body(
+        config, data, policy_loss, response_mask=response_mask, entropy=ent_term,
+        kl_log_prob=gated_log_prob if sel.mask_kl_loss else log_prob,
+        ref_log_prob=padded["ref_log_prob"] if config.use_kl_loss else None,
+    )
 
     # ---- selection metrics (per micro-batch, averaged over micro-batches and ranks) ----
     stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
     for key, value in stats.items():
         metrics[METRIC_PREFIX + key] = Metric(value=value, aggregation=AggregationType.MEAN)
-    return policy_loss, metrics
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The part of verl's ppo_loss that the selecting loss must repeat, kept in one place. Source: ppo_loss in
+# verl/workers/utils/losses.py, verl 0.9.1; its hash is pinned below and tests/test_loss_on_cpu.py fails when verl's
+# source changes ("re-check loss.py against verl's ppo_loss").
+# ---------------------------------------------------------------------------------------------------------------------
+#: sha256 of ``inspect.getsource(verl.workers.utils.losses.ppo_loss)`` this copy was checked against
+VERL_PPO_LOSS_SHA256 = "d7c0f8772b444f55a59975a1fae154c43a2dab4724a88c89d95237e0a128c561"
+
+
+def verl_ppo_loss_body(config, data: TensorDict, policy_loss, *, response_mask, entropy, kl_log_prob, ref_log_prob):
+    """verl's ``ppo_loss`` after its inputs are padded: global batch info, metric aggregation, the policy loss
+    term, the entropy bonus and the KL loss, in verl's order and with verl's metric names.
+
+    ``policy_loss(global_batch_info) -> (pg_loss, pg_metrics)`` calls verl's registered policy loss (the
+    selection chooses its log-prob and loss mask); ``entropy`` (or None) and ``kl_log_prob`` are the
+    ``(batch, response_len)`` tensors verl's entropy and KL terms would use, already gated by the caller when
+    ``mask_entropy_bonus`` / ``mask_kl_loss`` ask for it. Returns ``(loss, metrics)`` as ``ppo_loss`` does.
+    """
+    # global batch info for loss aggregation
+    info = config.global_batch_info
+    info["dp_size"] = data["dp_size"]
+    info["batch_num_tokens"] = data["batch_num_tokens"]
+    info["global_batch_size"] = data["global_batch_size"]
+    info["loss_scale_factor"] = config.loss_scale_factor
+    # any global batch info set: the losses normalise globally, so the metric is a SUM over micro-batches
+    if (
+        data["dp_size"] > 1
+        or data["batch_num_tokens"] is not None
+        or data["global_batch_size"] is not None
+        or config.loss_scale_factor is not None
+    ):
+        metric_aggregation = AggregationType.SUM
+    else:
+        metric_aggregation = AggregationType.MEAN
+
+    pg_loss, pg_metrics = policy_loss(info)
+    metrics = dict(Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN))
+    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=metric_aggregation)
+    loss = pg_loss
+
+    if entropy is not None:
+        entropy_loss = agg_loss(loss_mat=entropy, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
+        loss -= config.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=metric_aggregation)
+
+    if config.use_kl_loss:
+        kld = kl_penalty(logprob=kl_log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)
+        kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
+        loss += kl_loss * config.kl_loss_coef
+        metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)
+        metrics["kl_coef"] = config.kl_loss_coef
+    return loss, metrics

@@ -263,10 +263,9 @@ def use_prepass_workers(role_worker_mapping: dict) -> None:
 
 def selection_uses_prepass(config) -> bool:
     """Whether the (OmegaConf) trainer config selects with ``score_source=prepass``."""
-    from verl.utils.config import omega_conf_to_dataclass
+    from verl_tokensel.verl_glue.actor_config import actor_selection
 
-    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
-    sel = getattr(actor, "selection", None)
+    sel = actor_selection(config)
     return sel is not None and sel.score_source == "prepass"
 
 

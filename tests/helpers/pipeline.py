@@ -7,14 +7,14 @@
   advantages are non-zero and the policy really moves.
 * :func:`tiny_pipeline_overrides`: the model / data / batch-size overrides of such a run (two steps of
   GRPO, 4 prompts x 4 responses of at most 16 tokens). The CPU settings themselves come from the one
-  switch ``trainer.device=cpu`` (:mod:`verl_tokensel.verl_glue.cpu_pipeline`), added by
+  switch ``trainer.device=cpu`` (:mod:`verl_tokensel.cpu.pipeline`), added by
   :func:`verl_tokensel.launch.run_main_ppo`.
 
 Example (what ``tests/test_e2e_on_cpu.py`` does)::
 
     from pathlib import Path
     from verl_tokensel.launch import run_main_ppo
-    from verl_tokensel.testing.pipeline import prepare_tiny_run
+    from helpers.pipeline import prepare_tiny_run
 
     overrides = prepare_tiny_run(Path("/tmp/e2e"), token_selector="forking")
     run_main_ppo(overrides, timeout_s=600, log_path=Path("/tmp/e2e/run.log")).raise_for_status()
@@ -26,14 +26,14 @@ import random
 from pathlib import Path
 from typing import Optional
 
-from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
 __all__ = ["write_tiny_rl_dataset", "write_reward_file", "tiny_pipeline_overrides", "prepare_tiny_run", "REWARD_SOURCE"]
 
 DATA_SOURCE = "tokensel_tiny_arith"
 
 #: the reward file's source: digits share of the response, +1 when the answer appears in it
-REWARD_SOURCE = '''"""Dense toy reward for the tiny CPU pipeline (written by verl_tokensel.testing.pipeline)."""
+REWARD_SOURCE = '''"""Dense toy reward for the tiny CPU pipeline (written by helpers.pipeline)."""
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -122,7 +122,8 @@ def tiny_pipeline_overrides(
         f"{r}.n={rollout_n}",
         f"{r}.log_prob_micro_batch_size_per_gpu={train_batch_size * rollout_n}",
         f"{r}.max_model_len={max_prompt_length + max_response_length}",
-        f"{r}.max_num_batched_tokens={max(256, train_batch_size * rollout_n * (max_prompt_length + max_response_length))}",
+        f"{r}.max_num_batched_tokens="
+        f"{max(256, train_batch_size * rollout_n * (max_prompt_length + max_response_length))}",
         f"trainer.use_v1={str(use_v1).lower()}",
         f"trainer.total_training_steps={steps}",
         "trainer.total_epochs=1",

@@ -6,11 +6,11 @@ builds (steps 1, 3 and 6 there): a ``ResourcePoolManager`` with one ``global_poo
 ``RayClassWithInitArgs(config=config.actor_rollout_ref, role=..., distillation_config=...)``, fused by
 ``create_colocated_worker_cls`` into verl's ``WorkerDict`` actor, a ``RayWorkerGroup`` spawned per role, and
 ``init_model()`` on it. Nothing of verl is mocked; the CPU platform
-(:mod:`verl_tokensel.verl_glue.platform_cpu`) reaches the Ray workers through the job's ``runtime_env``.
+(:mod:`verl_tokensel.cpu.platform`) reaches the Ray workers through the job's ``runtime_env``.
 
 Typical use::
 
-    from verl_tokensel.testing import ray_actor as RA
+    from helpers import ray_actor as RA
     cfg = RA.compose_tokensel_config(model_dir, ["actor_rollout_ref.actor.token_selector=forking"])
     with RA.local_ray(cfg):                       # a NEW local Ray instance, shut down on exit
         wg = RA.build_actor_worker_group(cfg)     # role "actor": no rollout, no vLLM
@@ -18,19 +18,19 @@ Typical use::
         RA.metric_values(out, "tokensel/selected_fraction")
 
 Importing this module selects the CPU platform in this process (it imports
-:mod:`verl_tokensel.testing.cpu_worker`, see its side effects).
+:mod:`verl_tokensel.cpu.worker`, see its side effects).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import time
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_tokensel.testing import cpu_worker as H  # selects the CPU platform first
-from verl_tokensel.verl_glue import platform_cpu
+from verl_tokensel.cpu import worker as H  # selects the CPU platform first
+from verl_tokensel.cpu import batches as B
+from verl_tokensel.cpu import platform as cpu_platform
 
 ACTOR_ROLE = "actor"
 
@@ -51,7 +51,7 @@ def compose_tokensel_config(
 ):
     """OUR Hydra config (``verl_tokensel.config``/``tokensel_trainer``) with the CPU actor settings.
 
-    The CPU settings are :func:`verl_tokensel.testing.cpu_worker.cpu_actor_overrides` (fsdp2, fp32 incl.
+    The CPU settings are :func:`verl_tokensel.cpu.worker.cpu_actor_overrides` (fsdp2, fp32 incl.
     mixed precision, eager attention, no torch.compile, no gradient checkpointing, small micro-batches;
     ``actor_kwargs`` go there) plus one process on one node (``trainer.n_gpus_per_node=1``,
     ``trainer.nnodes=1``, ``trainer.device=cpu``). ``overrides`` come last. Cached per arguments; a deep
@@ -89,7 +89,7 @@ def ray_runtime_env(config=None, extra_env: Optional[dict[str, str]] = None) -> 
 
     env = get_ppo_ray_runtime_env(config)
     env_vars = dict(env.get("env_vars", {}))
-    env_vars.update(platform_cpu.enable_cpu_mode())
+    env_vars.update(cpu_platform.enable_cpu_mode())
     env_vars.setdefault("OMP_NUM_THREADS", "1")
     env_vars.setdefault("TOKENIZERS_PARALLELISM", "false")
     env_vars.update(extra_env or {})
@@ -235,10 +235,10 @@ def make_driver_batch(config, n: Optional[int] = None, seed: int = 0, fmt: str =
     (mini-batch size, epochs, seed, shuffle, temperature, ``calculate_entropy``) is read from ``config``
     as the drivers do (``actor.calculate_entropy or entropy_coeff != 0``).
     """
-    from verl_tokensel.testing import tiny_assets
+    from verl_tokensel.cpu import tiny_model
 
-    tokenizer = tiny_assets.load_tiny_tokenizer(config.actor_rollout_ref.model.path)
-    return H.make_config_batch(config, tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)
+    tokenizer = tiny_model.load_tiny_tokenizer(config.actor_rollout_ref.model.path)
+    return B.make_config_batch(config, tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)
 
 
 def metrics_of(output) -> dict:

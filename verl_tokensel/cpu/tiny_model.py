@@ -64,9 +64,11 @@ def math_corpus(n_lines: int = 2000, seed: int = 0) -> list[str]:
         op, sym, val = rng.choice([("plus", "+", a + b), ("minus", "-", a - b), ("times", "*", a * b)])
         kind = rng.randrange(4)
         if kind == 0:
-            lines.append(f"Question: What is {a} {op} {b}? Answer: {a} {sym} {b} = {val}. The answer is \\boxed{{{val}}}.")
+            lines.append(f"Question: What is {a} {op} {b}? Answer: {a} {sym} {b} = {val}. "
+                         f"The answer is \\boxed{{{val}}}.")
         elif kind == 1:
-            lines.append(f"Compute {a} {sym} {b}. Let's think step by step. {a} {sym} {b} = {val}. So the result is {val}.")
+            lines.append(f"Compute {a} {sym} {b}. Let's think step by step. {a} {sym} {b} = {val}. "
+                         f"So the result is {val}.")
         elif kind == 2:
             lines.append(f"#### {val}\n{a}{sym}{b}={val}")
         else:
@@ -179,7 +181,7 @@ def load_tiny_tokenizer(model_dir: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-if __name__ == "__main__":  # manual check: python tests/tiny_assets.py [dir]
+if __name__ == "__main__":  # manual check: python -m verl_tokensel.cpu.tiny_model [dir]
     import sys
     import time
 

@@ -1,0 +1,59 @@
+"""The plugin's two guarded steps: a fault in the CPU port can never switch token selection off on a host
+that does not ask for the CPU platform (a GPU cluster), and it is reported under its own message."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl")
+
+# every import of the CPU port fails in the child process, as a broken install or a bad edit would make it
+BREAK_CPU_PORT = "import sys; sys.modules['verl_tokensel.cpu'] = None\n"
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**base, **env})
+
+
+def test_cpu_port_fault_does_not_switch_selection_off_without_the_cpu_platform():
+    code = BREAK_CPU_PORT + (
+        "import verl\n"
+        "import verl_tokensel.plugin as p\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "assert p.LOAD_ERROR is None, p.LOAD_ERROR\n"
+        "assert p.CPU_LOAD_ERROR is None, p.CPU_LOAD_ERROR\n"
+        "assert get_trainer_cls('tokensel_sync').__name__ == 'TokenselPPOTrainerSync'\n"
+        "assert sys.modules['verl_tokensel.cpu'] is None\n"
+        "assert not [m for m in sys.modules if m.startswith('verl_tokensel.cpu.')]\n"
+    )
+    res = _run(code)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "failed to load" not in res.stderr
+
+
+def test_cpu_port_fault_is_reported_on_its_own_under_verl_platform_cpu():
+    code = BREAK_CPU_PORT + (
+        "import verl\n"
+        "import verl_tokensel.plugin as p\n"
+        "assert p.CPU_LOAD_ERROR is not None\n"
+    )
+    res = _run(code, VERL_PLATFORM="cpu")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "verl_tokensel: the CPU port (verl_tokensel.cpu) failed to load under VERL_PLATFORM=cpu" in res.stderr
+
+
+def test_selection_product_imports_no_cpu_port():
+    """The selection glue, the loss and the driver entry point load without the CPU port."""
+    code = BREAK_CPU_PORT + (
+        "import verl\n"
+        "import verl_tokensel.verl_glue.install, verl_tokensel.verl_glue.prepass, verl_tokensel.main_ppo\n"
+        "assert not [m for m in sys.modules if m.startswith('verl_tokensel.cpu.')]\n"
+    )
+    res = _run(code)
+    assert res.returncode == 0, res.stderr[-3000:]

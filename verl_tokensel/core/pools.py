@@ -1,0 +1,33 @@
+"""The pools a selection budget is taken from: scope and direction names, the budget, the world size.
+
+One home for what :mod:`~verl_tokensel.core.config` (validation), :mod:`~verl_tokensel.core.select` and
+:mod:`~verl_tokensel.core.dist_topk` (selection) all need, so neither of the last two imports the other
+for it. Pure torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch.distributed as dist
+
+DIRECTIONS = ("top", "bottom")
+SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "batch")
+
+
+def budget(ratio: float, n: int) -> int:
+    """Number of tokens kept from a pool of ``n``: ``ceil(ratio * n)`` clamped to ``[0, n]``.
+
+    A 1e-9 slack absorbs binary rounding (0.07 * 100 = 7.000000000000001 must give 7, not 8).
+    """
+    if n <= 0 or ratio <= 0:
+        return 0
+    return max(1, min(n, math.ceil(ratio * n - 1e-9)))
+
+
+def world_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks in ``group`` (``None``: torch's default group); 1 without an initialised process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)

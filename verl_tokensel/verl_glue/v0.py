@@ -1,0 +1,188 @@
+"""The deprecated v0 driver (``trainer.use_v1=false``, verl's ``RayPPOTrainer``): all of its glue, fenced here.
+
+The V1 driver has a trainer registry and an ``on_init_end`` hook; v0 has neither, so reaching its actor
+workers and its update step takes three hooks, each on a seam verl itself exposes (no verl file is edited)
+and each used only by ``python -m verl_tokensel.main_ppo`` with ``trainer.use_v1=false``:
+
+1. **Loss installation: a checkpoint-engine manager** (:class:`TokenselCheckpointEngineManager`).
+   ``RayPPOTrainer.init_workers`` builds its checkpoint-engine manager from the config key
+   ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after the actor workers' ``init_model``,
+   and hands it the actor worker group: the one place in v0 where our code meets that group before the
+   first update. The manager calls ``set_loss_fn`` (:func:`~verl_tokensel.verl_glue.install.install_actor_loss`)
+   and then behaves exactly like verl's. verl builds it with ``(config, actor_wg, replicas)`` only, so the
+   trainer config it needs is a class attribute, :attr:`TokenselCheckpointEngineManager.driver_config`,
+   set by our TaskRunner in its own process just before verl's ``run`` builds the trainer.
+2. **Driver-side selection: a ``RayPPOTrainer`` subclass** (:func:`tokensel_ray_ppo_trainer_class`,
+   ``score_source=rollout``). It keeps a copy of the old-policy entropy that ``fit`` pops after logging
+   ``actor/entropy`` (field :data:`V0_ENTROPY_FIELD`, which follows the rows) and, in ``_update_actor``,
+   adds the padded mask and scores to the ``DataProto`` (:func:`select_v0`) before verl's own
+   ``_update_actor`` sends it.
+3. **Building that subclass: a rebinding of one global of verl's ``TaskRunner.run``**
+   (:func:`v0_task_runner`). verl's ``run`` builds the trainer by the global name ``RayPPOTrainer``. Ray
+   ships our TaskRunner class and its base by value (verl's module attribute ``TaskRunner`` is the Ray actor
+   wrapper, not the class), so that ``run`` reads a private copy of its module globals: we set
+   ``RayPPOTrainer`` in the globals dict of the function that actually runs, inside the TaskRunner process
+   (verl's module itself is untouched). The same TaskRunner swaps in the pre-pass actor worker class for
+   ``score_source=prepass`` (``add_actor_rollout_worker``, as the V1 trainers' ``_init_resource_pool_mgr``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Optional
+
+import ray
+from omegaconf import DictConfig, open_dict
+
+from verl_tokensel.core.scores import row_keys_from_tokens
+from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
+from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
+from verl_tokensel.verl_glue.rollout_source import DriverSelector, column_as_list
+
+# the old-policy entropy kept past fit()'s pop of "entropys" (removed again before the update)
+V0_ENTROPY_FIELD = "tokensel_old_entropy"
+
+
+# ----------------------------------------------------------------------------- hook 1: the loss
+def _checkpoint_manager_base():
+    from verl.checkpoint_engine import CheckpointEngineManager
+
+    return CheckpointEngineManager
+
+
+class TokenselCheckpointEngineManager(_checkpoint_manager_base()):
+    """verl's ``CheckpointEngineManager`` that first installs the selecting actor loss (v0 driver).
+
+    ``driver_config`` is set by :func:`v0_task_runner`'s ``run`` in the TaskRunner process before verl's
+    ``RayPPOTrainer`` builds this manager.
+    """
+
+    driver_config: DictConfig | None = None
+
+    def __init__(self, config, actor_wg, replicas):
+        super().__init__(config=config, actor_wg=actor_wg, replicas=replicas)
+        if self.driver_config is None:
+            raise RuntimeError(
+                "TokenselCheckpointEngineManager was built without the trainer config; launch with "
+                "`python -m verl_tokensel.main_ppo`, which sets it."
+            )
+        install_actor_loss(actor_wg, self.driver_config)
+
+
+CHECKPOINT_MANAGER_FQN = f"{__name__}.TokenselCheckpointEngineManager"
+
+
+# ----------------------------------------------------------------------------- hook 2: the driver's selection
+def select_v0(driver: DriverSelector, batch, metrics: Optional[dict] = None) -> dict[str, float]:
+    """Add the padded mask and scores to a v0 update ``DataProto`` (in place); returns the metrics."""
+    t0 = time.time()
+    td = batch.batch
+    padded = {k: td[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights",
+                                 "ref_log_prob", "sum_pi_squared") if k in td.keys()}
+    if V0_ENTROPY_FIELD in td.keys():
+        padded["entropy"] = td.pop(V0_ENTROPY_FIELD)
+    width = padded["response_mask"].shape[1]
+    row_keys = None
+    if driver.spec.needs_row_keys:
+        ids, attn = td["input_ids"], td["attention_mask"].bool()
+        row_keys = row_keys_from_tokens([ids[i][attn[i]] for i in range(ids.shape[0])])
+    external = {}
+    if driver.spec.needs_external:
+        resp_attn = td["attention_mask"][:, -width:].bool()
+        prompt_attn = td["attention_mask"][:, : td["prompts"].shape[1]].bool()
+        prompts = [td["prompts"][i][prompt_attn[i]] for i in range(len(batch))]
+        responses = [td["responses"][i][resp_attn[i]] for i in range(len(batch))]
+        external = driver.external_fields(prompts, responses, width)
+    uids = column_as_list(batch.non_tensor_batch["uid"]) if "uid" in batch.non_tensor_batch else list(range(len(batch)))
+    result = driver.select_rows(padded, uids, row_keys, None, external)
+    td[MASK_FIELD] = result.mask
+    td[SCORE_FIELD] = result.scores
+    out = dict(result.metrics)
+    out["timing_s/tokensel_driver_select"] = time.time() - t0
+    if metrics is not None:
+        metrics.update(out)
+    return out
+
+
+@functools.cache
+def tokensel_ray_ppo_trainer_class():
+    """verl's v0 ``RayPPOTrainer`` with the driver-side selection before each actor update."""
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    class TokenselRayPPOTrainer(RayPPOTrainer):
+        """verl's ``RayPPOTrainer``; with ``score_source=rollout`` the driver selects before ``update_actor``."""
+
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.tokensel_driver = DriverSelector.from_config(self.config, trainer=self)
+
+        def _compute_old_log_prob(self, batch):
+            old_log_prob, mfu = super()._compute_old_log_prob(batch)
+            if self.tokensel_driver is not None:
+                # fit() pops "entropys" right after logging actor/entropy; keep a copy that follows the rows
+                old_log_prob.batch[V0_ENTROPY_FIELD] = old_log_prob.batch["entropys"].clone()
+            return old_log_prob, mfu
+
+        def _update_actor(self, batch):
+            if self.tokensel_driver is None:
+                return super()._update_actor(batch)
+            metrics = select_v0(self.tokensel_driver, batch)
+            output = super()._update_actor(batch)
+            output.meta_info["metrics"].update(metrics)
+            return output
+
+    return TokenselRayPPOTrainer
+
+
+# ----------------------------------------------------------------------------- hook 3: the TaskRunner
+def v0_task_runner():
+    """verl's v0 ``TaskRunner`` as a Ray actor class, with hooks 1-3 wired in (see the module docstring)."""
+    from verl.trainer.main_ppo_v0 import TaskRunner
+
+    base = getattr(TaskRunner, "__ray_actor_class__", TaskRunner)
+
+    class TokenselTaskRunner(base):
+        """verl's v0 TaskRunner; routes the checkpoint-engine manager through ours and, for
+        score_source=prepass, builds the actor workers with the pre-pass (verl_glue.prepass)."""
+
+        def add_actor_rollout_worker(self, config):
+            from verl_tokensel.verl_glue.prepass import (
+                selection_uses_prepass,
+                tokensel_worker_class,
+                use_prepass_workers,
+            )
+
+            actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)
+            if not selection_uses_prepass(config):
+                return actor_rollout_cls, group_cls
+            use_prepass_workers(self.role_worker_mapping)
+            return tokensel_worker_class(actor_rollout_cls), group_cls
+
+        def run(self, config):
+            current = config.actor_rollout_ref.rollout.get("checkpoint_manager_class")
+            if current and current != CHECKPOINT_MANAGER_FQN:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.checkpoint_manager_class={current!r} is set, but the v0 driver "
+                    f"needs {CHECKPOINT_MANAGER_FQN} to install the selecting loss. Fix: unset it or use "
+                    "trainer.use_v1=true."
+                )
+            with open_dict(config):
+                config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
+            prepare_driver_config(config)
+            TokenselCheckpointEngineManager.driver_config = config  # hook 1
+            # hook 3: the globals dict of the run() that actually executes in this process (see the docstring)
+            super().run.__func__.__globals__["RayPPOTrainer"] = tokensel_ray_ppo_trainer_class()
+            return super().run(config)
+
+    return ray.remote(TokenselTaskRunner)
+
+
+__all__ = [
+    "CHECKPOINT_MANAGER_FQN",
+    "TokenselCheckpointEngineManager",
+    "V0_ENTROPY_FIELD",
+    "select_v0",
+    "tokensel_ray_ppo_trainer_class",
+    "v0_task_runner",
+]
