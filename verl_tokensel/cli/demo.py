@@ -27,21 +27,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
 
-HELP = "run real verl GRPO on a tiny local model per preset and compare them (CPU, ~10 min)"
+HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
 DEFAULT_PRESETS = ("none", "forking", "gmts")
 REWARD_FN = "pkg://verl_tokensel.demo.reward"
 
-# Run shape: 8 prompts x 4 responses of <= 32 tokens per step, one PPO update per step.
-TRAIN_BATCH_SIZE = 8
-ROLLOUT_N = 4
+# Run shape: 16 prompts x 8 responses of <= 48 tokens per step, two PPO updates per step.
+TRAIN_BATCH_SIZE = 16
+ROLLOUT_N = 8
+PPO_MINI_BATCH_SIZE = 8
 MAX_PROMPT_LENGTH = 64
-MAX_RESPONSE_LENGTH = 32
+MAX_RESPONSE_LENGTH = 48
+# Actor learning rate: ten times verl's usual small-model value; the tiny warmed model needs it to move
+# its decision within a dozen steps (measured: see the module docstring).
+ACTOR_LR = 1e-3
+DEFAULT_STEPS = 12
 
 
 def preset_list(value: str) -> list[str]:
@@ -75,21 +81,30 @@ def _positive(kind):
 
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="./tokensel_demo",
-                        help="output folder: model, data, logs, results.json, demo.png (default ./tokensel_demo)")
+                        help="output folder: data, logs, rollouts, results.json, demo.png, view pages "
+                             "(default ./tokensel_demo)")
     parser.add_argument("--presets", type=preset_list, default=list(DEFAULT_PRESETS),
-                        help="comma-separated token_selector presets, run in this order (default none,forking,gmts)")
-    parser.add_argument("--steps", type=_positive(int), default=4, help="training steps per run (default 4)")
-    parser.add_argument("--timeout", type=_positive(float), default=600.0,
-                        help="seconds allowed per run, start-up and shutdown included (default 600; a run "
-                             "takes ~2 min on an idle 2-core machine)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the model, data split and trainer (default 0)")
+                        help="comma-separated token_selector presets, run in this order (default none,forking,gmts; "
+                             "also forking_bottom, random, forking_paper, grad_norm)")
+    parser.add_argument("--steps", type=_positive(int), default=DEFAULT_STEPS,
+                        help=f"GRPO training steps per run (default {DEFAULT_STEPS})")
+    parser.add_argument("--lr", type=_positive(float), default=ACTOR_LR,
+                        help=f"actor learning rate of the GRPO runs (default {ACTOR_LR:g})")
+    parser.add_argument("--timeout", type=_positive(float), default=900.0,
+                        help="seconds allowed per run, start-up and shutdown included (default 900; a run "
+                             "takes ~2.5 min on an idle 2-core machine)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model, warm-up, data split and trainer "
+                                                            "(default 0)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where the warmed model is cached, keyed by its settings "
+                             "(default $XDG_CACHE_HOME/verl_tokensel, i.e. ~/.cache/verl_tokensel)")
 
 
 def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path, steps: int,
-                   seed: int = 0) -> list[str]:
+                   seed: int = 0, lr: float = ACTOR_LR) -> list[str]:
     """The Hydra overrides of one demo run. The launcher adds the CPU switch (``trainer.device=cpu``) and
     verl's ``file`` logger (per-step metrics)."""
-    mini = TRAIN_BATCH_SIZE  # one PPO update per step
+    micro = PPO_MINI_BATCH_SIZE * ROLLOUT_N // 2
     return [
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
@@ -103,30 +118,38 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         f"actor_rollout_ref.actor.token_selector={preset}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mini * ROLLOUT_N // 2}",
-        "actor_rollout_ref.actor.optim.lr=1e-4",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={PPO_MINI_BATCH_SIZE}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.actor.optim.lr={lr:g}",
         "actor_rollout_ref.actor.use_kl_loss=False",
         "actor_rollout_ref.actor.entropy_coeff=0",
         # entropy in the update pass for every preset, so the table can compare selected vs unselected
         # tokens also for presets whose scores come from elsewhere (gmts: a pre-pass)
         "actor_rollout_ref.actor.calculate_entropy=True",
+        # the final policy as a HF folder, so the demo can measure its entropies on the last rollouts
+        "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]",
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mini * ROLLOUT_N // 2}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.max_model_len={MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH}",
-        f"actor_rollout_ref.rollout.max_num_batched_tokens={mini * ROLLOUT_N * (MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)}",
+        f"actor_rollout_ref.rollout.max_num_batched_tokens={TRAIN_BATCH_SIZE * ROLLOUT_N * (MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)}",
         f"reward.custom_reward_function.path={REWARD_FN}",
         "reward.custom_reward_function.name=compute_score",
         f"trainer.total_training_steps={steps}",
-        "trainer.total_epochs=1",
+        "trainer.total_epochs=100",  # the step count ends the run (one epoch is 13 steps)
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
-        "trainer.save_freq=-1",
+        f"trainer.save_freq={steps}",
         "trainer.resume_mode=disable",
         "trainer.project_name=tokensel_demo",
         f"trainer.experiment_name={preset}",
         f"trainer.default_local_dir={out / 'checkpoints' / preset}",
+        f"trainer.rollout_data_dir={out / 'rollouts' / preset}",
     ]
+
+
+def final_model_dir(out: Path, preset: str, steps: int) -> Path:
+    """Where verl saved the run's final policy as a HF folder (``checkpoint.save_contents=[hf_model]``)."""
+    return out / "checkpoints" / preset / f"global_step_{steps}" / "actor" / "huggingface"
 
 
 class _Progress:
@@ -192,22 +215,33 @@ def run(args) -> int:
     from verl_tokensel import launch
     from verl_tokensel.demo import report
     from verl_tokensel.demo.dataset import write_dataset
-    from verl_tokensel.testing.tiny_assets import build_tiny_model_dir
+    from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
+    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
 
     progress = _Progress()
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    progress(f"building the tiny model and tokenizer in {out / 'model'}")
-    model_dir = build_tiny_model_dir(out / "model", seed=args.seed)
-    train, val = write_dataset(out / "data", seed=args.seed)
+    cfg = WarmupConfig(seed=args.seed)
+    progress(f"warm start: supervised warm-up of the tiny model ({cfg.steps} steps, cached by its settings)")
+    try:
+        model_dir, warm = warm_model_dir(cfg, cache_dir=args.cache_dir, progress=progress)
+    except Exception as e:  # noqa: BLE001
+        print(f"\nerror: the warm-up of the tiny model failed ({type(e).__name__}: {e}); nothing was trained "
+              "with verl. Fix: rerun with --cache-dir pointing at a writable folder.", file=sys.stderr)
+        return 1
+    progress(f"warm model {model_dir}: accuracy {warm['accuracy']:.3f} at temperature 1 on the "
+             f"{warm['problems']} training problems")
+    train, val = write_dataset(out / "data", n_val=cfg.n_val, seed=args.seed)
     progress(f"wrote {train} and {val}")
 
-    runs, rows = {}, []
+    runs, rows, analyses = {}, [], {}
     for i, preset in enumerate(args.presets, 1):
         label = f"[{i}/{len(args.presets)}] {preset}"
         log_path = out / "logs" / f"{preset}.log"
         progress(f"{label}: verl GRPO, {args.steps} steps, log {log_path}")
-        overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed)
+        shutil.rmtree(out / "rollouts" / preset, ignore_errors=True)
+        shutil.rmtree(out / "checkpoints" / preset, ignore_errors=True)
+        overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed, lr=args.lr)
         try:
             result = _run_one(launch, overrides, log_path, args.timeout, progress, label, args.steps)
         except Exception as e:  # noqa: BLE001
@@ -219,18 +253,42 @@ def run(args) -> int:
             progress(f"{label}: warning: all {args.steps} steps were logged but verl did not exit within "
                      f"--timeout {args.timeout:.0f} s (killed while {result.last_stage or 'finishing'}); "
                      "using its metrics")
+        progress(f"{label}: done in {result.wall_s:.0f} s; scoring the last step's rollouts")
+        dump = last_step_file(out / "rollouts" / preset)
+        final = final_model_dir(out, preset, args.steps)
+        analysis = None
+        if dump is None:
+            progress(f"{label}: warning: verl dumped no rollouts in {out / 'rollouts' / preset}; no entropy statistics")
+        else:
+            scorer = final if (final / "config.json").is_file() else Path(model_dir)
+            if scorer != final:
+                progress(f"{label}: warning: no final checkpoint at {final}; scoring under the warm start")
+            try:
+                analysis = analyse_rollouts(dump, scorer, preset, out / f"view_{preset}.html")
+                analysis["scored_with"] = "final policy" if scorer == final else "warm start"
+            except Exception as e:  # noqa: BLE001
+                return _fail(preset, result.log_path, f"the analysis of its rollouts {dump} failed "
+                                                      f"({type(e).__name__}: {e})")
         runs[preset] = result.steps
-        rows.append(report.summarise(preset, result.steps, wall_s=result.wall_s))
-        progress(f"{label}: done in {result.wall_s:.0f} s")
+        analyses[preset] = analysis
+        rows.append(report.summarise(preset, result.steps, wall_s=result.wall_s, rollouts=analysis,
+                                     responses_per_step=TRAIN_BATCH_SIZE * ROLLOUT_N))
 
     table = report.format_table(rows)
     png = report.plot(runs, out / "demo.png")
-    (out / "results.json").write_text(json.dumps({"summary": report.to_json(rows), "steps": runs}, indent=1))
+    (out / "results.json").write_text(json.dumps(
+        {"summary": report.to_json(rows), "warm_start": {"model": model_dir, **warm}, "rollouts": analyses,
+         "steps": runs}, indent=1))
     print()
+    print(f"warm start: accuracy {warm['accuracy']:.3f} at temperature 1 ({model_dir})")
     print(table)
     print()
     print(report.TABLE_NOTE)
-    print(f"\nplot: {png}\nresults: {out / 'results.json'}\nlogs: {out / 'logs'}")
+    print(f"\nreward curves: {png}")
+    for preset, analysis in analyses.items():
+        if analysis is not None:
+            print(f"view ({preset}, last step's rollouts, selected tokens marked): {analysis['html']}")
+    print(f"results: {out / 'results.json'}\nlogs: {out / 'logs'}")
     print(f"total wall time: {time.monotonic() - progress.t0:.0f} s")
     return 0
 
