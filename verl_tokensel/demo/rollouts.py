@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,21 @@ def last_step_file(dump_dir: str | Path) -> Optional[Path]:
     """The ``<step>.jsonl`` with the highest step in ``dump_dir``, or None."""
     files = [p for p in Path(dump_dir).glob("*.jsonl") if p.stem.isdigit()]
     return max(files, key=lambda p: int(p.stem)) if files else None
+
+
+# verl dumps the prompt decoded without special tokens: the ChatML markers of the chat template are gone
+_DUMPED_CHAT = re.compile(r"^user\n(.*)\nassistant\n?$", re.S)
+
+
+def prompt_ids(tokenizer, dumped_prompt: str, fallback: list[int]) -> list[int]:
+    """The prompt ids the policy saw: the chat template re-applied to the user message of a verl dump's
+    ``input`` (``"user\\n<message>\\nassistant\\n"``), else ``fallback`` (the text as it is)."""
+    m = _DUMPED_CHAT.match(dumped_prompt)
+    if not m:
+        return fallback
+    text = tokenizer.apply_chat_template([{"role": "user", "content": m.group(1)}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_path: str | Path) -> dict:
@@ -46,7 +62,8 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     sel = PRESETS[preset]
     records = io.load_records(data)
     tokenizer = io.load_tokenizer(model_dir)
-    pairs = io.tokenize_records(tokenizer, records)
+    pairs = [(prompt_ids(tokenizer, rec.prompt, list(p)), list(r))
+             for rec, (p, r) in zip(records, io.tokenize_records(tokenizer, records))]
     model = io.load_model(model_dir, device="cpu")
     advantages, adv_source = _advantages(records)
     with torch.no_grad():
