@@ -45,9 +45,9 @@ class WarmupConfig:
 
     #: probability that a warm-up trace writes the correct value at the decision (else a near miss);
     #: the warmed model's accuracy at temperature 1 is about this when the problems are learned
-    q: float = 0.4
+    q: float = 0.5
     #: optimizer steps
-    steps: int = 400
+    steps: int = 1000
     #: traces per step
     batch_size: int = 32
     #: peak AdamW learning rate (cosine-decayed to a tenth over the second half)
