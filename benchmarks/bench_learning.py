@@ -92,6 +92,34 @@ def run_one(preset: str, seed: int, steps: int, lr: float, model_dir: str, out: 
             "scored_with": "final policy" if scorer == final else "warm start"}
 
 
+def null_noise(model_dir: str, steps: int, seed: int = 0) -> dict:
+    """Per-step reward of the warm start when nothing is learned: ``steps`` independent GRPO-shaped batches
+    (16 training prompts drawn at random, 8 answers each at temperature 1, sampled with HF ``generate``:
+    the policy's own distribution, as vLLM samples it), scored with the demo's reward. Returns the per-step
+    rewards, their sd, and the sd of ``mean(last k) - mean(first k)`` it implies for k = 1 and 3."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
+    from verl_tokensel.demo.warmup import WarmupConfig, sample_accuracy, train_problems
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    problems = train_problems(WarmupConfig())
+    rng = random.Random(seed)
+    rewards = []
+    for step in range(steps):
+        batch = [p for p in rng.sample(problems, TRAIN_BATCH_SIZE) for _ in range(ROLLOUT_N)]
+        rewards.append(sample_accuracy(model, tok, batch, seed=seed * 100003 + step, batch_size=len(batch)))
+        print(f"[null] step {step + 1}/{steps}: reward {rewards[-1]:.3f}", file=sys.stderr, flush=True)
+    sd = statistics.stdev(rewards)
+    return {"steps": steps, "seed": seed, "rewards": rewards, "mean": statistics.fmean(rewards), "sd_step": sd,
+            "sd_gain_k1": sd * 2 ** 0.5, "sd_gain_k3": sd * (2 / 3) ** 0.5}
+
+
 def main(argv=None) -> int:
     from verl_tokensel.cli.demo import ACTOR_LR, ROLLOUT_N, TRAIN_BATCH_SIZE, preset_list
     from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
@@ -105,6 +133,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="results file, read and extended (runs in it are skipped)")
     p.add_argument("--cache-dir", default=None, help="warm-start cache (default: the demo's)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
+    p.add_argument("--null-steps", type=int, default=0,
+                   help="only measure the no-learning noise of the per-step reward over this many batches "
+                        "(no verl run; the basis of tests/test_learning_on_cpu.py's threshold)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
 
@@ -114,6 +145,15 @@ def main(argv=None) -> int:
     model_dir, warm = warm_model_dir(WarmupConfig(), cache_dir=args.cache_dir)
     record["warm_start"] = {k: warm[k] for k in ("config", "accuracy", "problems")}
     print(f"warm start {model_dir}: accuracy {warm['accuracy']:.3f} at temperature 1", file=sys.stderr)
+    if args.null_steps:
+        record["null"] = null_noise(model_dir, args.null_steps, seed=seeds[0])
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record, indent=1))
+        n = record["null"]
+        print(f"no-learning per-step reward over {n['steps']} batches: mean {n['mean']:.3f}, sd {n['sd_step']:.4f}; "
+              f"sd of last-minus-first: {n['sd_gain_k1']:.4f} (1 step each end), {n['sd_gain_k3']:.4f} (3 steps)")
+        return 0
     out = Path(args.out)
     for seed in seeds:  # seed-major: a partial benchmark still has every preset
         for preset in args.presets:
