@@ -447,7 +447,7 @@ def test_demo_overrides_compose(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_demo_end_to_end(tmp_path):
-    """Three real verl GRPO pipelines on CPU (~10 min, ~6 GB each, one at a time)."""
+    """Warm-up plus three real verl GRPO pipelines on CPU (~10-15 min, ~6 GB each, one at a time)."""
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "verl_tokensel.cli.main", "demo", "--out", str(out), "--steps", "2"],
                           capture_output=True, text=True, timeout=1400, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -462,3 +462,11 @@ def test_demo_end_to_end(tmp_path):
         assert rows[preset]["entropy_selected"] is not None and rows[preset]["entropy_unselected"] is not None
     assert all(r["steps"] == 2 and r["reward_mean"] is not None for r in rows.values())
     assert (out / "demo.png").exists()
+    for preset, row in rows.items():
+        assert row["reward_first"] is not None and row["reward_last"] is not None
+        # the warm start's structure: most response tokens near-deterministic, the decision a few percent
+        assert row["entropy_below_0_01_share"] > 0.5 and 0 < row["decision_token_share"] < 0.1, row
+        assert results["rollouts"][preset]["scored_with"] == "final policy"  # verl saved the HF checkpoint
+        assert (out / f"view_{preset}.html").exists()
+    # forking keeps the top 20% by entropy: the decision tokens are among them
+    assert rows["forking"]["selected_on_decision_share"] > 2 * rows["forking"]["decision_token_share"]
