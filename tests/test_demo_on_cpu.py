@@ -188,14 +188,14 @@ def test_warm_up_learns_the_template_and_is_cached(tmp_path):
     """A short warm-up: the template becomes near-deterministic, the cache is keyed by the settings."""
     from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
 
-    cfg = WarmupConfig(steps=60, batch_size=16)
+    cfg = WarmupConfig(steps=150, batch_size=16)
     path, info = warm_model_dir(cfg, cache_dir=tmp_path)
     assert Path(path).name == f"warm-{cfg.key()}" and info["problems"] == 223
-    assert info["final_loss"] < 0.5  # from ~6 (uniform over 384 tokens); the floor is ~0.05
+    assert info["final_loss"] < 1.0  # from ~6 (uniform over 384 tokens); the noisy-label floor is ~0.04
     assert 0.0 <= info["accuracy"] <= 1.0
     again, info2 = warm_model_dir(cfg, cache_dir=tmp_path)
     assert again == path and info2 == info  # reused, not retrained
-    assert WarmupConfig(steps=61, batch_size=16).key() != cfg.key() and WarmupConfig(q=0.5).key() != WarmupConfig().key()
+    assert WarmupConfig(steps=151, batch_size=16).key() != cfg.key() and WarmupConfig(q=0.3).key() != WarmupConfig().key()
     with pytest.raises(ValueError, match="q="):
         WarmupConfig(q=0.0)
 
