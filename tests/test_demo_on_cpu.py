@@ -263,6 +263,12 @@ def test_noise_margin():
     row = report.summarise("forking", [{"critic/score/mean": 0.40}, {"critic/score/mean": 0.48}],
                            responses_per_step=128)
     assert row.reward_gain == pytest.approx(0.08) and row.learned is False  # 0.08 < 2 SE = 0.124
+    # 8 steps: means of the first 3 (0.4) and last 3 (0.5) over 384 answers each; 2 SE = 0.0714
+    rewards = [0.3, 0.5, 0.4, 0.9, 0.0, 0.45, 0.5, 0.55]
+    row = report.summarise("forking", [{"critic/score/mean": r} for r in rewards], responses_per_step=128)
+    assert row.reward_first == 0.3 and row.reward_last == 0.55
+    assert row.reward_gain == pytest.approx(0.1) and row.noise_margin == pytest.approx(0.0714, abs=1e-4)
+    assert row.learned is True
 
 
 def test_metric_lookup():
@@ -387,7 +393,7 @@ def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys, ra
                     "selected_on_decision_share", "decision_token_share"):
             assert row[key] is not None, (row["preset"], key)
         assert 0 < row["decision_token_share"] < 0.2
-        # fake rewards 0.0 -> 0.1 with 128 answers a step: gain 0.1 > 2 SE = 2 sqrt(0.09 / 128) = 0.053
+        # fake rewards 0.0 -> 0.1 (k = 1 of 2 steps), 128 answers a step: gain 0.1 > 2 sqrt(0.09 / 128) = 0.053
         assert row["reward_gain"] == pytest.approx(0.1) and row["noise_margin"] == pytest.approx(0.053, abs=1e-3)
         assert row["learned"] is True
     rows = {r["preset"]: r for r in results["summary"]}

@@ -61,7 +61,9 @@ class PresetSummary:
     ``perf/throughput`` averaged over the steps after the first (the first one warms up).
     ``entropy_below_0_01_share``, ``entropy_p80``, ``decision_token_share`` and
     ``selected_on_decision_share`` come from the last step's rollouts (:mod:`.rollouts`).
-    ``learned`` is True when ``reward_last - reward_first`` exceeds :func:`noise_margin`.
+    ``reward_gain`` is the mean reward of the last ``k`` steps minus that of the first ``k``
+    (``k = min(3, steps // 2)``: one step's reward carries ~0.04 of sampling noise); ``learned`` is True
+    when it exceeds :func:`noise_margin`.
     """
 
     preset: str
@@ -86,8 +88,11 @@ class PresetSummary:
 
 def noise_margin(first: float, last: float, n: int) -> float:
     """Two standard errors of ``last - first`` when each is a mean of ``n`` independent 0/1 rewards:
-    ``2 sqrt(p1 (1 - p1) / n + p2 (1 - p2) / n)`` (binomial sampling noise of one step's reward)."""
+    ``2 sqrt(p1 (1 - p1) / n + p2 (1 - p2) / n)`` (binomial sampling noise of the answers)."""
     return 2.0 * math.sqrt((first * (1 - first) + last * (1 - last)) / n)
+
+
+GAIN_STEPS = 3
 
 
 def summarise(preset: str, steps: Sequence[StepMetrics], wall_s: Optional[float] = None,
@@ -103,10 +108,13 @@ def summarise(preset: str, steps: Sequence[StepMetrics], wall_s: Optional[float]
     first = next((r for r in rewards if r is not None), None)
     last = next((r for r in reversed(rewards) if r is not None), None)
     gain = margin = learned = None
-    if first is not None and last is not None and len(steps) > 1:
-        gain = last - first
+    known = [r for r in rewards if r is not None]
+    k = min(GAIN_STEPS, len(known) // 2)
+    if k:
+        head, tail = _mean(known[:k]), _mean(known[-k:])
+        gain = tail - head
         if responses_per_step:
-            margin = noise_margin(first, last, responses_per_step)
+            margin = noise_margin(head, tail, k * responses_per_step)
             learned = gain > margin
     roll = rollouts or {}
     return PresetSummary(
@@ -142,6 +150,7 @@ COLUMNS = (  # (header, attribute or function, format)
     ("steps", "steps", "{:d}"),
     ("reward first", "reward_first", "{:.3f}"),
     ("reward last", "reward_last", "{:.3f}"),
+    ("gain", "reward_gain", "{:+.3f}"),
     ("learned", _learned_cell, "{}"),
     ("selected", "selected_fraction", "{:.3f}"),
     ("H<0.01", "entropy_below_0_01_share", "{:.3f}"),
@@ -155,8 +164,9 @@ COLUMNS = (  # (header, attribute or function, format)
 )
 
 TABLE_NOTE = (
-    "reward: verl's critic/score/mean (share of correct answers) at the first and last step; learned: yes when\n"
-    "  last - first > 2 standard errors of that difference (binomial noise of the step's responses);\n"
+    "reward: verl's critic/score/mean (share of correct answers) at the first and last step; gain: mean of the\n"
+    "  last 3 steps minus mean of the first 3; learned: yes when the gain exceeds 2 standard errors of the\n"
+    "  answers' binomial sampling noise (no: the rise, if any, is within noise);\n"
     "selected: fraction of response tokens that got gradient (none = stock verl, all tokens);\n"
     "H<0.01 / H p80: share of the last step's response tokens with entropy < 0.01 nats / 80th-percentile\n"
     "  entropy (nats), under the final policy (the 80/20 paper's two statistics);\n"
