@@ -19,7 +19,9 @@ the reward per step is a mean over 128 answers to 16 prompts, so one step's rewa
 noise of about 0.04 (the table's "gain" spread includes it); no validation set.
 
 ``--json`` accumulates: runs already in the file (same preset, seed, steps and lr) are not rerun, so the
-benchmark can be run in parts. The file records the command line of every part.
+benchmark can be run in parts. The file records the command line of every part. ``--from-demo DIR`` adds
+the runs of a ``verl-tokensel demo --out DIR`` (same pipeline and settings: seed 0 with the demo's default
+``--seed``) when their steps and lr match, marked ``"source": "demo"``.
 """
 
 from __future__ import annotations
@@ -120,6 +122,28 @@ def null_noise(model_dir: str, steps: int, seed: int = 0) -> dict:
             "sd_gain_k1": sd * 2 ** 0.5, "sd_gain_k3": sd * (2 / 3) ** 0.5}
 
 
+def _import_demo(record: dict, demo_out: Path, steps: int, lr: float) -> None:
+    """Add a demo's runs (``results.json``) as seed-0 runs, re-summarised with the same code as a bench run."""
+    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
+    from verl_tokensel.demo import report
+
+    from verl_tokensel.cli.demo import ACTOR_LR
+
+    demo = json.loads((demo_out / "results.json").read_text())
+    settings = demo.get("settings", {"lr": ACTOR_LR, "seed": 0})  # older results.json: the demo's defaults
+    if settings["lr"] != lr or settings["seed"] != 0:
+        return
+    for preset, metrics in demo["steps"].items():
+        if len(metrics) != steps or any((r["preset"], r["seed"], r["steps"], r["lr"]) == (preset, 0, steps, lr)
+                                        for r in record["runs"]):
+            continue
+        analysis = demo["rollouts"].get(preset)
+        row = report.summarise(preset, metrics, rollouts=analysis, responses_per_step=TRAIN_BATCH_SIZE * ROLLOUT_N)
+        record["runs"].append({**report.to_json([row])[0], "seed": 0, "lr": lr, "source": "demo",
+                               "rewards": [report.metric(s, *report.REWARD_KEYS) for s in metrics],
+                               "scored_with": (analysis or {}).get("scored_with")})
+
+
 def main(argv=None) -> int:
     from verl_tokensel.cli.demo import ACTOR_LR, ROLLOUT_N, TRAIN_BATCH_SIZE, preset_list
     from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
@@ -133,6 +157,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="results file, read and extended (runs in it are skipped)")
     p.add_argument("--cache-dir", default=None, help="warm-start cache (default: the demo's)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
+    p.add_argument("--from-demo", default=None, help="a demo's --out folder whose runs count as seed 0")
     p.add_argument("--null-steps", type=int, default=0,
                    help="only measure the no-learning noise of the per-step reward over this many batches "
                         "(no verl run; the basis of tests/test_learning_on_cpu.py's threshold)")
@@ -154,6 +179,8 @@ def main(argv=None) -> int:
         print(f"no-learning per-step reward over {n['steps']} batches: mean {n['mean']:.3f}, sd {n['sd_step']:.4f}; "
               f"sd of last-minus-first: {n['sd_gain_k1']:.4f} (1 step each end), {n['sd_gain_k3']:.4f} (3 steps)")
         return 0
+    if args.from_demo:
+        _import_demo(record, Path(args.from_demo), args.steps, args.lr)
     out = Path(args.out)
     for seed in seeds:  # seed-major: a partial benchmark still has every preset
         for preset in args.presets:

@@ -281,7 +281,9 @@ def run(args) -> int:
     table = report.format_table(rows)
     png = report.plot(runs, out / "demo.png")
     (out / "results.json").write_text(json.dumps(
-        {"summary": report.to_json(rows), "warm_start": {"model": model_dir, **warm}, "rollouts": analyses,
+        {"settings": {"steps": args.steps, "lr": args.lr, "seed": args.seed, "train_batch_size": TRAIN_BATCH_SIZE,
+                      "rollout_n": ROLLOUT_N, "ppo_mini_batch_size": PPO_MINI_BATCH_SIZE},
+         "summary": report.to_json(rows), "warm_start": {"model": model_dir, **warm}, "rollouts": analyses,
          "steps": runs}, indent=1))
     print()
     print(f"warm start: accuracy {warm['accuracy']:.3f} at temperature 1 ({model_dir})")
