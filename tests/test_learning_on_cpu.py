@@ -9,7 +9,7 @@ fails this test; so does a warm start that lost its structure.
 
 Statistic: ``gain`` = mean reward of the last 4 steps minus mean reward of the first 4 steps (each step's
 reward is the mean over 16 prompts x 8 answers). Threshold basis: see ``SD_STEP_NULL`` and ``THRESHOLD``.
-One pipeline run: ~3.5 min on a quiet 2-core machine, ~7 under load.
+One pipeline run of 20 steps; marked ``slow`` (see the test for the measured run and why).
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ def test_gain_statistic():
     assert _gain([0.3] * 10) == 0.0
 
 
+# slow: one pipeline run of 20 steps (~15 min on a busy 2-core machine with a cold warm-up cache), and its
+# pass rate over seeds is not measured yet: its one measured run (2026-12-01) passed with gain 0.1405
+# (first 4 steps 0.356, last 4 0.496) against the threshold 0.121, i.e. 4.65 null sd, not a wide margin.
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_forking_grpo_raises_reward(tmp_path):
     from verl_tokensel import launch
