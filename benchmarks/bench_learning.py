@@ -10,8 +10,9 @@ the random-20% control the paper lacks and GMTS: the demo's warm-started tiny Qw
 (:mod:`verl_tokensel.demo.warmup`: a templated trace with one uncertain decision), the demo's GRPO
 settings (:func:`verl_tokensel.cli.demo.demo_overrides`), ``--steps`` steps per run. Per preset it prints
 the mean and spread (sample standard deviation over seeds) of the final reward and of the reward gain
-(last step minus first step), side by side, plus the last step's entropy statistics (share < 0.01 nats,
-80th percentile) and the share of selected tokens on the decision. Whatever it shows is reported as is.
+(mean of the last 3 steps minus mean of the first 3, as in the demo's table), side by side, plus the
+last step's entropy statistics (share < 0.01 nats, 80th percentile) and the share of selected tokens on
+the decision. Whatever it shows is reported as is.
 
 Simplifications: the seed changes the data order, the rollout sampling and the trainer, not the warm
 start (one warmed model, seed 0, for every run: the comparison is between presets from the same start);
@@ -50,7 +51,7 @@ def _pm(mean, sd, digits=3):
 
 
 def table(runs: list[dict], presets) -> str:
-    head = ("preset", "seeds", "reward first", "reward last", "gain (last - first)", "H<0.01", "H p80",
+    head = ("preset", "seeds", "reward first", "reward last", "gain (last 3 - first 3)", "H<0.01", "H p80",
             "sel on dec", "dec share")
     lines = [head]
     for preset in presets:
