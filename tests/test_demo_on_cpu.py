@@ -147,6 +147,85 @@ def test_reward_loads_through_verl_config_path():
     assert fn(DATA_SOURCE, "\\boxed{5}", "5", extra_info=None) == 1.0
 
 
+# ---------------------------------------------------------------- task and warm start
+
+def test_trace_template_and_decision_span():
+    from verl_tokensel.demo.task import decision_span, trace
+
+    text = trace("3 * 4", 12)
+    assert text == "Compute 3 * 4. Let's think step by step. 3 * 4 = 12. So the answer is \\boxed{12}."
+    start, end = decision_span(text)
+    assert text[start:end] == "12" and text[:start].endswith("3 * 4 = ")
+    assert compute_score(DATA_SOURCE, text, "12") == 1.0 and compute_score(DATA_SOURCE, trace("3 * 4", 13), "12") == 0.0
+    assert decision_span("the answer is \\boxed{12}") is None
+
+
+def test_noisy_value_distribution():
+    from verl_tokensel.demo.task import NEAR_MISS_OFFSETS, noisy_value
+
+    rng = random.Random(0)
+    draws = [noisy_value(7, 0.4, rng) for _ in range(20000)]
+    assert abs(draws.count(7) / len(draws) - 0.4) < 0.015  # binomial SE 0.0035
+    assert set(draws) == {7 + d for d in NEAR_MISS_OFFSETS} | {7}
+    assert set(noisy_value(0, 0.0001, rng) for _ in range(200)) <= {0, 1, 2}  # no negative answers
+
+
+def test_decision_token_mask(tiny_tokenizer):
+    from verl_tokensel.cli.view import token_texts
+    from verl_tokensel.demo.task import decision_token_mask, trace
+
+    text = trace("9 * 9", 81)
+    ids = tiny_tokenizer(text)["input_ids"]
+    texts = token_texts(tiny_tokenizer, tiny_tokenizer("x")["input_ids"], ids)
+    assert "".join(texts) == text
+    mask = decision_token_mask(texts, text)
+    # digits are single tokens in a Qwen2 tokenizer: "81" after "=" is two decision tokens
+    assert [t for t, m in zip(texts, mask) if m] == ["8", "1"]
+    assert not any(decision_token_mask(texts[:5], "".join(texts[:5])))
+
+
+def test_warm_up_learns_the_template_and_is_cached(tmp_path):
+    """A short warm-up: the template becomes near-deterministic, the cache is keyed by the settings."""
+    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
+
+    cfg = WarmupConfig(steps=150, batch_size=16)
+    path, info = warm_model_dir(cfg, cache_dir=tmp_path)
+    assert Path(path).name == f"warm-{cfg.key()}" and info["problems"] == 223
+    assert info["final_loss"] < 1.0  # from ~6 (uniform over 384 tokens); the noisy-label floor is ~0.04
+    assert 0.0 <= info["accuracy"] <= 1.0
+    again, info2 = warm_model_dir(cfg, cache_dir=tmp_path)
+    assert again == path and info2 == info  # reused, not retrained
+    assert WarmupConfig(steps=151, batch_size=16).key() != cfg.key()
+    assert WarmupConfig(q=0.3).key() != WarmupConfig().key()
+    with pytest.raises(ValueError, match="q="):
+        WarmupConfig(q=0.0)
+
+
+def test_analyse_rollouts_on_a_dump(tmp_path):
+    """Shares over a dump of templated answers, under the random tiny model."""
+    from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+
+    model = build_tiny_model_dir(tmp_path / "tiny")
+    _write_fake_dump(tmp_path / "dump", 3)
+    _write_fake_dump(tmp_path / "dump", 12)
+    dump = last_step_file(tmp_path / "dump")
+    assert dump.name == "12.jsonl"
+    none = analyse_rollouts(dump, model, "none", tmp_path / "none.html")
+    fork = analyse_rollouts(dump, model, "forking", tmp_path / "fork.html")
+    bottom = analyse_rollouts(dump, model, "forking_bottom", tmp_path / "bottom.html")
+    assert none["responses"] == 8 and none["on_template_share"] == 1.0
+    # 8 answers; the decided values of problems 0..3 and their +1 misses are 1-2 digit tokens each
+    assert 8 <= none["decision_token_share"] * none["response_tokens"] <= 16
+    assert none["selected_on_decision_share"] == none["decision_token_share"] and none["decision_selected_share"] == 1.0
+    assert fork["decision_token_share"] == none["decision_token_share"]
+    # a random model has entropy ~log(vocab) everywhere: nothing under 0.01 nats
+    assert none["entropy_below_0_01_share"] == 0.0 and 5.0 < none["entropy_p80"] < 6.0
+    # forking keeps 20%, the bottom control 80%: together they cover each decision token at least once
+    assert fork["decision_selected_share"] + bottom["decision_selected_share"] >= 1.0
+    assert "<!DOCTYPE html>" in (tmp_path / "fork.html").read_text()
+
+
 # ---------------------------------------------------------------- report
 
 def _fake_steps(preset: str, n: int = 3) -> list[dict]:
@@ -164,8 +243,9 @@ def _fake_steps(preset: str, n: int = 3) -> list[dict]:
 def test_summarise_and_table():
     none = report.summarise("none", _fake_steps("none"), wall_s=100.0)
     fork = report.summarise("forking", _fake_steps("forking"))
-    # rewards 0, 0.1, 0.2: last 0.2, mean 0.1; throughput mean over steps 2..3 = (200 + 300) / 2
-    assert fork.reward_final == pytest.approx(0.2) and fork.reward_mean == pytest.approx(0.1)
+    # rewards 0, 0.1, 0.2: first 0, last 0.2, mean 0.1; throughput mean over steps 2..3 = (200 + 300) / 2
+    assert fork.reward_first == 0.0 and fork.reward_last == pytest.approx(0.2)
+    assert fork.reward_mean == pytest.approx(0.1)
     assert fork.tokens_per_s == pytest.approx(250.0) and fork.steps == 3
     assert (fork.selected_fraction == pytest.approx(0.2) and fork.entropy_selected == 5.5
             and fork.entropy_unselected == 4.5)
@@ -175,7 +255,23 @@ def test_summarise_and_table():
     assert lines[0].split()[0] == "preset" and lines[2].startswith("none") and lines[3].startswith("forking")
     assert "0.200" in lines[3] and "250" in lines[3] and " - " in lines[2] + " "
     assert len({len(line) for line in lines}) == 1  # fixed width
-    assert report.summarise("x", []).reward_final is None
+    assert report.summarise("x", []).reward_last is None
+    assert fork.learned is None  # no responses_per_step: no verdict
+
+
+def test_noise_margin():
+    # p = 0.5 at both steps, 100 answers each: 2 sqrt(0.25 / 100 + 0.25 / 100) = 0.1414
+    assert report.noise_margin(0.5, 0.5, 100) == pytest.approx(0.14142, abs=1e-5)
+    assert report.noise_margin(0.0, 0.0, 10) == 0.0
+    row = report.summarise("forking", [{"critic/score/mean": 0.40}, {"critic/score/mean": 0.48}],
+                           responses_per_step=128)
+    assert row.reward_gain == pytest.approx(0.08) and row.learned is False  # 0.08 < 2 SE = 0.124
+    # 8 steps: means of the first 3 (0.4) and last 3 (0.5) over 384 answers each; 2 SE = 0.0714
+    rewards = [0.3, 0.5, 0.4, 0.9, 0.0, 0.45, 0.5, 0.55]
+    row = report.summarise("forking", [{"critic/score/mean": r} for r in rewards], responses_per_step=128)
+    assert row.reward_first == 0.3 and row.reward_last == 0.55
+    assert row.reward_gain == pytest.approx(0.1) and row.noise_margin == pytest.approx(0.0714, abs=1e-4)
+    assert row.learned is True
 
 
 def test_metric_lookup():
@@ -217,6 +313,33 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys, argv, message
     assert not out.exists()
 
 
+def _write_fake_dump(dump_dir: Path, step: int) -> None:
+    """A verl rollout dump (``<step>.jsonl``) of templated answers: per prompt one right, one wrong."""
+    from verl_tokensel.demo.dataset import prompt_text
+    from verl_tokensel.demo.task import trace
+
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    with open(dump_dir / f"{step}.jsonl", "w") as f:
+        for j, (question, answer) in enumerate(all_problems()[:4]):
+            for k, value in enumerate((answer, int(answer) + 1)):
+                f.write(json.dumps({"input": f"user\n{prompt_text(question)}\nassistant\n",
+                                    "output": trace(question, value), "gts": answer, "score": float(k == 0),
+                                    "step": step, "uid": f"sample{j}_{k}_0"}) + "\n")
+
+
+@pytest.fixture
+def random_warm_start(monkeypatch, tmp_path):
+    """The orchestration tests skip the supervised warm-up (tested on its own): the demo gets the random
+    tiny model as its 'warm' model."""
+    from verl_tokensel.demo import warmup
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+
+    def warm_model_dir(cfg, cache_dir=None, progress=None):
+        return build_tiny_model_dir(tmp_path / "tiny"), {"accuracy": 0.0, "problems": 223}
+
+    monkeypatch.setattr(warmup, "warm_model_dir", warm_model_dir)
+
+
 def _fake_launch(fail_preset: str | None = None):
     """A stand-in for verl_tokensel.launch: writes the console and file-logger output verl would."""
     from verl_tokensel import launch
@@ -230,8 +353,10 @@ def _fake_launch(fail_preset: str | None = None):
         assert ov["reward.custom_reward_function.path"] == demo_cli.REWARD_FN
         assert Path(ov["data.train_files"]).exists() and Path(ov["actor_rollout_ref.model.path"]).is_dir()
         calls.append(preset)
-        steps = _fake_steps(preset, int(ov["trainer.total_training_steps"]))
+        n_steps = int(ov["trainer.total_training_steps"])
+        steps = _fake_steps(preset, n_steps)
         returncode = 0
+        _write_fake_dump(Path(ov["trainer.rollout_data_dir"]), n_steps)
         with open(log_path, "w") as log, open(metrics_path, "w") as mf:
             log.write("ray init kwargs: {}\n")
             if preset == fail_preset:
@@ -249,7 +374,7 @@ def _fake_launch(fail_preset: str | None = None):
     return fake, calls
 
 
-def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys):
+def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys, random_warm_start):
     fake, calls = _fake_launch()
     monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
     monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
@@ -264,10 +389,26 @@ def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys):
     results = json.loads((out / "results.json").read_text())
     assert [r["preset"] for r in results["summary"]] == ["none", "forking", "gmts"]
     assert results["summary"][1]["selected_fraction"] == pytest.approx(0.2) and len(results["steps"]["gmts"]) == 2
-    assert (out / "data" / "train.parquet").exists() and (out / "model" / "config.json").exists()
+    assert (out / "data" / "train.parquet").exists() and Path(results["warm_start"]["model"], "config.json").exists()
+    # the last step's rollouts: 8 templated answers, each with its decided value's tokens
+    for row in results["summary"]:
+        for key in ("reward_first", "reward_last", "entropy_below_0_01_share", "entropy_p80",
+                    "selected_on_decision_share", "decision_token_share"):
+            assert row[key] is not None, (row["preset"], key)
+        assert 0 < row["decision_token_share"] < 0.2
+        # fake rewards 0.0 -> 0.1 (k = 1 of 2 steps), 128 answers a step: gain 0.1 > 2 sqrt(0.09 / 128) = 0.053
+        assert row["reward_gain"] == pytest.approx(0.1) and row["noise_margin"] == pytest.approx(0.053, abs=1e-3)
+        assert row["learned"] is True
+    rows = {r["preset"]: r for r in results["summary"]}
+    assert rows["none"]["selected_on_decision_share"] == rows["none"]["decision_token_share"]  # all tokens
+    assert results["rollouts"]["forking"]["scored_with"] == "warm start"  # the fake run saved no checkpoint
+    for preset in ("none", "forking", "gmts"):
+        page = out / f"view_{preset}.html"
+        assert page.read_text().startswith("<!DOCTYPE html>") and str(page) in captured.out
+    assert "total wall time" in captured.out and str(out / "demo.png") in captured.out
 
 
-def test_demo_failure_names_preset_log_and_tail(tmp_path, monkeypatch, capsys):
+def test_demo_failure_names_preset_log_and_tail(tmp_path, monkeypatch, capsys, random_warm_start):
     fake, calls = _fake_launch(fail_preset="forking")
     monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
     monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
@@ -316,7 +457,7 @@ def test_demo_overrides_compose(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_demo_end_to_end(tmp_path):
-    """Three real verl GRPO pipelines on CPU (~10 min, ~6 GB each, one at a time)."""
+    """Warm-up plus three real verl GRPO pipelines on CPU (~10-15 min, ~6 GB each, one at a time)."""
     out = tmp_path / "demo"
     proc = subprocess.run([sys.executable, "-m", "verl_tokensel.cli.main", "demo", "--out", str(out), "--steps", "2"],
                           capture_output=True, text=True, timeout=1400, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -331,3 +472,11 @@ def test_demo_end_to_end(tmp_path):
         assert rows[preset]["entropy_selected"] is not None and rows[preset]["entropy_unselected"] is not None
     assert all(r["steps"] == 2 and r["reward_mean"] is not None for r in rows.values())
     assert (out / "demo.png").exists()
+    for preset, row in rows.items():
+        assert row["reward_first"] is not None and row["reward_last"] is not None
+        # the warm start's structure: most response tokens near-deterministic, the decision a few percent
+        assert row["entropy_below_0_01_share"] > 0.5 and 0 < row["decision_token_share"] < 0.1, row
+        assert results["rollouts"][preset]["scored_with"] == "final policy"  # verl saved the HF checkpoint
+        assert (out / f"view_{preset}.html").exists()
+    # forking keeps the top 20% by entropy: the decision tokens are among them
+    assert rows["forking"]["selected_on_decision_share"] > 2 * rows["forking"]["decision_token_share"]

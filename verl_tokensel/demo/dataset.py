@@ -41,12 +41,27 @@ def all_problems() -> list[tuple[str, str]]:
     return problems
 
 
+def prompt_text(question: str) -> str:
+    """The user message of ``question`` (``"What is 3 + 4? Put the final answer in \\boxed{}."``)."""
+    return f"What is {question}? {INSTRUCTION}"
+
+
+def split_problems(n_val: int = 32, seed: int = 0) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """``(train, val)`` problems: the problem space shuffled with ``seed``, the first ``n_val`` for val."""
+    problems = all_problems()
+    if not 0 < n_val < len(problems):
+        raise ValueError(f"n_val={n_val}: must be in 1..{len(problems) - 1} (the problem space has "
+                         f"{len(problems)} problems)")
+    random.Random(seed).shuffle(problems)
+    return problems[n_val:], problems[:n_val]
+
+
 def make_rows(problems: list[tuple[str, str]], split: str) -> list[dict]:
     """verl RL rows for ``problems`` (see the module docstring for the schema)."""
     return [
         {
             "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": f"What is {question}? {INSTRUCTION}"}],
+            "prompt": [{"role": "user", "content": prompt_text(question)}],
             "ability": "math",
             "reward_model": {"style": "rule", "ground_truth": answer},
             "extra_info": {"split": split, "index": i, "question": question},
@@ -63,15 +78,11 @@ def write_dataset(out_dir: str | os.PathLike, n_val: int = 32, seed: int = 0) ->
     """
     import pandas as pd
 
-    problems = all_problems()
-    if not 0 < n_val < len(problems):
-        raise ValueError(f"n_val={n_val}: must be in 1..{len(problems) - 1} (the problem space has "
-                         f"{len(problems)} problems)")
-    random.Random(seed).shuffle(problems)
+    train, val = split_problems(n_val, seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for split, part in (("train", problems[n_val:]), ("val", problems[:n_val])):
+    for split, part in (("train", train), ("val", val)):
         path = out / f"{split}.parquet"
         pd.DataFrame(make_rows(part, split)).to_parquet(path, index=False)
         paths.append(str(path))

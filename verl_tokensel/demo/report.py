@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 StepMetrics = Mapping[str, float]
 
@@ -53,17 +53,23 @@ def _mean(values: Sequence[Optional[float]]) -> Optional[float]:
 
 @dataclass(frozen=True)
 class PresetSummary:
-    """One row of the comparison table. ``None`` = verl did not log the quantity.
+    """One row of the comparison table. ``None`` = not measured (verl did not log it, or no rollouts).
 
     ``selected_fraction`` is 1.0 for a run without ``tokensel/*`` metrics (preset ``none``: verl's
     stock loss, every valid token gets gradient). Entropies are in nats; ``entropy_all`` is verl's
     ``actor/entropy`` (all response tokens, old-policy pass). ``tokens_per_s`` is verl's
     ``perf/throughput`` averaged over the steps after the first (the first one warms up).
+    ``entropy_below_0_01_share``, ``entropy_p80``, ``decision_token_share`` and
+    ``selected_on_decision_share`` come from the last step's rollouts (:mod:`.rollouts`).
+    ``reward_gain`` is the mean reward of the last ``k`` steps minus that of the first ``k``
+    (``k = min(3, steps // 2)``: one step's reward carries ~0.04 of sampling noise); ``learned`` is True
+    when it exceeds :func:`noise_margin`.
     """
 
     preset: str
     steps: int
-    reward_final: Optional[float]
+    reward_first: Optional[float]
+    reward_last: Optional[float]
     reward_mean: Optional[float]
     selected_fraction: Optional[float]
     entropy_selected: Optional[float]
@@ -71,18 +77,51 @@ class PresetSummary:
     entropy_all: Optional[float]
     tokens_per_s: Optional[float]
     wall_s: Optional[float] = None
+    entropy_below_0_01_share: Optional[float] = None
+    entropy_p80: Optional[float] = None
+    decision_token_share: Optional[float] = None
+    selected_on_decision_share: Optional[float] = None
+    reward_gain: Optional[float] = None
+    noise_margin: Optional[float] = None
+    learned: Optional[bool] = None
 
 
-def summarise(preset: str, steps: Sequence[StepMetrics], wall_s: Optional[float] = None) -> PresetSummary:
-    """Reduce one run's per-step metrics (in step order) to a :class:`PresetSummary`."""
+def noise_margin(first: float, last: float, n: int) -> float:
+    """Two standard errors of ``last - first`` when each is a mean of ``n`` independent 0/1 rewards:
+    ``2 sqrt(p1 (1 - p1) / n + p2 (1 - p2) / n)`` (binomial sampling noise of the answers)."""
+    return 2.0 * math.sqrt((first * (1 - first) + last * (1 - last)) / n)
+
+
+GAIN_STEPS = 3
+
+
+def summarise(preset: str, steps: Sequence[StepMetrics], wall_s: Optional[float] = None,
+              rollouts: Optional[Mapping[str, Any]] = None,
+              responses_per_step: Optional[int] = None) -> PresetSummary:
+    """Reduce one run's per-step metrics (in step order), and optionally its last step's rollout
+    statistics (:func:`.rollouts.analyse_rollouts`), to a :class:`PresetSummary`. With
+    ``responses_per_step`` the row also says whether the reward rose beyond its sampling noise."""
     rewards = [metric(s, *REWARD_KEYS) for s in steps]
     fractions = [metric(s, SELECTED_FRACTION_KEY) for s in steps]
     has_selection = any(f is not None for f in fractions)
     throughput = [metric(s, THROUGHPUT_KEY) for s in steps]
+    first = next((r for r in rewards if r is not None), None)
+    last = next((r for r in reversed(rewards) if r is not None), None)
+    gain = margin = learned = None
+    known = [r for r in rewards if r is not None]
+    k = min(GAIN_STEPS, len(known) // 2)
+    if k:
+        head, tail = _mean(known[:k]), _mean(known[-k:])
+        gain = tail - head
+        if responses_per_step:
+            margin = noise_margin(head, tail, k * responses_per_step)
+            learned = gain > margin
+    roll = rollouts or {}
     return PresetSummary(
         preset=preset,
         steps=len(steps),
-        reward_final=next((r for r in reversed(rewards) if r is not None), None),
+        reward_first=first,
+        reward_last=last,
         reward_mean=_mean(rewards),
         selected_fraction=_mean(fractions) if has_selection else (1.0 if steps else None),
         entropy_selected=_mean([metric(s, ENTROPY_SELECTED_KEY) for s in steps]),
@@ -90,37 +129,61 @@ def summarise(preset: str, steps: Sequence[StepMetrics], wall_s: Optional[float]
         entropy_all=_mean([metric(s, ENTROPY_ALL_KEY) for s in steps]),
         tokens_per_s=_mean(throughput[1:] if len(throughput) > 1 else throughput),
         wall_s=wall_s,
+        entropy_below_0_01_share=roll.get("entropy_below_0_01_share"),
+        entropy_p80=roll.get("entropy_p80"),
+        decision_token_share=roll.get("decision_token_share"),
+        selected_on_decision_share=roll.get("selected_on_decision_share"),
+        reward_gain=gain,
+        noise_margin=margin,
+        learned=learned,
     )
 
 
-COLUMNS = (  # (header, attribute, format)
+def _learned_cell(row: PresetSummary) -> Optional[str]:
+    if row.learned is None:
+        return None
+    return "yes" if row.learned else "no"
+
+
+COLUMNS = (  # (header, attribute or function, format)
     ("preset", "preset", "{}"),
     ("steps", "steps", "{:d}"),
-    ("reward last", "reward_final", "{:.3f}"),
-    ("reward mean", "reward_mean", "{:.3f}"),
+    ("reward first", "reward_first", "{:.3f}"),
+    ("reward last", "reward_last", "{:.3f}"),
+    ("gain", "reward_gain", "{:+.3f}"),
+    ("learned", _learned_cell, "{}"),
     ("selected", "selected_fraction", "{:.3f}"),
+    ("H<0.01", "entropy_below_0_01_share", "{:.3f}"),
+    ("H p80", "entropy_p80", "{:.4f}"),
+    ("sel on dec", "selected_on_decision_share", "{:.3f}"),
+    ("dec share", "decision_token_share", "{:.3f}"),
     ("H sel", "entropy_selected", "{:.4f}"),
     ("H unsel", "entropy_unselected", "{:.4f}"),
-    ("H all", "entropy_all", "{:.4f}"),
     ("tokens/s", "tokens_per_s", "{:.0f}"),
     ("wall s", "wall_s", "{:.0f}"),
 )
 
 TABLE_NOTE = (
-    "reward: verl's critic/score/mean (share of correct answers), last step and mean over steps;\n"
+    "reward: verl's critic/score/mean (share of correct answers) at the first and last step; gain: mean of the\n"
+    "  last 3 steps minus mean of the first 3; learned: yes when the gain exceeds 2 standard errors of the\n"
+    "  answers' binomial sampling noise (no: the rise, if any, is within noise);\n"
     "selected: fraction of response tokens that got gradient (none = stock verl, all tokens);\n"
-    "H sel / H unsel / H all: mean entropy (nats) of selected / unselected / all response tokens;\n"
+    "H<0.01 / H p80: share of the last step's response tokens with entropy < 0.01 nats / 80th-percentile\n"
+    "  entropy (nats), under the final policy (the 80/20 paper's two statistics);\n"
+    "sel on dec / dec share: share of the preset's selected tokens on the task's decision (the decided value)\n"
+    "  vs the decision's share of all response tokens (last step's rollouts, on-policy selection);\n"
+    "H sel / H unsel: mean entropy (nats) of selected / unselected tokens in the updates (verl metrics);\n"
     "tokens/s: verl's perf/throughput, mean over steps after the first; wall s: whole run incl. start-up."
 )
 
 
 def format_table(rows: Sequence[PresetSummary]) -> str:
-    """A fixed-width text table (one line per preset; ``-`` where verl logged nothing)."""
+    """A fixed-width text table (one line per preset; ``-`` where nothing was measured)."""
     cells = [[h for h, _, _ in COLUMNS]]
     for row in rows:
         line = []
         for _, attr, fmt in COLUMNS:
-            value = getattr(row, attr)
+            value = attr(row) if callable(attr) else getattr(row, attr)
             line.append("-" if value is None else fmt.format(value))
         cells.append(line)
     widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]

@@ -1,0 +1,210 @@
+"""Does training on the selected tokens learn? Real verl GRPO from the demo's warm start, several seeds per preset.
+
+Run (from the repository root; each run is one real verl pipeline, ~3-5 min on a 2-core CPU machine)::
+
+    python benchmarks/bench_learning.py --seeds 0,1 --steps 20 --out /tmp/bench_learning \\
+        --json benchmarks/results/bench_learning_cpu.json
+
+A toy-scale version of the 80/20 paper's comparison (full tokens vs top-20% entropy vs bottom-80%) plus
+the random-20% control the paper lacks and GMTS: the demo's warm-started tiny Qwen2
+(:mod:`verl_tokensel.demo.warmup`: a templated trace with one uncertain decision), the demo's GRPO
+settings (:func:`verl_tokensel.cli.demo.demo_overrides`), ``--steps`` steps per run. Per preset it prints
+the mean and spread (sample standard deviation over seeds) of the final reward and of the reward gain
+(mean of the last 3 steps minus mean of the first 3, as in the demo's table), side by side, plus the
+last step's entropy statistics (share < 0.01 nats, 80th percentile) and the share of selected tokens on
+the decision. Whatever it shows is reported as is.
+
+Simplifications: the seed changes the data order, the rollout sampling and the trainer, not the warm
+start (one warmed model, seed 0, for every run: the comparison is between presets from the same start);
+the reward per step is a mean over 128 answers to 16 prompts, so one step's reward carries sampling
+noise of about 0.04 (the table's "gain" spread includes it); no validation set.
+
+``--json`` accumulates: runs already in the file (same preset, seed, steps and lr) are not rerun, so the
+benchmark can be run in parts. The file records the command line of every part. ``--from-demo DIR`` adds
+the runs of a ``verl-tokensel demo --out DIR`` (same pipeline and settings: seed 0 with the demo's default
+``--seed``) when their steps and lr match, marked ``"source": "demo"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+PRESETS = ("none", "forking", "forking_bottom", "random", "gmts")
+
+
+def _stats(values):
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else None)
+
+
+def _pm(mean, sd, digits=3):
+    if mean is None:
+        return "-"
+    return f"{mean:.{digits}f}" + (f" +- {sd:.{digits}f}" if sd is not None else "")
+
+
+def table(runs: list[dict], presets) -> str:
+    head = ("preset", "seeds", "reward first", "reward last", "gain (last 3 - first 3)", "H<0.01", "H p80",
+            "sel on dec", "dec share")
+    lines = [head]
+    for preset in presets:
+        rs = [r for r in runs if r["preset"] == preset]
+        if not rs:
+            continue
+        col = lambda k: [r.get(k) for r in rs]  # noqa: E731
+        lines.append((preset, str(len(rs)), _pm(*_stats(col("reward_first"))), _pm(*_stats(col("reward_last"))),
+                      _pm(*_stats(col("reward_gain"))), _pm(*_stats(col("entropy_below_0_01_share"))),
+                      _pm(*_stats(col("entropy_p80")), digits=4), _pm(*_stats(col("selected_on_decision_share"))),
+                      _pm(*_stats(col("decision_token_share")))))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+           for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def run_one(preset: str, seed: int, steps: int, lr: float, model_dir: str, out: Path, timeout_s: float) -> dict:
+    from verl_tokensel import launch
+    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE, demo_overrides, final_model_dir, launch_problem
+    from verl_tokensel.demo import report
+    from verl_tokensel.demo.dataset import write_dataset
+    from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
+
+    run_dir = out / f"{preset}_seed{seed}"
+    train, val = write_dataset(run_dir / "data", seed=0)  # the warm start's split: same problems every run
+    overrides = demo_overrides(preset, model_dir, train, val, run_dir, steps, seed=seed, lr=lr)
+    result = launch.run_main_ppo(overrides, timeout_s=timeout_s, log_path=run_dir / "logs" / f"{preset}.log", cpu=True)
+    problem = launch_problem(result, steps)
+    if problem:
+        raise RuntimeError(f"{preset} seed {seed}: {problem}\n{result.log_tail(30)}")
+    final = final_model_dir(run_dir, preset, steps)
+    scorer = final if (final / "config.json").is_file() else Path(model_dir)
+    analysis = analyse_rollouts(last_step_file(run_dir / "rollouts" / preset), scorer, preset,
+                                run_dir / f"view_{preset}.html")
+    row = report.summarise(preset, result.steps, wall_s=result.wall_s, rollouts=analysis,
+                           responses_per_step=TRAIN_BATCH_SIZE * ROLLOUT_N)
+    rewards = [report.metric(s, *report.REWARD_KEYS) for s in result.steps]
+    return {**report.to_json([row])[0], "seed": seed, "lr": lr, "rewards": rewards,
+            "scored_with": "final policy" if scorer == final else "warm start"}
+
+
+def null_noise(model_dir: str, steps: int, seed: int = 0) -> dict:
+    """Per-step reward of the warm start when nothing is learned: ``steps`` independent GRPO-shaped batches
+    (16 training prompts drawn at random, 8 answers each at temperature 1, sampled with HF ``generate``:
+    the policy's own distribution, as vLLM samples it), scored with the demo's reward. Returns the per-step
+    rewards, their sd, and the sd of ``mean(last k) - mean(first k)`` it implies for k = 1 and 3."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
+    from verl_tokensel.demo.warmup import WarmupConfig, sample_accuracy, train_problems
+
+    torch.set_num_threads(1)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    problems = train_problems(WarmupConfig())
+    rng = random.Random(seed)
+    rewards = []
+    for step in range(steps):
+        batch = [p for p in rng.sample(problems, TRAIN_BATCH_SIZE) for _ in range(ROLLOUT_N)]
+        rewards.append(sample_accuracy(model, tok, batch, seed=seed * 100003 + step, batch_size=len(batch)))
+        print(f"[null] step {step + 1}/{steps}: reward {rewards[-1]:.3f}", file=sys.stderr, flush=True)
+    sd = statistics.stdev(rewards)
+    return {"steps": steps, "seed": seed, "rewards": rewards, "mean": statistics.fmean(rewards), "sd_step": sd,
+            "sd_gain_k1": sd * 2 ** 0.5, "sd_gain_k3": sd * (2 / 3) ** 0.5}
+
+
+def _import_demo(record: dict, demo_out: Path, steps: int, lr: float) -> None:
+    """Add a demo's runs (``results.json``) as seed-0 runs, re-summarised with the same code as a bench run."""
+    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
+    from verl_tokensel.demo import report
+
+    from verl_tokensel.cli.demo import ACTOR_LR
+
+    demo = json.loads((demo_out / "results.json").read_text())
+    settings = demo.get("settings", {"lr": ACTOR_LR, "seed": 0})  # older results.json: the demo's defaults
+    if settings["lr"] != lr or settings["seed"] != 0:
+        return
+    for preset, metrics in demo["steps"].items():
+        if len(metrics) != steps or any((r["preset"], r["seed"], r["steps"], r["lr"]) == (preset, 0, steps, lr)
+                                        for r in record["runs"]):
+            continue
+        analysis = demo["rollouts"].get(preset)
+        row = report.summarise(preset, metrics, rollouts=analysis, responses_per_step=TRAIN_BATCH_SIZE * ROLLOUT_N)
+        record["runs"].append({**report.to_json([row])[0], "seed": 0, "lr": lr, "source": "demo",
+                               "rewards": [report.metric(s, *report.REWARD_KEYS) for s in metrics],
+                               "scored_with": (analysis or {}).get("scored_with")})
+
+
+def main(argv=None) -> int:
+    from verl_tokensel.cli.demo import ACTOR_LR, ROLLOUT_N, TRAIN_BATCH_SIZE, preset_list
+    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--presets", type=preset_list, default=list(PRESETS))
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated trainer seeds (default 0,1,2)")
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps per run (default 20)")
+    p.add_argument("--lr", type=float, default=ACTOR_LR, help=f"actor learning rate (default {ACTOR_LR:g})")
+    p.add_argument("--out", default="/tmp/bench_learning", help="run folders (logs, rollouts, checkpoints)")
+    p.add_argument("--json", default=None, help="results file, read and extended (runs in it are skipped)")
+    p.add_argument("--cache-dir", default=None, help="warm-start cache (default: the demo's)")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
+    p.add_argument("--from-demo", default=None, help="a demo's --out folder whose runs count as seed 0")
+    p.add_argument("--null-steps", type=int, default=0,
+                   help="only measure the no-learning noise of the per-step reward over this many batches "
+                        "(no verl run; the basis of tests/test_learning_on_cpu.py's threshold)")
+    args = p.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+
+    path = Path(args.json) if args.json else None
+    record = json.loads(path.read_text()) if path and path.exists() else {"commands": [], "runs": []}
+    record["commands"].append("python benchmarks/bench_learning.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    model_dir, warm = warm_model_dir(WarmupConfig(), cache_dir=args.cache_dir)
+    record["warm_start"] = {k: warm[k] for k in ("config", "accuracy", "problems")}
+    print(f"warm start {model_dir}: accuracy {warm['accuracy']:.3f} at temperature 1", file=sys.stderr)
+    if args.null_steps:
+        record["null"] = null_noise(model_dir, args.null_steps, seed=seeds[0])
+        if path:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(record, indent=1))
+        n = record["null"]
+        print(f"no-learning per-step reward over {n['steps']} batches: mean {n['mean']:.3f}, sd {n['sd_step']:.4f}; "
+              f"sd of last-minus-first: {n['sd_gain_k1']:.4f} (1 step each end), {n['sd_gain_k3']:.4f} (3 steps)")
+        return 0
+    if args.from_demo:
+        _import_demo(record, Path(args.from_demo), args.steps, args.lr)
+    out = Path(args.out)
+    for seed in seeds:  # seed-major: a partial benchmark still has every preset
+        for preset in args.presets:
+            done = [r for r in record["runs"] if (r["preset"], r["seed"], r["steps"], r["lr"]) ==
+                    (preset, seed, args.steps, args.lr)]
+            if done:
+                continue
+            t0 = time.monotonic()
+            print(f"[bench] {preset} seed {seed}: {args.steps} steps ...", file=sys.stderr, flush=True)
+            row = run_one(preset, seed, args.steps, args.lr, model_dir, out, args.timeout)
+            record["runs"].append(row)
+            print(f"[bench] {preset} seed {seed}: reward {row['reward_first']:.3f} -> {row['reward_last']:.3f} "
+                  f"({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+            if path:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(record, indent=1))
+    runs = [r for r in record["runs"] if r["steps"] == args.steps and r["lr"] == args.lr]
+    print(table(runs, args.presets))
+    print(f"\n{args.steps} GRPO steps per run, lr {args.lr:g}, {TRAIN_BATCH_SIZE} prompts x {ROLLOUT_N} answers per "
+          "step; mean +- sample sd over seeds; entropy statistics and 'sel on dec' from the last step's rollouts "
+          "under the final policy.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

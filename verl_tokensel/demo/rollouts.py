@@ -1,0 +1,120 @@
+"""What the selectors see in a demo run: entropy statistics and selection of its last step's rollouts.
+
+verl dumps each step's rollouts (``trainer.rollout_data_dir``: ``<step>.jsonl`` with input, output,
+score, uid). :func:`analyse_rollouts` scores the last step's responses under a model (the run's
+final policy when its checkpoint is there, else the warm start; the result says which), then:
+
+* ``entropy_below_0_01_share`` and ``entropy_p80``: the 80/20 paper's two statistics over all
+  response tokens (share with H < 0.01 nats; 80th percentile of H, nats);
+* ``decision_token_share``: share of response tokens on the task's decision (:mod:`.task`: the
+  decided value's tokens);
+* ``selected_on_decision_share``: share of the preset's selected tokens that sit on a decision
+  (the same selector the loss uses, on-policy: r = 1; all responses form one pool, as
+  ``verl-tokensel view`` does; ``none`` selects every token, so it equals ``decision_token_share``);
+* ``decision_selected_share``: share of decision tokens that the preset selects;
+
+and writes the ``verl-tokensel view`` page of those responses, the preset's selected tokens marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+
+def last_step_file(dump_dir: str | Path) -> Optional[Path]:
+    """The ``<step>.jsonl`` with the highest step in ``dump_dir``, or None."""
+    files = [p for p in Path(dump_dir).glob("*.jsonl") if p.stem.isdigit()]
+    return max(files, key=lambda p: int(p.stem)) if files else None
+
+
+# verl dumps the prompt decoded without special tokens: the ChatML markers of the chat template are gone
+_DUMPED_CHAT = re.compile(r"^user\n(.*)\nassistant\n?$", re.S)
+
+
+def prompt_ids(tokenizer, dumped_prompt: str, fallback: list[int]) -> list[int]:
+    """The prompt ids the policy saw: the chat template re-applied to the user message of a verl dump's
+    ``input`` (``"user\\n<message>\\nassistant\\n"``), else ``fallback`` (the text as it is)."""
+    m = _DUMPED_CHAT.match(dumped_prompt)
+    if not m:
+        return fallback
+    text = tokenizer.apply_chat_template([{"role": "user", "content": m.group(1)}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_path: str | Path) -> dict:
+    """Statistics of ``data`` (one rollout dump file) under ``model_dir`` for ``preset``; writes the
+    view page to ``html_path``. See the module docstring for the keys."""
+    from verl_tokensel.analysis import io
+    from verl_tokensel.analysis.scorer import score_responses
+    from verl_tokensel.cli.view import _advantages, build_page, token_texts
+    from verl_tokensel.core.config import PRESETS
+    from verl_tokensel.core.scores import ScoreInputs, compute_score, row_keys_from_tokens
+    from verl_tokensel.core.select import select_tokens
+    from verl_tokensel.demo.task import decision_token_mask
+
+    sel = PRESETS[preset]
+    records = io.load_records(data)
+    tokenizer = io.load_tokenizer(model_dir)
+    pairs = [(prompt_ids(tokenizer, rec.prompt, list(p)), list(r))
+             for rec, (p, r) in zip(records, io.tokenize_records(tokenizer, records))]
+    model = io.load_model(model_dir, device="cpu")
+    advantages, adv_source = _advantages(records)
+    with torch.no_grad():
+        scored = score_responses(model, pairs, device="cpu")
+
+    b = len(scored)
+    lmax = max([len(s.token_ids) for s in scored] + [1])
+    valid = torch.zeros(b, lmax, dtype=torch.bool)
+    decision = torch.zeros(b, lmax, dtype=torch.bool)
+    lp, ent, sp2, adv = (torch.zeros(b, lmax) for _ in range(4))
+    for i, (s, rec, (p_ids, r_ids)) in enumerate(zip(scored, records, pairs)):
+        n = len(s.token_ids)
+        valid[i, :n] = True
+        lp[i, :n], ent[i, :n], sp2[i, :n] = s.logp, s.entropy, s.sum_p2
+        adv[i, :n] = advantages[i]
+        texts = token_texts(tokenizer, p_ids, r_ids)
+        decision[i, :n] = torch.tensor(decision_token_mask(texts, "".join(texts)), dtype=torch.bool)
+    if sel is None:
+        mask = valid.clone()
+    else:
+        row_keys = row_keys_from_tokens([torch.tensor(list(p) + list(r), dtype=torch.long) for p, r in pairs])
+        inputs = ScoreInputs(log_prob=lp, response_mask=valid, entropy=ent, old_log_prob=lp, advantages=adv,
+                             sum_pi_squared=sp2, row_keys=row_keys, seed=sel.seed)
+        scope = "sequence" if sel.scope == "sequence" else "micro_batch"
+        mask = select_tokens(compute_score(sel.score, inputs), valid, sel.ratio, scope=scope,
+                             direction=sel.direction)
+
+    h = ent[valid]
+    n_tok, n_sel, n_dec = int(valid.sum()), int(mask.sum()), int(decision.sum())
+    args = argparse.Namespace(preset=preset, ratio=None, scope=None, max_responses=None, temperature=1.0,
+                              model=str(model_dir), data=str(data))
+    shade = sel.score if sel is not None and sel.score != "random" else "entropy"
+    page = build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, sel, shade, len(records))
+    Path(html_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(html_path).write_text(page, encoding="utf-8")
+
+    def share(num: int, den: int) -> Optional[float]:
+        return num / den if den else None
+
+    return {
+        "responses": b,
+        "response_tokens": n_tok,
+        "entropy_below_0_01_share": share(int((h < 0.01).sum()), n_tok),
+        "entropy_p80": float(torch.quantile(h.double(), 0.8)) if n_tok else math.nan,
+        "entropy_decision_mean": float(ent[decision].mean()) if n_dec else None,
+        "entropy_template_mean": float(ent[valid & ~decision].mean()) if n_tok > n_dec else None,
+        "decision_token_share": share(n_dec, n_tok),
+        "selected_on_decision_share": share(int((mask & decision).sum()), n_sel),
+        "decision_selected_share": share(int((mask & decision).sum()), n_dec),
+        "on_template_share": share(sum(1 for i in range(b) if decision[i].any()), b),
+        "html": str(html_path),
+        "data": str(data),
+        "model": str(model_dir),
+    }

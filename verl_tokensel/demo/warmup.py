@@ -1,0 +1,232 @@
+"""Supervised warm-up of the demo's tiny model, offline on CPU, cached by its settings.
+
+The tiny Qwen2 and tokenizer come from :func:`verl_tokensel.cpu.tiny_model.build_tiny_model_dir`
+(random init, local BPE). Plain next-token loss on the response tokens of templated traces
+(:mod:`.task`) for the training problems, each trace's decided value drawn afresh per step from the
+noisy label distribution (:func:`.task.noisy_value`, correct with probability ``q``). After it the
+model copies the template almost surely (entropy << 0.01 nats) and is spread at the decision, where
+it is partly right: RL has something to sharpen, and the forking tokens are real.
+
+Simplifications: no validation split during training, a fixed step count, one constant-then-cosine
+learning-rate schedule; accuracy is measured once at the end by sampling (temperature 1) one answer
+per training problem and scoring it with the demo's reward.
+
+Cache: ``<cache_dir>/warm-<key>`` where ``key`` hashes every :class:`WarmupConfig` field and
+:data:`WARMUP_VERSION`; a complete folder is reused as is (``warmup.json`` holds the measured
+accuracy). Use::
+
+    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
+    path, info = warm_model_dir(WarmupConfig(), cache_dir="~/.cache/verl_tokensel")
+    info["accuracy"]   # share of correct sampled answers at temperature 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+#: bump when the warm-up's code changes what it produces (invalidates caches)
+WARMUP_VERSION = 1
+_INFO = "warmup.json"
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """Settings of the supervised warm-up (all of them key the cache)."""
+
+    #: probability that a warm-up trace writes the correct value at the decision (else a near miss);
+    #: the warmed model's accuracy at temperature 1 is about this when the problems are learned
+    q: float = 0.5
+    #: optimizer steps
+    steps: int = 1000
+    #: traces per step
+    batch_size: int = 32
+    #: peak AdamW learning rate (cosine-decayed to a tenth over the second half)
+    lr: float = 3e-3
+    #: seed of the model init, the label noise and the batches
+    seed: int = 0
+    #: validation problems held out of the warm-up (the demo's data split uses the same count)
+    n_val: int = 32
+
+    def __post_init__(self):
+        if not 0 < self.q <= 1:
+            raise ValueError(f"WarmupConfig.q={self.q}: must be in (0, 1]")
+        if self.steps < 1 or self.batch_size < 1 or not self.lr > 0:
+            raise ValueError(f"WarmupConfig: steps, batch_size and lr must be > 0, got {self}")
+
+    def key(self) -> str:
+        blob = json.dumps({"version": WARMUP_VERSION, **dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/verl_tokensel`` (``~/.cache/verl_tokensel``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "verl_tokensel"
+
+
+def train_problems(cfg: WarmupConfig) -> list[tuple[str, str]]:
+    """The demo's training problems (the same split as :func:`.dataset.write_dataset`)."""
+    from verl_tokensel.demo.dataset import split_problems
+
+    return split_problems(n_val=cfg.n_val, seed=cfg.seed)[0]
+
+
+def _encode(tokenizer, question: str, value) -> tuple[list[int], list[int]]:
+    from verl_tokensel.demo.dataset import prompt_text
+    from verl_tokensel.demo.task import trace
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(question)}],
+                                           add_generation_prompt=True, tokenize=False)
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    r = tokenizer(trace(question, value), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return p, r
+
+
+def _batch(tokenizer, problems, cfg: WarmupConfig, rng: random.Random, cache: dict):
+    import torch
+
+    from verl_tokensel.demo.task import noisy_value
+
+    rows = []
+    for question, answer in (rng.choice(problems) for _ in range(cfg.batch_size)):
+        value = noisy_value(int(answer), cfg.q, rng)
+        if (question, value) not in cache:
+            cache[(question, value)] = _encode(tokenizer, question, value)
+        rows.append(cache[(question, value)])
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)
+    attn = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (p, r) in enumerate(rows):
+        n = len(p) + len(r)
+        ids[i, :n] = torch.tensor(p + r)
+        labels[i, len(p):n] = torch.tensor(r)
+        attn[i, :n] = 1
+    return ids, labels, attn
+
+
+def sft(model, tokenizer, cfg: WarmupConfig, progress: Optional[Callable[[str], None]] = None) -> list[float]:
+    """Train ``model`` in place with next-token loss on noisy-label traces; returns the loss per step."""
+    import math
+
+    import torch
+
+    problems = train_problems(cfg)
+    rng = random.Random(cfg.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    half = cfg.steps // 2
+
+    def lr_at(step: int) -> float:  # constant, then cosine to lr/10 over the second half
+        if step < half:
+            return cfg.lr
+        t = (step - half) / max(1, cfg.steps - half)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+    model.train()
+    losses, cache, t0 = [], {}, time.monotonic()
+    for step in range(cfg.steps):
+        _sft_step(model, opt, tokenizer, problems, cfg, rng, cache, lr_at(step), losses)
+        if progress is not None and (step + 1) % 50 == 0:
+            progress(f"warm-up step {step + 1}/{cfg.steps}, loss {sum(losses[-50:]) / 50:.3f} "
+                     f"({time.monotonic() - t0:.0f} s)")
+    model.eval()
+    return losses
+
+
+def _sft_step(model, opt, tokenizer, problems, cfg, rng, cache, lr, losses) -> None:
+    import torch
+
+    for group in opt.param_groups:
+        group["lr"] = lr
+    ids, labels, attn = _batch(tokenizer, problems, cfg, rng, cache)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    losses.append(loss.item())
+
+
+def sample_accuracy(model, tokenizer, problems, *, seed: int = 0, max_new_tokens: int = 48,
+                    batch_size: int = 32) -> float:
+    """Share of ``problems`` answered right by one sample each at temperature 1 (the demo's reward)."""
+    import torch
+
+    from verl_tokensel.demo.dataset import DATA_SOURCE, prompt_text
+    from verl_tokensel.demo.reward import compute_score
+
+    tokenizer.padding_side = "left"
+    right = 0
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for lo in range(0, len(problems), batch_size):
+            part = problems[lo:lo + batch_size]
+            prompts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(q)}],
+                                                     add_generation_prompt=True, tokenize=False) for q, _ in part]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                 max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            right += sum(compute_score(DATA_SOURCE, t, a) for t, (_, a) in zip(texts, part))
+    tokenizer.padding_side = "right"
+    return right / len(problems)
+
+
+def _is_complete(path: Path) -> bool:
+    return (path / _INFO).is_file() and (path / "config.json").is_file()
+
+
+def warm_model_dir(cfg: WarmupConfig = WarmupConfig(), cache_dir: str | os.PathLike | None = None,
+                   progress: Optional[Callable[[str], None]] = None) -> tuple[str, dict]:
+    """The warmed model's folder (built once per ``cfg``) and its ``warmup.json`` record.
+
+    Built in a temporary sibling folder and renamed into place, so an interrupted build never
+    leaves a half-written cache entry.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    path = root / f"warm-{cfg.key()}"
+    if _is_complete(path):
+        return str(path), json.loads((path / _INFO).read_text())
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=path.name + ".build-", dir=str(root)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: one thread is as fast, and far faster on a busy machine
+    try:
+        t0 = time.monotonic()
+        build_tiny_model_dir(tmp / "init", seed=cfg.seed)
+        tokenizer = AutoTokenizer.from_pretrained(str(tmp / "init"))
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(str(tmp / "init"), torch_dtype=torch.float32)
+        losses = sft(model, tokenizer, cfg, progress)
+        sft_s = time.monotonic() - t0
+        accuracy = sample_accuracy(model, tokenizer, train_problems(cfg), seed=cfg.seed)
+        out = tmp / "model"
+        model.save_pretrained(str(out), safe_serialization=True)
+        tokenizer.save_pretrained(str(out))
+        info = {"config": dataclasses.asdict(cfg), "version": WARMUP_VERSION, "accuracy": accuracy,
+                "final_loss": sum(losses[-50:]) / min(50, len(losses)), "sft_seconds": round(sft_s, 1),
+                "problems": len(train_problems(cfg))}
+        (out / _INFO).write_text(json.dumps(info, indent=1))
+        if path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+        os.replace(out, path)
+    finally:
+        torch.set_num_threads(threads)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(path), info
