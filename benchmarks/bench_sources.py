@@ -36,7 +36,6 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +49,7 @@ import torch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.padding import response_to_nested  # noqa: E402
 
-from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, tokensel_ppo_loss  # noqa: E402
+from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, SelectingLoss  # noqa: E402
 
 MODES = ("current", "prepass", "rollout")
 KNOBS = {
@@ -63,7 +62,8 @@ KNOBS = {
 def _driver_select(config, batch) -> tuple[float, dict, float]:
     """What the driver does for ``score_source=rollout``; returns (seconds, per-token fields to send,
     selected fraction)."""
-    from verl_tokensel.verl_glue.driver_select import group_ids_from_uids, score_params, select_on_driver
+    from verl_tokensel.core.batch import group_ids
+    from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
 
     t0 = time.perf_counter()
     padded = batch.select("response_mask", "old_log_probs", "advantages", "entropy").to_padded_tensor()
@@ -73,7 +73,7 @@ def _driver_select(config, batch) -> tuple[float, dict, float]:
         old_log_prob=padded["old_log_probs"],
         advantages=padded["advantages"],
         entropy=padded["entropy"],
-        group_ids=group_ids_from_uids(batch.get("uid").tolist()),
+        group_ids=group_ids(batch.get("uid").tolist()),
         params=score_params(config),
     )
     rm = batch["response_mask"]
@@ -105,7 +105,7 @@ def bench(repeats: int, n: int, warmup: int = 1):
             extra, fields, frac = _driver_select(config, b)
             for k, v in fields.items():
                 b[k] = v
-        r = H.run_train_step(actor, b, loss_fn=partial(tokensel_ppo_loss, config=config), capture_params=False)
+        r = H.run_train_step(actor, b, loss_fn=SelectingLoss(config), capture_params=False)
         assert r.loss == r.loss, f"{mode}: NaN loss"
         if mode == "prepass":
             extra = sum(float(s) for s in r.metrics["tokensel/prepass/seconds"])

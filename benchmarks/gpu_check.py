@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import importlib.util
 import json
 import math
@@ -378,9 +377,9 @@ class Variant:
     knobs: dict = dataclasses.field(default_factory=dict)  # token_selection.* overrides of the preset
 
     def loss_fn(self, observer=None):
-        from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+        from verl_tokensel.verl_glue.loss import SelectingLoss
 
-        return functools.partial(tokensel_ppo_loss, config=self.config, observer=observer)
+        return SelectingLoss(self.config, observer=observer)
 
 
 def parse_variant(spec: str) -> tuple[str, bool, dict]:

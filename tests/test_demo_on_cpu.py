@@ -171,7 +171,7 @@ def test_noisy_value_distribution():
 
 
 def test_decision_token_mask(tiny_tokenizer):
-    from verl_tokensel.cli.view import token_texts
+    from verl_tokensel.analysis.page import token_texts
     from verl_tokensel.demo.task import decision_token_mask, trace
 
     text = trace("9 * 9", 81)

@@ -14,7 +14,6 @@ through ``TrainingWorker.train_mini_batch`` with the selecting loss installed by
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import pytest
@@ -83,7 +82,7 @@ class _Recorder:
 
 
 def _run(actor, preset, extra=()):
-    from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+    from verl_tokensel.verl_glue.loss import SelectingLoss
 
     # calculate_entropy on for every preset: the batch carries entropy either way
     cfg = H.selecting_actor_config(actor, preset, calculate_entropy=True, **dict(extra))
@@ -91,7 +90,7 @@ def _run(actor, preset, extra=()):
     H.compute_old_log_probs(actor, batch)  # on-policy: r = 1, nothing clipped
     rec = _Recorder(actor)
     try:
-        loss_fn = functools.partial(tokensel_ppo_loss, config=cfg, observer=rec.observe)
+        loss_fn = SelectingLoss(cfg, observer=rec.observe)
         result = H.run_train_step(actor, batch, loss_fn=loss_fn, capture_grads=False, capture_params=False)
     finally:
         rec.close()

@@ -19,7 +19,6 @@ both ranks.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import pytest
@@ -61,7 +60,7 @@ def _rank_step(rank, world, model_dir):
     """One rank: per case, one update; returns what each mini-batch's pre-pass wrote and what the loss did."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, tokensel_ppo_loss
+    from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, SelectingLoss
 
     actor = H.make_training_worker(model_dir, rank=rank, world_size=world, **WORKER_KW)
     inner = actor.worker.train_batch  # the pre-pass wrap (install_prepass) around verl's train_batch
@@ -94,7 +93,7 @@ def _rank_step(rank, world, model_dir):
         try:
             with capture_logit_grads(actor) as logit_grads:
                 r = H.run_train_step(actor, shard, capture_params=False,
-                                     loss_fn=functools.partial(tokensel_ppo_loss, config=cfg, observer=observe))
+                                     loss_fn=SelectingLoss(cfg, observer=observe))
         finally:
             actor.worker.train_batch = inner
         results[scope] = dict(minibatches=minibatches, entropy_by_row=entropy_by_row,
@@ -137,7 +136,7 @@ def _union(per_rank, scope, i):
 @pytest.mark.parametrize("scope", [c[0] for c in CASES])
 def test_prepass_selection_equals_one_process_over_the_union(dp_run, scope):
     from verl_tokensel.core.select import budget, select_tokens
-    from verl_tokensel.verl_glue.prepass import stable_group_ids
+    from verl_tokensel.core.batch import group_ids as stable_group_ids
 
     n_mini = len(dp_run[0][scope]["minibatches"])
     assert n_mini == (2 if scope == "mini_batch" else 1) and len(dp_run[1][scope]["minibatches"]) == n_mini

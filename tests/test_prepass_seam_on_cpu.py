@@ -27,12 +27,14 @@ from verl.experimental.separation.engine_workers import DetachActorWorker  # noq
 from verl.trainer.ppo.utils import Role  # noqa: E402
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker  # noqa: E402
 
-from verl_tokensel.verl_glue.prepass import (  # noqa: E402
-    TokenselTrainingWorker,
-    batch_group_ids,
-    stable_group_ids,
-    tokensel_worker_class,
-)
+from verl_tokensel.core.batch import group_ids as stable_group_ids  # noqa: E402
+from verl_tokensel.verl_glue.loss import batch_uids  # noqa: E402
+from verl_tokensel.verl_glue.prepass import TokenselTrainingWorker, tokensel_worker_class  # noqa: E402
+
+
+def batch_group_ids(td):
+    """The group ids the pre-pass ranks a mini-batch's ``scope=group`` by."""
+    return stable_group_ids(batch_uids(td))
 
 
 def _compose(selector="gmts", *overrides):

@@ -20,7 +20,6 @@ together hold exactly the driver's ``ceil(0.2 N)`` tokens (batch) or ``ceil(0.2 
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import math
 
@@ -97,7 +96,8 @@ def _row_masks(data, field):
 def _expected_masks(sel, full, entropy_rows, order=None):
     """Row id -> mask by select_on_driver over ``full``'s own fields taken in ``order`` (the order the driver
     sees: ties are broken by position, and the tiny random model's entropies do tie)."""
-    from verl_tokensel.verl_glue.driver_select import group_ids_from_uids, select_on_driver
+    from verl_tokensel.core.batch import group_ids as group_ids_from_uids
+    from verl_tokensel.verl_glue.driver_select import select_on_driver
 
     lens = response_lengths(full)
     width = max(lens)
@@ -184,7 +184,7 @@ def _driver_v0(actor, cfg_node, sel, full):
 def _rank_step(rank, world, model_dir):
     from omegaconf import OmegaConf
 
-    from verl_tokensel.verl_glue.loss import MASK_FIELD, tokensel_ppo_loss
+    from verl_tokensel.verl_glue.loss import MASK_FIELD, SelectingLoss
 
     actor = H.make_training_worker(model_dir, rank=rank, world_size=world, **WORKER_KW)
     results = {}
@@ -211,7 +211,7 @@ def _rank_step(rank, world, model_dir):
 
         with capture_logit_grads(actor) as logit_grads:
             r = H.run_train_step(actor, shard, capture_params=False,
-                                 loss_fn=functools.partial(tokensel_ppo_loss, config=cfg, observer=observe))
+                                 loss_fn=SelectingLoss(cfg, observer=observe))
         results[preset] = dict(driver_mask=driver_mask, uid_of=uid_of, driver_metrics=driver_metrics, micro=micro,
                                grad_norms=token_grad_norms(logit_grads, micro, actor.use_remove_padding),
                                fraction=r.metrics.get("tokensel/selected_fraction"))

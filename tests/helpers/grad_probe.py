@@ -3,7 +3,7 @@
 Use with the in-process harness (:mod:`verl_tokensel.cpu.worker`)::
 
     with capture_logit_grads(actor) as grads:            # one tensor per micro-batch backward
-        run_train_step(actor, batch, loss_fn=partial(tokensel_ppo_loss, config=cfg, observer=observe))
+        run_train_step(actor, batch, loss_fn=SelectingLoss(cfg, observer=observe))
     norms = token_grad_norms(grads, micro, actor.use_remove_padding)
 
 where ``observe`` appends, per micro-batch, a dict with ``mask`` (``(batch, max_resp)``),

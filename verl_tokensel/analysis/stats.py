@@ -205,14 +205,24 @@ def forking_tokens(token_ids: torch.Tensor, selected: torch.Tensor, *, top: int 
 # the report
 
 
+def _registry_scores(scores, advantages: Sequence[float], name: str) -> list[torch.Tensor]:
+    """The registered score ``name`` of each answer's tokens (on-policy), float64, via the training builder."""
+    from verl_tokensel.analysis.selection import per_response, scored_batch
+
+    if not scores:
+        return []
+    batch = scored_batch(scores, advantages, name)
+    return [v.double() for v in per_response(batch.score(name), batch.valid)]
+
+
 def exact_grad_norms(scores, advantages: Sequence[float]) -> list[torch.Tensor]:
-    """``|A_i| * ||e_a - p||`` per token of each answer."""
-    return [s.grad_norm.double() * abs(float(a)) for s, a in zip(scores, advantages)]
+    """``|A_i| * ||e_a - p||`` per token of each answer: the registry's ``grad_norm`` score (on-policy)."""
+    return _registry_scores(scores, advantages, "grad_norm")
 
 
 def gmts_scores(scores, advantages: Sequence[float]) -> list[torch.Tensor]:
-    """``H * |A_i|`` per token of each answer."""
-    return [s.entropy.double() * abs(float(a)) for s, a in zip(scores, advantages)]
+    """``H * |A_i|`` per token of each answer: the registry's ``gmts`` score (on-policy)."""
+    return _registry_scores(scores, advantages, "gmts")
 
 
 def build_report(scores, advantages: Optional[Sequence[float]] = None, *,

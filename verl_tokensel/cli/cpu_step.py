@@ -13,7 +13,6 @@ Examples::
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import time
@@ -65,7 +64,7 @@ def run(args) -> int:
     from verl_tokensel.cpu import worker as H
     from verl_tokensel.cpu import batches as B
     from verl_tokensel.cpu import tiny_model
-    from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+    from verl_tokensel.verl_glue.loss import SelectingLoss
 
     model_dir = tiny_model.build_tiny_model_dir(Path(args.workdir) / "tiny_qwen2")
     _progress(f"starting verl's TrainingWorker (FSDP2, CPU) on {model_dir}")
@@ -81,7 +80,7 @@ def run(args) -> int:
                                     resp_len=(8, 24), group_size=4 if args.n % 4 == 0 else 1)
         H.compute_old_log_probs(actor, batch)
         _progress(f"update with token_selector={preset}")
-        result = H.run_train_step(actor, batch, loss_fn=functools.partial(tokensel_ppo_loss, config=config),
+        result = H.run_train_step(actor, batch, loss_fn=SelectingLoss(config),
                                   capture_params=True)
         m = result.metrics
         if not (result.loss == result.loss) or result.max_abs_param_delta <= 0:

@@ -35,6 +35,8 @@ class ScoreInputs:
         old_log_prob: behaviour/old-policy log p(a_t).
         advantages: per-token advantages.
         sum_pi_squared: sum_j p_j^2 of the same distribution, or None.
+        logit_grad_norm: ``||e_a - p||`` when the caller measured it exactly (the analysis scorer does, from
+            the full distribution); None: derived from ``log_prob`` and ``sum_pi_squared``.
         ref_log_prob: reference-policy log p(a_t) (only read when ``kl_coef`` > 0).
         row_keys: ``(batch,)`` int64 keys identifying each response (for the seeded random score).
         clip_ratio_low / clip_ratio_high / clip_ratio_c: PPO/DAPO clip parameters.
@@ -50,6 +52,7 @@ class ScoreInputs:
     old_log_prob: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     sum_pi_squared: Optional[torch.Tensor] = None
+    logit_grad_norm: Optional[torch.Tensor] = None
     ref_log_prob: Optional[torch.Tensor] = None
     row_keys: Optional[torch.Tensor] = None
     clip_ratio_low: float = 0.2
@@ -146,6 +149,13 @@ def logit_grad_norm(log_prob: torch.Tensor, sum_pi_squared: Optional[torch.Tenso
         rest = sum_pi_squared.double() - torch.exp(2.0 * lp)
         rest = torch.minimum(rest.clamp(min=0.0), one_minus_pa.square())
         return torch.sqrt(one_minus_pa.square() + rest).float()
+
+
+def token_grad_norm(inp: ScoreInputs) -> torch.Tensor:
+    """``||e_a - p||`` of each token: :attr:`ScoreInputs.logit_grad_norm` when given, else :func:`logit_grad_norm`."""
+    if inp.logit_grad_norm is not None:
+        return inp.logit_grad_norm.detach().float()
+    return logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
@@ -271,7 +281,7 @@ def gmts_score(inp: ScoreInputs) -> torch.Tensor:
     uses_sum_pi_squared=True,
 )
 def grad_norm_score(inp: ScoreInputs) -> torch.Tensor:
-    return omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
+    return omega(inp).abs() * token_grad_norm(inp)
 
 
 @register_score("random", needs_entropy=False, needs_omega=False, help="seeded uniform draw (control)",
@@ -315,7 +325,7 @@ def grad_mass(name: str, scores: torch.Tensor, inp: ScoreInputs) -> Optional[tor
     if name == "grad_norm":
         return scores
     try:
-        return omega(inp).abs() * logit_grad_norm(inp.log_prob, inp.sum_pi_squared)
+        return omega(inp).abs() * token_grad_norm(inp)
     except ValueError:
         return None
 
@@ -356,4 +366,5 @@ __all__ = [
     "row_keys_from_tokens",
     "score_params",
     "seeded_uniform",
+    "token_grad_norm",
 ]

@@ -33,7 +33,7 @@ _PAD_KEY = -(2**31)  # below every key, NaN included
 _POOLED_DP = ("micro_batch_dp", "mini_batch", "batch")
 
 
-def _rank_keys(values: torch.Tensor, direction: str) -> torch.Tensor:
+def rank_keys(values: torch.Tensor, direction: str) -> torch.Tensor:
     """int32 keys, larger = selected first: the float32 order of the scores (reversed for bottom),
     NaN below every number. Shared with the distributed path, so every scope ranks identically."""
     return ordered_keys32(values, largest=direction == "top")
@@ -112,7 +112,7 @@ def _first_k_padded(scores: torch.Tensor, valid: torch.Tensor, k: int, direction
         return torch.zeros_like(valid, dtype=torch.bool)
     if k >= n_valid:
         return valid.clone().to(torch.bool)
-    key = _rank_keys(scores, direction).masked_fill(~valid, _PAD_KEY).flatten()
+    key = rank_keys(scores, direction).masked_fill(~valid, _PAD_KEY).flatten()
     kth = torch.topk(key, k, largest=True, sorted=False).values.min()
     out = key > kth
     ties = key == kth
@@ -135,7 +135,7 @@ def _select_grouped(
     out = torch.zeros_like(flat_valid)
     if idx.numel() == 0:
         return out.view_as(valid)
-    key = _rank_keys(scores, direction).flatten()[idx]
+    key = rank_keys(scores, direction).flatten()[idx]
     gid = group_ids.to(torch.int64).view(-1, 1).expand_as(valid).flatten()[idx]
     order = torch.sort(key, descending=True, stable=True).indices
     order = order[torch.sort(gid[order], stable=True).indices]
@@ -167,6 +167,28 @@ def _select_across_ranks(
     dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
     k = budget(ratio, int(n.item()))
     return topk_mask_distributed(local, k, group, largest=direction == "top")
+
+
+def selection_ranks(scores: torch.Tensor, valid: torch.Tensor, direction: str, scope: str) -> torch.Tensor:
+    """Rank (1 = kept first) of every valid token in its pool, in :func:`select_tokens`' order.
+
+    Order: best score first (highest for ``top``, lowest for ``bottom``), NaN last, ties by position
+    (row-major over ``(responses, tokens)``). ``scope`` ``sequence`` ranks each row on its own, any other
+    scope the whole tensor as one pool. Returns int64 shaped like ``scores`` (0 on padding); the tokens
+    :func:`select_tokens` keeps are exactly ranks ``1 .. budget``.
+    """
+    key = rank_keys(scores, direction)
+    ranks = torch.zeros(scores.shape, dtype=torch.int64)
+    pools = [list(range(scores.shape[0]))] if scope != "sequence" else [[i] for i in range(scores.shape[0])]
+    for pool in pools:
+        k = key[pool][valid[pool]]  # row-major valid entries of the pool
+        order = torch.sort(k, descending=True, stable=True).indices
+        r = torch.empty_like(order)
+        r[order] = torch.arange(1, order.numel() + 1)
+        sub = torch.zeros(valid[pool].shape, dtype=torch.int64)
+        sub[valid[pool]] = r
+        ranks[pool] = sub
+    return ranks
 
 
 def selection_stats(

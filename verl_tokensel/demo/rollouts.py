@@ -53,10 +53,9 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     view page to ``html_path``. See the module docstring for the keys."""
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.scorer import score_responses
-    from verl_tokensel.cli.view import _advantages, build_page, token_texts
+    from verl_tokensel.analysis.page import build_page, token_texts
+    from verl_tokensel.analysis.selection import advantages_or_unit, scored_batch, select_preset
     from verl_tokensel.core.config import PRESETS
-    from verl_tokensel.core.scores import ScoreInputs, compute_score, row_keys_from_tokens
-    from verl_tokensel.core.select import select_tokens
     from verl_tokensel.demo.task import decision_token_mask
 
     sel = PRESETS[preset]
@@ -65,31 +64,20 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     pairs = [(prompt_ids(tokenizer, rec.prompt, list(p)), list(r))
              for rec, (p, r) in zip(records, io.tokenize_records(tokenizer, records))]
     model = io.load_model(model_dir, device="cpu")
-    advantages, adv_source = _advantages(records)
+    advantages, adv_source = advantages_or_unit(records)
     with torch.no_grad():
         scored = score_responses(model, pairs, device="cpu")
 
     b = len(scored)
-    lmax = max([len(s.token_ids) for s in scored] + [1])
-    valid = torch.zeros(b, lmax, dtype=torch.bool)
-    decision = torch.zeros(b, lmax, dtype=torch.bool)
-    lp, ent, sp2, adv = (torch.zeros(b, lmax) for _ in range(4))
-    for i, (s, rec, (p_ids, r_ids)) in enumerate(zip(scored, records, pairs)):
+    batch = scored_batch(scored, advantages, sel.score if sel is not None else "entropy", pairs=pairs,
+                         seed=sel.seed if sel is not None else 0)
+    valid, ent = batch.valid, batch.inputs.entropy
+    decision = torch.zeros_like(valid)
+    for i, (s, (p_ids, r_ids)) in enumerate(zip(scored, pairs)):
         n = len(s.token_ids)
-        valid[i, :n] = True
-        lp[i, :n], ent[i, :n], sp2[i, :n] = s.logp, s.entropy, s.sum_p2
-        adv[i, :n] = advantages[i]
         texts = token_texts(tokenizer, p_ids, r_ids)
         decision[i, :n] = torch.tensor(decision_token_mask(texts, "".join(texts)), dtype=torch.bool)
-    if sel is None:
-        mask = valid.clone()
-    else:
-        row_keys = row_keys_from_tokens([torch.tensor(list(p) + list(r), dtype=torch.long) for p, r in pairs])
-        inputs = ScoreInputs(log_prob=lp, response_mask=valid, entropy=ent, old_log_prob=lp, advantages=adv,
-                             sum_pi_squared=sp2, row_keys=row_keys, seed=sel.seed)
-        scope = "sequence" if sel.scope == "sequence" else "micro_batch"
-        mask = select_tokens(compute_score(sel.score, inputs), valid, sel.ratio, scope=scope,
-                             direction=sel.direction)
+    mask = valid.clone() if sel is None else select_preset(batch, sel).mask
 
     h = ent[valid]
     n_tok, n_sel, n_dec = int(valid.sum()), int(mask.sum()), int(decision.sum())

@@ -57,7 +57,7 @@ def decision_token_mask(token_texts: Sequence[str], response: str) -> list[bool]
     """Per response token: does it overlap the decided value's characters?
 
     ``token_texts`` are the tokens' texts, which concatenate to ``response`` (as
-    :func:`verl_tokensel.cli.view.token_texts` returns them). A response off the template has no
+    :func:`verl_tokensel.analysis.page.token_texts` returns them). A response off the template has no
     decision tokens (all False).
     """
     span = decision_span(response)

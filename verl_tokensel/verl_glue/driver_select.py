@@ -19,19 +19,20 @@ Scopes (the pool the budget ``ceil(ratio * N)`` is taken from):
 - ``group``: the responses sharing a prompt (verl's ``uid``), each group keeps ``ceil(ratio * n_g)``;
 - ``sequence``: each response keeps ``ceil(ratio * n_i)``.
 
-Pure torch apart from the row-key helper: :func:`select_on_driver` takes padded tensors and needs
+Pure torch: :func:`select_on_driver` takes padded tensors and needs
 neither Ray nor a worker, so it is unit-tested alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 
 from verl_tokensel.core.config import Selection
-from verl_tokensel.core.scores import ScoreInputs, compute_score, grad_mass, score_params
+from verl_tokensel.core.batch import score_batch
+from verl_tokensel.core.scores import grad_mass, score_params
 from verl_tokensel.core.select import select_tokens, selection_stats
 
 DRIVER_METRIC_PREFIX = "tokensel/driver_"
@@ -50,12 +51,6 @@ class DriverSelection:
     mask: torch.Tensor
     scores: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def group_ids_from_uids(uids: Sequence[Any]) -> torch.Tensor:
-    """``(batch,)`` int64 group index of each row: rows with equal ``uid`` share an index (first-seen order)."""
-    index: dict[Any, int] = {}
-    return torch.tensor([index.setdefault(u, len(index)) for u in uids], dtype=torch.int64)
 
 
 def select_on_driver(
@@ -86,7 +81,8 @@ def select_on_driver(
         ref_log_prob: reference log p(a_t), read only when ``params['kl_coef']`` > 0.
         rollout_is_weights: rollout-correction weights; they multiply the token loss, hence omega.
         row_keys: ``(batch,)`` int64 per-response keys (``random`` score).
-        group_ids: ``(batch,)`` int64 prompt group of each row (``scope=group``).
+        group_ids: ``(batch,)`` int64 prompt group of each row (``scope=group``), as
+            :func:`verl_tokensel.core.batch.group_ids` makes them from verl's ``uid``.
         row_valid: ``(batch,)`` bool, False on synthetic padding rows (never selected, never counted).
         external: per-token fields a score declares in ``needs_external`` (e.g. ``ref_entropy``).
         params: clip/KL keyword arguments of :class:`ScoreInputs`, see :func:`score_params`.
@@ -94,27 +90,23 @@ def select_on_driver(
     Returns:
         :class:`DriverSelection` with the mask, the float32 scores and ``tokensel/driver_*`` metrics.
     """
-    valid = response_mask.to(torch.bool)
-    if row_valid is not None:
-        valid = valid & row_valid.to(torch.bool).view(-1, 1)
-    adv = advantages.float()
-    if rollout_is_weights is not None:
-        adv = adv * rollout_is_weights.float()
-    inp = ScoreInputs(
+    sb = score_batch(
+        sel.score,
+        response_mask=response_mask,
         log_prob=old_log_prob.float(),
-        response_mask=valid,
+        advantages=advantages.float(),
         entropy=entropy.float() if entropy is not None else None,
-        old_log_prob=old_log_prob.float(),
-        advantages=adv,
         sum_pi_squared=sum_pi_squared,
         ref_log_prob=ref_log_prob,
-        row_keys=row_keys,
+        rollout_is_weights=rollout_is_weights,
+        row_valid=row_valid,
+        keys=row_keys,
         seed=sel.seed,
-        external=dict(external or {}),
-        **dict(params or {}),
+        external=external,
+        params=params,
     )
-    scores = compute_score(sel.score, inp).float()
-    scores = torch.where(valid, scores, torch.zeros_like(scores))
+    valid, inp = sb.valid, sb.inputs
+    scores = sb.score(sel.score)
     mask = select_tokens(scores, valid, sel.ratio, scope=sel.scope, direction=sel.direction,
                          group_ids=group_ids if sel.scope == "group" else None)
 
@@ -128,7 +120,6 @@ def select_on_driver(
 __all__ = [
     "DRIVER_METRIC_PREFIX",
     "DriverSelection",
-    "group_ids_from_uids",
     "score_params",
     "select_on_driver",
 ]

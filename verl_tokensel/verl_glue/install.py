@@ -26,12 +26,11 @@ fail loudly when a selector is configured (e.g. ``verl.trainer.main_ppo`` with `
 from __future__ import annotations
 
 import logging
-from functools import partial
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.verl_glue.actor_config import resolve_actor_config
-from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+from verl_tokensel.verl_glue.loss import SelectingLoss
 from verl_tokensel.verl_glue.rollout_source import (
     DriverSelector,
     prepare_rollout_config,
@@ -80,9 +79,10 @@ def prepare_driver_config(config: DictConfig) -> None:
                     actor.token_selector)
 
 
-def build_actor_loss(config: DictConfig):
-    """``partial(tokensel_ppo_loss, config=<actor config dataclass>)`` for ``set_loss_fn``."""
-    return partial(tokensel_ppo_loss, config=resolve_actor_config(config))
+def build_actor_loss(config: DictConfig) -> SelectingLoss:
+    """``SelectingLoss(<actor config dataclass>)`` for ``set_loss_fn`` (the engines call it like
+    ``partial(ppo_loss, config=...)``)."""
+    return SelectingLoss(resolve_actor_config(config))
 
 
 def install_actor_loss(actor_wg, config: DictConfig) -> None:

@@ -36,6 +36,9 @@ both directions).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 from tensordict import TensorDict
 
@@ -44,8 +47,9 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
 
+from verl_tokensel.core.batch import ScoreBatch, score_batch
 from verl_tokensel.core.config import Selection
-from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreInputs, compute_score, grad_mass, score_params
+from verl_tokensel.core.scores import grad_mass, score_params
 from verl_tokensel.core.select import select_tokens, selection_stats
 
 METRIC_PREFIX = "tokensel/"
@@ -56,41 +60,102 @@ MASK_FIELD = "token_select_mask"
 SCORE_FIELD = "token_select_score"
 
 
-def _row_keys(data: TensorDict, batch: int) -> torch.Tensor:
-    """An int64 key per response from its full token ids (stable across ranks, splits and reruns)."""
-    from verl_tokensel.core.scores import row_keys_from_packed, row_keys_from_tokens
-
-    ids = data["input_ids"]
-    if getattr(ids, "is_nested", False):
-        return row_keys_from_packed(ids.values(), ids.offsets())
-    if "attention_mask" in data.keys():  # padded rows: hash only the real tokens
-        attn = data["attention_mask"].bool()
-        return row_keys_from_tokens([ids[i][attn[i]] for i in range(batch)])
-    return row_keys_from_tokens([ids[i] for i in range(batch)])
+UID_FIELD = "uid"
 
 
-def build_score_inputs(config, sel: Selection, log_prob, entropy, sum_pi_squared, padded, data,
-                       with_row_keys: bool = True) -> ScoreInputs:
-    """:class:`ScoreInputs` of one micro-batch (padded tensors). ``with_row_keys=False`` skips hashing the
-    rows' token ids when the caller will not rank (a mask measured before the update is applied)."""
-    spec = SCORE_REGISTRY[sel.score]
-    inp = ScoreInputs(
-        log_prob=log_prob.detach(),
-        response_mask=padded["response_mask"].to(torch.bool),
-        entropy=entropy.detach() if entropy is not None else None,
+def batch_uids(data: TensorDict):
+    """verl's ``uid`` (prompt id) of each row of ``data``, for ``scope=group``; a clear error when absent."""
+    if UID_FIELD not in data.keys():
+        raise RuntimeError(
+            f"token_selection.scope=group needs the '{UID_FIELD}' of each response in the update batch (the prompt "
+            f"id verl's drivers attach to every rollout), and this mini-batch has none (keys: {sorted(data.keys())}). "
+            "Fix: keep the uid field in the batch a custom trainer sends to update_actor, or use scope=mini_batch."
+        )
+    return data.get(UID_FIELD)
+
+
+@dataclass
+class MicroBatch:
+    """One engine micro-batch (or a rank's mini-batch) laid out for scoring: padded ``(batch, response_len)``.
+
+    ``log_prob`` / ``entropy`` keep their autograd graph (the loss needs it); ``scores`` holds detached copies.
+    """
+
+    log_prob: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    padded: TensorDict
+    response_mask: torch.Tensor
+    scores: ScoreBatch
+
+
+def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *, rank: bool = True,
+                       extra_fields: tuple[str, ...] = ()) -> MicroBatch:
+    """The engine's nested ``model_output`` and micro-batch ``data`` as padded tensors and their
+    :func:`~verl_tokensel.core.batch.score_batch` (the loss and the pre-pass both call this).
+
+    ``rank=False`` skips the row keys and group ids (the mask was measured before the update).
+    ``extra_fields``: more per-token fields of ``data`` to pad (the pre-measured mask and scores).
+    """
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+    sum_pi_squared = model_output.get("sum_pi_squared", None)
+    if sum_pi_squared is not None:
+        sum_pi_squared = no_padding_2_padding(sum_pi_squared, data)
+    fields = ["response_mask", "old_log_probs", "advantages"]
+    fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
+    fields += [k for k in extra_fields if k in data.keys()]
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(torch.bool)
+    ids = attn = uids = None
+    if rank:
+        ids = data["input_ids"]
+        if not getattr(ids, "is_nested", False) and "attention_mask" in data.keys():
+            attn = data["attention_mask"]  # padded rows: hash only the real tokens
+        if sel.scope == "group":
+            uids = batch_uids(data)
+    sb = score_batch(
+        sel.score,
+        response_mask=response_mask,
+        log_prob=log_prob,
         old_log_prob=padded["old_log_probs"],
         advantages=padded["advantages"],
+        entropy=entropy,
         sum_pi_squared=sum_pi_squared,
         ref_log_prob=padded.get("ref_log_prob", None),
+        rollout_is_weights=padded.get("rollout_is_weights", None),
+        input_ids=ids,
+        attention_mask=attn,
+        uids=uids,
+        scope=sel.scope,
         seed=sel.seed,
-        **score_params(config),
+        params=score_params(config),
     )
-    if with_row_keys and spec.needs_row_keys:
-        inp.row_keys = _row_keys(data, log_prob.shape[0]).to(log_prob.device)
-    if "rollout_is_weights" in padded.keys():
-        # the rollout-correction weight multiplies the token loss, hence its gradient
-        inp.advantages = inp.advantages * padded["rollout_is_weights"]
-    return inp
+    return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
+
+
+class SelectingLoss:
+    """The selecting actor loss bound to its resolved actor config: what ``set_loss_fn`` installs.
+
+    Called by the engines like ``partial(ppo_loss, config=...)``; the pre-pass reads the rule from
+    :attr:`config` (the one resolution of the actor node in this process). ``observer``: see
+    :func:`tokensel_ppo_loss`. Picklable (Ray ships it to the workers).
+    """
+
+    def __init__(self, config, observer=None):
+        self.config = config
+        self.observer = observer
+
+    @property
+    def selection(self) -> Optional[Selection]:
+        return getattr(self.config, "selection", None)
+
+    def __call__(self, model_output, data: TensorDict, dp_group=None):
+        return tokensel_ppo_loss(self.config, model_output, data, dp_group, observer=self.observer)
+
+    def __repr__(self) -> str:
+        return f"SelectingLoss(selection={self.selection!r})"
 
 
 def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, observer=None):
@@ -114,42 +179,25 @@ def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, obs
 
 
 def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group, observer=None):
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    entropy = model_output.get("entropy", None)
-    if entropy is not None:
-        entropy = no_padding_2_padding(entropy, data)
-    sum_pi_squared = model_output.get("sum_pi_squared", None)
-    if sum_pi_squared is not None:
-        sum_pi_squared = no_padding_2_padding(sum_pi_squared, data)
-
-    fields = ["response_mask", "old_log_probs", "advantages"]
-    if "rollout_is_weights" in data:
-        fields.append("rollout_is_weights")
-    if "ref_log_prob" in data:
-        fields.append("ref_log_prob")
     precomputed = sel.score_source != "current"
-    if precomputed:
-        if MASK_FIELD not in data.keys():
-            raise RuntimeError(
-                f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
-                f"'{MASK_FIELD}' field: the selection that runs before the update (on the driver for "
-                "rollout, at the start of each mini-batch for prepass) did not run. It is installed by "
-                "python -m verl_tokensel.main_ppo (trainer modes tokensel_*); a custom trainer must keep it."
-            )
-        fields.append(MASK_FIELD)
-        if SCORE_FIELD in data.keys():
-            fields.append(SCORE_FIELD)
-    padded = data.select(*fields).to_padded_tensor()
-    response_mask = padded["response_mask"].to(bool)
+    if precomputed and MASK_FIELD not in data.keys():
+        raise RuntimeError(
+            f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
+            f"'{MASK_FIELD}' field: the selection that runs before the update (on the driver for "
+            "rollout, at the start of each mini-batch for prepass) did not run. It is installed by "
+            "python -m verl_tokensel.main_ppo (trainer modes tokensel_*); a custom trainer must keep it."
+        )
+    mb = unpack_micro_batch(config, sel, model_output, data, rank=not precomputed,
+                            extra_fields=(MASK_FIELD, SCORE_FIELD) if precomputed else ())
+    log_prob, entropy, padded, response_mask = mb.log_prob, mb.entropy, mb.padded, mb.response_mask
+    inp = mb.scores.inputs
 
     # ---- score and select (no gradient) ----
-    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data,
-                             with_row_keys=not precomputed)
     if precomputed:
         mask = padded[MASK_FIELD].to(torch.bool) & response_mask
         scores = padded[SCORE_FIELD].float() if SCORE_FIELD in padded.keys() else torch.zeros_like(log_prob)
     else:
-        scores = compute_score(sel.score, inp)
+        scores = mb.scores.score(sel.score)
         mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
                              dp_group=dp_group)
     if observer is not None:

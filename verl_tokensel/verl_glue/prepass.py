@@ -18,7 +18,8 @@ applies them (:mod:`verl_tokensel.verl_glue.loss`).
 How it is installed, with no verl file edited: verl's ``TrainingWorker.train_mini_batch`` calls
 ``self.train_batch(mini_batch)`` once per mini-batch. :func:`install_prepass` wraps that bound method on
 one ``TrainingWorker`` instance; the wrap reads the selection from the worker's CURRENT loss function
-(``partial(tokensel_ppo_loss, config=...)`` set with ``set_loss_fn``), so the pre-pass and the loss can
+(the :class:`~verl_tokensel.verl_glue.loss.SelectingLoss` set with ``set_loss_fn``, which carries the actor
+config resolved once in that process), so the pre-pass and the loss can
 never disagree, and it passes through untouched for any other source. On Ray,
 :func:`tokensel_worker_class` subclasses whatever actor worker class verl chose
 (``ActorRolloutRefWorker``, or the separate-async trainer's ``DetachActorWorker``) with
@@ -31,60 +32,32 @@ a few small all-reduces for ``mini_batch`` / ``group`` (see :mod:`verl_tokensel.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from tensordict import TensorDict
 
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
-from verl.workers.utils.padding import no_padding_2_padding, response_to_nested
+from verl.workers.utils.padding import response_to_nested
 
 from verl_tokensel.core.config import Selection
 from verl_tokensel.core.dist_topk import global_group_ids
-from verl_tokensel.core.scores import SCORE_REGISTRY, compute_score
+from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import select_tokens
-from verl_tokensel.verl_glue.loss import MASK_FIELD, METRIC_PREFIX, SCORE_FIELD, build_score_inputs
+from verl_tokensel.verl_glue.loss import MASK_FIELD, METRIC_PREFIX, SCORE_FIELD, SelectingLoss, unpack_micro_batch
 
 PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
-UID_FIELD = "uid"
 _WRAPPED = "_tokensel_prepass_base_train_batch"
 
 
-def stable_group_ids(uids: Sequence[Any]) -> torch.Tensor:
-    """``(batch,)`` int64 id per row from verl's ``uid`` (the prompt's id), equal on every rank and rerun.
-
-    A 64-bit BLAKE2b of the uid's text: rows of one prompt get one id whichever rank holds them
-    (Python's ``hash`` is salted per process, so it cannot be used); distinct prompts collide with
-    probability ~ n^2 / 2^64.
-    """
-    out = [int.from_bytes(hashlib.blake2b(str(u).encode(), digest_size=8).digest(), "little", signed=True)
-           for u in uids]
-    return torch.tensor(out, dtype=torch.int64)
-
-
-def batch_group_ids(data: TensorDict) -> torch.Tensor:
-    """:func:`stable_group_ids` of the mini-batch's ``uid`` field (both drivers send it with every row)."""
-    if UID_FIELD not in data.keys():
-        raise RuntimeError(
-            f"token_selection.scope=group needs the '{UID_FIELD}' of each response in the update batch (the prompt "
-            f"id verl's drivers attach to every rollout), and this mini-batch has none (keys: {sorted(data.keys())}). "
-            "Fix: keep the uid field in the batch a custom trainer sends to update_actor, or use scope=mini_batch."
-        )
-    uids = data.get(UID_FIELD)
-    if isinstance(uids, torch.Tensor) and not uids.is_nested and not uids.is_floating_point():
-        return uids.to(torch.int64).flatten()
-    values = uids.tolist() if hasattr(uids, "tolist") else list(uids)
-    return stable_group_ids(values)
-
-
 def _selecting_config(loss_fn) -> Optional[Any]:
-    """The actor config bound in the worker's loss (``partial(..., config=...)``) when it selects by prepass."""
-    config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
-    sel: Optional[Selection] = getattr(config, "selection", None)
-    return config if sel is not None and sel.score_source == "prepass" else None
+    """The actor config of the worker's :class:`SelectingLoss` when it selects by prepass, else None."""
+    if not isinstance(loss_fn, SelectingLoss):
+        return None
+    sel = loss_fn.selection
+    return loss_fn.config if sel is not None and sel.score_source == "prepass" else None
 
 
 def _as_response_field(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -144,19 +117,10 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
     model_output = _forward_no_grad(worker, data, sel)
     if model_output is None:
         return {}
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    entropy = model_output.get("entropy")
-    entropy = no_padding_2_padding(entropy, data) if entropy is not None else None
-    sum_pi_squared = model_output.get("sum_pi_squared")
-    sum_pi_squared = no_padding_2_padding(sum_pi_squared, data) if sum_pi_squared is not None else None
-
-    fields = ["response_mask", "old_log_probs", "advantages"]
-    fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
-    padded = data.select(*fields).to_padded_tensor()
-    response_mask = padded["response_mask"].to(torch.bool)
-    inp = build_score_inputs(config, sel, log_prob, entropy, sum_pi_squared, padded, data)
-    scores = compute_score(sel.score, inp).float()
-    group_ids = batch_group_ids(data).to(scores.device) if sel.scope == "group" else None
+    mb = unpack_micro_batch(config, sel, model_output, data)
+    response_mask = mb.response_mask
+    scores = mb.scores.score(sel.score)
+    group_ids = mb.scores.group_ids
     dp_group = worker.engine.get_data_parallel_group()
     mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
                          dp_group=dp_group, group_ids=group_ids) & response_mask
@@ -272,11 +236,9 @@ def selection_uses_prepass(config) -> bool:
 __all__ = [
     "PREPASS_METRIC_PREFIX",
     "TokenselTrainingWorker",
-    "batch_group_ids",
     "install_prepass",
     "prepass_select",
     "selection_uses_prepass",
-    "stable_group_ids",
     "tokensel_worker_class",
     "use_prepass_workers",
 ]

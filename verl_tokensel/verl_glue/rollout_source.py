@@ -38,11 +38,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.core.config import Selection, TokenSelectionConfigError
-from verl_tokensel.core.scores import SCORE_REGISTRY, row_keys_from_packed
+from verl_tokensel.core.batch import group_ids, row_keys
+from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.verl_glue.actor_config import actor_selection
 from verl_tokensel.verl_glue.driver_select import (
     DriverSelection,
-    group_ids_from_uids,
     score_params,
     select_on_driver,
 )
@@ -199,7 +199,7 @@ class DriverSelector:
                                                 trainer=self.trainer)
         return {"ref_entropy": self._ref_scorer(prompts, responses, width)}
 
-    def select_rows(self, padded: dict[str, torch.Tensor], uids, row_keys, row_valid, external) -> DriverSelection:
+    def select_rows(self, padded: dict[str, torch.Tensor], uids, keys, row_valid, external) -> DriverSelection:
         if self.spec.uses_sum_pi_squared and padded.get("sum_pi_squared") is None and not self._warned_sp2:
             self._warned_sp2 = True
             logger.warning("verl_tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
@@ -213,8 +213,8 @@ class DriverSelector:
             sum_pi_squared=padded.get("sum_pi_squared"),
             ref_log_prob=padded.get("ref_log_prob") if self.params["kl_coef"] else None,
             rollout_is_weights=padded.get("rollout_is_weights"),
-            row_keys=row_keys,
-            group_ids=group_ids_from_uids(uids) if self.sel.scope == "group" else None,
+            row_keys=keys,
+            group_ids=group_ids(uids) if self.sel.scope == "group" else None,
             row_valid=row_valid,
             external=external,
             params=self.params,
@@ -249,15 +249,12 @@ class DriverSelector:
             sp2 = response_from_nested(data["sum_pi_squared"], nested_rm)
             padded["sum_pi_squared"] = sp2.to_padded_tensor(0.0)
         width = padded["response_mask"].shape[1]
-        row_keys = None
-        if "input_ids" in data.keys():
-            ids = data["input_ids"]
-            row_keys = row_keys_from_packed(ids.values(), ids.offsets())
+        keys = row_keys(data["input_ids"]) if "input_ids" in data.keys() else None
         external = {}
         if self.spec.needs_external:
             external = self.external_fields(data["prompts"].unbind(), data["responses"].unbind(), width)
         row_valid = torch.tensor([not t.get("is_padding", False) for t in batch.tags], dtype=torch.bool)
-        result = self.select_rows(padded, uids, row_keys, row_valid, external)
+        result = self.select_rows(padded, uids, keys, row_valid, external)
 
         out = TensorDict(
             {MASK_FIELD: response_to_nested(result.mask, nested_rm),

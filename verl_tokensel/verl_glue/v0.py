@@ -35,7 +35,7 @@ from typing import Optional
 import ray
 from omegaconf import DictConfig, open_dict
 
-from verl_tokensel.core.scores import row_keys_from_tokens
+from verl_tokensel.core.batch import row_keys
 from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
 from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
 from verl_tokensel.verl_glue.rollout_source import DriverSelector, column_as_list
@@ -83,10 +83,7 @@ def select_v0(driver: DriverSelector, batch, metrics: Optional[dict] = None) -> 
     if V0_ENTROPY_FIELD in td.keys():
         padded["entropy"] = td.pop(V0_ENTROPY_FIELD)
     width = padded["response_mask"].shape[1]
-    row_keys = None
-    if driver.spec.needs_row_keys:
-        ids, attn = td["input_ids"], td["attention_mask"].bool()
-        row_keys = row_keys_from_tokens([ids[i][attn[i]] for i in range(ids.shape[0])])
+    keys = row_keys(td["input_ids"], td["attention_mask"]) if driver.spec.needs_row_keys else None
     external = {}
     if driver.spec.needs_external:
         resp_attn = td["attention_mask"][:, -width:].bool()
@@ -95,7 +92,7 @@ def select_v0(driver: DriverSelector, batch, metrics: Optional[dict] = None) -> 
         responses = [td["responses"][i][resp_attn[i]] for i in range(len(batch))]
         external = driver.external_fields(prompts, responses, width)
     uids = column_as_list(batch.non_tensor_batch["uid"]) if "uid" in batch.non_tensor_batch else list(range(len(batch)))
-    result = driver.select_rows(padded, uids, row_keys, None, external)
+    result = driver.select_rows(padded, uids, keys, None, external)
     td[MASK_FIELD] = result.mask
     td[SCORE_FIELD] = result.scores
     out = dict(result.metrics)

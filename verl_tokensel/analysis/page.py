@@ -1,0 +1,133 @@
+"""The HTML page of scored responses with a preset's selection marked (``verl-tokensel view``, the demo).
+
+The selection is the training code's (:mod:`verl_tokensel.analysis.selection`); the page itself is rendered
+by :mod:`verl_tokensel.analysis.html`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_tokensel.analysis.html import PageInfo, ResponseView, TokenView, render_page
+from verl_tokensel.analysis.selection import scored_batch, select_preset
+from verl_tokensel.core.pools import budget
+
+SHADE_HELP = {
+    "entropy": "H_t (nats) of the policy at the token",
+    "logp": "log p(a_t); dark = low = surprising",
+    "grad_norm": "|A| * ||e_a - p||: exact logit-gradient norm of the token's loss (on-policy)",
+    "gmts": "H_t * |A| (GMTS delta, on-policy)",
+    "random": "the seeded uniform draw of the random control",
+}
+
+
+
+def token_texts(tokenizer, prompt_ids, response_ids, window: int = 6) -> list[str]:
+    """Text of each response token such that ``"".join(texts)`` is the decoded response.
+
+    Incremental detokenisation: token t's text is ``decode(ids[t-w : t+1])`` minus
+    ``decode(ids[t-w : t])`` over the prompt + response ids (so a word-initial space that a
+    sentencepiece tokenizer only prints after a preceding token is kept). Bytes of an unfinished
+    multi-byte character (a trailing U+FFFD) are held back and shown on the token that completes it;
+    the token that only starts it shows no text.
+    """
+    ids = list(prompt_ids) + list(response_ids)
+    p = len(prompt_ids)
+    n = len(response_ids)
+    if n == 0:
+        return []
+    prev_w, cur_w = [], []
+    for t in range(p, p + n):
+        lo = max(0, t - window)
+        prev_w.append(ids[lo:t])
+        cur_w.append(ids[lo:t + 1])
+    kw = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    prevs = tokenizer.batch_decode(prev_w, **kw)
+    curs = tokenizer.batch_decode(cur_w, **kw)
+    out = []
+    for i, (prev, cur) in enumerate(zip(prevs, curs)):
+        base = prev.rstrip("\ufffd")
+        if cur.startswith(base):
+            text = cur[len(base):]
+            if i < n - 1:
+                text = text.rstrip("\ufffd")  # unfinished character: the next token shows it
+        else:  # decoding is not prefix-stable here: fall back to the token on its own
+            text = tokenizer.decode([response_ids[i]], **kw)
+        out.append(text)
+    return out
+
+
+
+def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, sel, shade: str,
+               n_total: int) -> str:
+    """The HTML page of ``scored`` responses (``view``'s and the demo's): shaded by ``shade`` (``logp`` or a
+    registered score), the selection of ``sel`` (None: nothing marked) with ``args.ratio`` / ``args.scope``
+    overrides; ``args`` also names the preset, model, data, temperature and ``max_responses``."""
+    b = len(scored)
+    names = [shade] if shade != "logp" else []
+    if sel is not None:
+        names.append(sel.score)
+    batch = scored_batch(scored, advantages, names or "entropy", pairs=pairs, seed=sel.seed if sel is not None else 0)
+    valid = batch.valid
+    shade_vals = batch.inputs.log_prob if shade == "logp" else batch.score(shade)
+    score_vals = ranks = None
+    mask = torch.zeros_like(valid)
+    ratio = scope = None
+    if sel is not None:
+        chosen = select_preset(batch, sel, ratio=args.ratio, scope=args.scope)
+        score_vals, mask, ranks, ratio, scope = chosen.scores, chosen.mask, chosen.ranks, chosen.ratio, chosen.scope
+
+    responses = []
+    for i, (rec, (p_ids, r_ids), s) in enumerate(zip(records, pairs, scored)):
+        texts = token_texts(tokenizer, p_ids, r_ids)
+        strs = tokenizer.convert_ids_to_tokens(list(r_ids))
+        toks = []
+        for t in range(len(r_ids)):
+            toks.append(TokenView(
+                text=texts[t], token_id=int(r_ids[t]), token_str=str(strs[t]),
+                entropy=float(s.entropy[t]), logp=float(s.logp[t]), grad_norm=float(s.grad_norm[t]),
+                advantage=float(advantages[i]), shade=float(shade_vals[i, t]),
+                score=None if score_vals is None else float(score_vals[i, t]),
+                rank=None if ranks is None else int(ranks[i, t]), selected=bool(mask[i, t]),
+            ))
+        pool = pool_size = pool_budget = None
+        if sel is not None:
+            pool = i if scope == "sequence" else 0
+            pool_size = len(r_ids) if scope == "sequence" else int(valid.sum())
+            pool_budget = budget(ratio, pool_size)
+        responses.append(ResponseView(
+            index=i, prompt_text=rec.prompt, prompt_tokens=len(p_ids), tokens=toks, uid=rec.group,
+            reward=rec.reward, advantage=float(advantages[i]), pool=pool, pool_size=pool_size,
+            pool_budget=pool_budget,
+        ))
+
+    n_tok = int(valid.sum())
+    rows = []
+    notes = []
+    if sel is not None:
+        rows.append(("selection", f"score {sel.score}, {sel.direction} {ratio:g} (ceil(ratio*N) tokens), "
+                                  f"scope {scope}, normaliser {sel.normaliser}"))
+        if scope == "sequence":
+            notes.append(f"Scope sequence: each response is its own pool; ceil({ratio:g} * n) of its n tokens "
+                         "are selected.")
+        else:
+            notes.append(f"Scope micro_batch: all {b} rendered responses form ONE pool of {n_tok} tokens, as if "
+                         f"they were one micro-batch; ceil({ratio:g} * {n_tok}) = {budget(ratio, n_tok)} are "
+                         "selected. In training the pool is each micro-batch on each rank.")
+        notes.append("On-policy: ratio r = 1 (old log-prob = current log-prob), so no token is clipped and "
+                     "omega = A.")
+    else:
+        rows.append(("selection", "none: stock verl, every response token gets gradient; nothing is marked"))
+    rows.append(("advantages", adv_source))
+    rows.append(("temperature", f"{args.temperature:g}"))
+    rows.append(("responses", f"{b} rendered of {n_total} in the data"
+                              + (f" (--max-responses {args.max_responses})" if b < n_total else "")))
+    notes.append("Text is re-tokenised from the data (prompt and response separately, no special tokens "
+                 "added); grad norm = ||e_a - p||, the logit-gradient norm of log p(a_t) (times 1/T).")
+    reversed_ = shade == "logp"
+    info = PageInfo(
+        title=f"verl-tokensel view: {args.preset}", model=str(args.model), data=str(args.data),
+        preset=args.preset, shade=shade, shade_help=SHADE_HELP.get(shade, "registered score"),
+        shade_reversed=reversed_, rows=rows, notes=notes,
+    )
+    return render_page(info, responses, score_name=None if sel is None else sel.score)

@@ -1,0 +1,94 @@
+"""Scored responses as one batch of score inputs, and a preset's selection on them (``view``, ``analyze``, demo).
+
+The analysis tools rank with the training code: :func:`scored_batch` hands the scorer's per-token values to
+:func:`verl_tokensel.core.batch.score_batch` (the builder the loss, the pre-pass and the driver use), the scores
+come from the registry and the mask from :func:`verl_tokensel.core.select.select_tokens`. On-policy: the old
+log-prob is the current one, so the ratio r = 1, no token is clipped and omega = A.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from verl_tokensel.core.batch import ScoreBatch, pad_rows, score_batch
+from verl_tokensel.core.pools import budget
+from verl_tokensel.core.select import select_tokens, selection_ranks
+
+UNIT_ADVANTAGE_SOURCE = "A = 1 for every response: the data has no advantage and no reward/score column"
+
+
+def advantages_or_unit(records) -> tuple[list[float], str]:
+    """The analysis advantages (:func:`~verl_tokensel.analysis.stats.resolve_advantages`), or A = 1."""
+    from verl_tokensel.analysis.stats import resolve_advantages
+
+    advantages, source = resolve_advantages(records)
+    if advantages is None:
+        return [1.0] * len(records), UNIT_ADVANTAGE_SOURCE
+    return advantages, source
+
+
+def scored_batch(scored, advantages: Sequence[float], score: Union[str, Sequence[str]], *,
+                 pairs: Optional[Sequence] = None, seed: int = 0) -> ScoreBatch:
+    """:class:`ScoreBatch` of a list of :class:`~verl_tokensel.analysis.scorer.TokenScores` (one per response).
+
+    ``advantages``: one per response (broadcast over its tokens). ``pairs``: ``(prompt_ids, response_ids)``
+    per response, for the ``random`` score's row keys (prompt + response ids, as the loss hashes them).
+    The scorer's exact ``||e_a - p||`` is passed as ``logit_grad_norm``.
+    """
+    if len(advantages) != len(scored):
+        raise ValueError(f"{len(advantages)} advantages for {len(scored)} responses")
+    lp, valid = pad_rows([s.logp for s in scored])
+    ent, _ = pad_rows([s.entropy for s in scored])
+    sp2, _ = pad_rows([s.sum_p2 for s in scored])
+    gn, _ = pad_rows([s.grad_norm for s in scored])
+    adv = torch.tensor([float(a) for a in advantages], dtype=torch.float32).view(-1, 1).expand_as(lp) * valid
+    ids = [list(p) + list(r) for p, r in pairs] if pairs is not None else None
+    return score_batch(score, response_mask=valid, log_prob=lp, advantages=adv.contiguous(), entropy=ent,
+                       sum_pi_squared=sp2, logit_grad_norm=gn, input_ids=ids, seed=seed)
+
+
+def per_response(values: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
+    """The valid entries of each row of a padded ``(batch, len)`` tensor."""
+    return [values[i][valid[i]] for i in range(values.shape[0])]
+
+
+@dataclass
+class PresetSelection:
+    """A preset's selection on a :class:`ScoreBatch` (one pool, or one per response for ``sequence``)."""
+
+    scores: torch.Tensor
+    mask: torch.Tensor
+    ranks: torch.Tensor
+    ratio: float
+    scope: str
+    budgets: list[int]
+
+
+def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
+                  scope: Optional[str] = None) -> PresetSelection:
+    """Score ``batch`` with ``sel.score`` and select as the loss would on one micro-batch.
+
+    ``scope``: ``sequence`` or ``micro_batch`` (default: ``sequence`` for a sequence preset, else the whole
+    batch as one micro-batch). The ranks are the selector's order; a check confirms that the kept tokens
+    are exactly ranks ``1 .. budget`` of each pool.
+    """
+    ratio = sel.ratio if ratio is None else ratio
+    scope = scope or ("sequence" if sel.scope == "sequence" else "micro_batch")
+    valid = batch.valid
+    scores = batch.score(sel.score)
+    mask = select_tokens(scores, valid, ratio, scope=scope, direction=sel.direction)
+    ranks = selection_ranks(scores, valid, sel.direction, scope)
+    if scope == "sequence":
+        budgets = [budget(ratio, int(valid[i].sum())) for i in range(valid.shape[0])]
+    else:
+        budgets = [budget(ratio, int(valid.sum()))] * valid.shape[0]
+    want = valid & (ranks <= torch.tensor(budgets, dtype=torch.int64).unsqueeze(-1))
+    if not torch.equal(want, mask):
+        raise AssertionError("internal: selection ranks disagree with select_tokens")
+    return PresetSelection(scores=scores, mask=mask, ranks=ranks, ratio=ratio, scope=scope, budgets=budgets)
+
+
+__all__ = ["PresetSelection", "advantages_or_unit", "per_response", "scored_batch", "select_preset"]
