@@ -31,11 +31,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' builder of the engine's micro-batch layout (tests/helpers)
 
 
 def _import_cpu_worker():
@@ -54,13 +56,13 @@ H, HARNESS_ERROR = _import_cpu_worker()
 from verl_tokensel.cpu import batches as B  # noqa: E402
 
 import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
 
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding  # noqa: E402
+from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss  # noqa: E402
+from helpers.loss_inputs import engine_layout  # noqa: E402
 
 PRESETS = ["forking", "gmts", "grad_norm", "random"]
 # This benchmark times the loss itself, so every preset ranks inside it: the `gmts` preset's pre-pass
@@ -130,7 +132,7 @@ def _table(rows, target: float, entropy=None):
 # part 1: the loss alone
 # --------------------------------------------------------------------------------------------
 def make_micro_batch(batch=16, max_prompt=256, max_resp=1024, seed=0):
-    """A micro-batch in verl's no-padding layout (as tests/loss_inputs.py builds it), realistic sizes."""
+    """A micro-batch in verl's no-padding layout (``tests/helpers/loss_inputs.engine_layout``), realistic sizes."""
     g = torch.Generator().manual_seed(seed)
     P, R = max_prompt, max_resp
     prompt_lens = torch.randint(64, P + 1, (batch,), generator=g)
@@ -141,27 +143,14 @@ def make_micro_batch(batch=16, max_prompt=256, max_resp=1024, seed=0):
         pl, rl = int(prompt_lens[i]), int(resp_lens[i])
         input_ids[i, P - pl:P + rl] = torch.randint(3, 150000, (pl + rl,), generator=g)
         attn[i, P - pl:P + rl] = 1
-    response_mask = attn[:, P:].clone()
+    response_mask = attn[:, P:]
     total = int(attn.sum())
     # model outputs over the full sequences: log p (mostly confident), entropy (mostly ~0, heavy tail)
     lp_values = -(torch.rand(total, generator=g) ** 3) * 4
     ent_values = (torch.rand(total, generator=g) ** 4) * 3
     spsq_values = torch.rand(total, generator=g) * 0.7 + 0.3
-    fields = dict(
-        input_ids=input_ids,
-        attention_mask=attn,
-        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-        prompts=input_ids[:, :P],
-        responses=input_ids[:, P:],
-        response_mask=response_mask,
-        old_log_probs=torch.zeros(batch, R),
-        advantages=(torch.randn(batch, 1, generator=g).expand(batch, R) * response_mask).contiguous(),
-    )
-    data = left_right_2_no_padding(TensorDict(fields, batch_size=[batch]))
-    data["prompts"] = torch.nested.as_nested_tensor(
-        [input_ids[i, P - int(prompt_lens[i]):P] for i in range(batch)], layout=torch.jagged)
-    data["responses"] = torch.nested.as_nested_tensor(
-        [input_ids[i, P:P + int(resp_lens[i])] for i in range(batch)], layout=torch.jagged)
+    adv = (torch.randn(batch, 1, generator=g).expand(batch, R) * response_mask).contiguous()
+    data = engine_layout(input_ids, attn, P, old_log_probs=torch.zeros(batch, R), advantages=adv)
     n_tok = int(response_mask.sum())
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=n_tok, global_batch_size=batch)
     offsets = data["input_ids"].offsets()

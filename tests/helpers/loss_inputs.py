@@ -15,6 +15,31 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import left_right_2_no_padding
 
 
+def engine_layout(input_ids: torch.Tensor, attn: torch.Tensor, prompt_width: int, **per_token) -> TensorDict:
+    """Left-padded prompts + right-padded responses (``(batch, prompt_width + response_width)``) and the
+    padded per-token response fields, as the engine's no-padding micro-batch (``left_right_2_no_padding``):
+    nested ``input_ids``/``position_ids``, ``prompts``/``responses`` as nested tensors, the fields as given."""
+    P = prompt_width
+    batch = input_ids.shape[0]
+    fields = dict(
+        input_ids=input_ids,
+        attention_mask=attn,
+        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+        prompts=input_ids[:, :P],
+        responses=input_ids[:, P:],
+        response_mask=attn[:, P:].clone(),
+        **per_token,
+    )
+    data = left_right_2_no_padding(TensorDict(fields, batch_size=[batch]))
+    prompt_attn, resp_attn = attn[:, :P].bool(), attn[:, P:].bool()
+    # the engine's no-padding micro-batch carries prompts/responses as nested tensors
+    data["prompts"] = torch.nested.as_nested_tensor(
+        [input_ids[i, :P][prompt_attn[i]] for i in range(batch)], layout=torch.jagged)
+    data["responses"] = torch.nested.as_nested_tensor(
+        [input_ids[i, P:][resp_attn[i]] for i in range(batch)], layout=torch.jagged)
+    return data
+
+
 def make_micro_batch(
     batch=4,
     prompt_len=5,
@@ -36,29 +61,13 @@ def make_micro_batch(
         pl, rl = int(prompt_lens[i]), int(resp_lens[i])
         input_ids[i, P - pl:P + rl] = torch.randint(3, 100, (pl + rl,), generator=g)
         attn[i, P - pl:P + rl] = 1
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
     response_mask = attn[:, P:].clone()
     old_lp = -torch.rand(batch, R, generator=g) * 3 * response_mask
     adv = (torch.randn(batch, 1, generator=g).expand(batch, R) * response_mask).contiguous()
-    fields = dict(
-        input_ids=input_ids,
-        attention_mask=attn,
-        position_ids=position_ids,
-        prompts=input_ids[:, :P],
-        responses=input_ids[:, P:],
-        response_mask=response_mask,
-        old_log_probs=old_lp,
-        advantages=adv,
-    )
+    extra = {}
     if with_ref:
-        fields["ref_log_prob"] = -torch.rand(batch, R, generator=g) * 3 * response_mask
-    data = TensorDict(fields, batch_size=[batch])
-    data = left_right_2_no_padding(data)
-    # the engine's no-padding micro-batch carries prompts/responses as nested tensors
-    data["prompts"] = torch.nested.as_nested_tensor(
-        [input_ids[i, P - int(prompt_lens[i]):P] for i in range(batch)], layout=torch.jagged)
-    data["responses"] = torch.nested.as_nested_tensor(
-        [input_ids[i, P:P + int(resp_lens[i])] for i in range(batch)], layout=torch.jagged)
+        extra["ref_log_prob"] = -torch.rand(batch, R, generator=g) * 3 * response_mask
+    data = engine_layout(input_ids, attn, P, old_log_probs=old_lp, advantages=adv, **extra)
     n_tok = int(response_mask.sum())
     tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=batch_num_tokens or n_tok * dp_size,
                          global_batch_size=None)
