@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 HELP = "per-token entropy / gradient-norm report of responses under a local model"
 
@@ -37,64 +36,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data", required=True, help="rollout dump dir, dump .jsonl, or .parquet/.jsonl table")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, *.png")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: --model)")
+    from verl_tokensel.cli.common import add_scoring_arguments
+
     add_scoring_arguments(parser, max_help="score only the first N responses (advantages still use whole groups)")
 
 
-def add_scoring_arguments(parser, max_help: str = "score only the first N responses") -> None:
-    """The scorer options shared by analyze and compare."""
-    from verl_tokensel.analysis.scorer import DEFAULT_CHUNK
-
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
-                        help=f"vocabulary chunk of the scorer (default {DEFAULT_CHUNK})")
-    parser.add_argument("--max-responses", type=int, default=None, help=max_help)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to score (default cpu)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="model dtype (bfloat16 only with --device cuda)")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="rollout temperature: entropies are of softmax(logits / T) (default 1.0)")
-
-
-def _error(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
-    return 2
-
-
-def check_common_args(args) -> None:
-    from verl_tokensel.analysis.io import AnalysisInputError
-
-    if args.chunk_size <= 0:
-        raise AnalysisInputError(f"--chunk-size must be > 0, got {args.chunk_size}")
-    if not args.temperature > 0:
-        raise AnalysisInputError(f"--temperature must be > 0, got {args.temperature}")
-    if args.max_responses is not None and args.max_responses <= 0:
-        raise AnalysisInputError(f"--max-responses must be > 0, got {args.max_responses}")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise AnalysisInputError(f"{out}: --out exists and is not a directory")
-
-
-def score_with_progress(model, pairs, *, desc: str, temperature: float, device, chunk_size=None):
-    """:func:`~verl_tokensel.analysis.scorer.score_responses` with a progress bar on stderr."""
-    from tqdm import tqdm
-
-    from verl_tokensel.analysis.scorer import DEFAULT_CHUNK, score_responses
-
-    with tqdm(total=len(pairs), desc=desc, unit="resp", file=sys.stderr, mininterval=0.5) as bar:
-        done = [0]
-
-        def progress(i: int) -> None:
-            bar.update(i - done[0])
-            done[0] = i
-
-        return score_responses(model, pairs, temperature=temperature, chunk_size=chunk_size or DEFAULT_CHUNK,
-                               device=device, progress=progress)
-
-
-def _f(v, digits: int = 4) -> str:
-    return "n/a" if v is None or v != v else f"{v:.{digits}g}"
-
-
 def run(args) -> int:
+    from verl_tokensel.cli.common import check_common_args, error, fmt, score_with_progress
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.report import require_matplotlib, write_analysis
     from verl_tokensel.analysis.stats import build_report, resolve_advantages
@@ -114,7 +62,7 @@ def run(args) -> int:
         pairs = io.tokenize_records(tokenizer, records)
         model = io.load_model(args.model, device=args.device, dtype=args.dtype)
     except (io.AnalysisInputError, RuntimeError) as e:
-        return _error(str(e))
+        return error(str(e))
 
     print(f"scoring {len(pairs)} responses ({sum(len(r) for _, r in pairs)} tokens) from {args.data} "
           f"under {args.model} on {args.device}", file=sys.stderr)
@@ -122,7 +70,7 @@ def run(args) -> int:
         scores = score_with_progress(model, pairs, desc="analyze", temperature=args.temperature,
                                      device=args.device, chunk_size=args.chunk_size)
     except ValueError as e:
-        return _error(f"{args.data}: {e}")
+        return error(f"{args.data}: {e}")
 
     def decode(token_id: int) -> str:
         return tokenizer.decode([token_id])
@@ -136,18 +84,18 @@ def run(args) -> int:
     print(f"report: {path}")
     print(f"responses {report['responses']}, tokens {report['token_count']}, {time.time() - t0:.1f}s")
     print("entropy P50/P80/P90/P99 (nats): "
-          + " / ".join(_f(e["percentiles"][q]) for q in ("50", "80", "90", "99")))
-    print(f"share of tokens with H < 0.01: {_f(e['share_below_0.01'])}")
-    print(f"top-20% entropy threshold: {_f(e['top_threshold'])}")
+          + " / ".join(fmt(e["percentiles"][q]) for q in ("50", "80", "90", "99")))
+    print(f"share of tokens with H < 0.01: {fmt(e['share_below_0.01'])}")
+    print(f"top-20% entropy threshold: {fmt(e['top_threshold'])}")
     top = report["forking_tokens"][:8]
     if top:
         print("top forking tokens: " + ", ".join(f"{t['text']!r} x{t['count']}" for t in top))
     g = report.get("gmts")
     if g:
         c = g["entropy_vs_exact_grad_norm"]
-        print(f"Spearman(entropy, exact grad norm): within answers {_f(c['within_answer_mean'])} "
-              f"(mean of {c['within_answers_used']} answers), across answers {_f(c['across_answers'])}")
-        print(f"Jaccard(entropy top-20%, GMTS top-20%): {_f(g['jaccard_entropy_top_vs_gmts_top'])}")
+        print(f"Spearman(entropy, exact grad norm): within answers {fmt(c['within_answer_mean'])} "
+              f"(mean of {c['within_answers_used']} answers), across answers {fmt(c['across_answers'])}")
+        print(f"Jaccard(entropy top-20%, GMTS top-20%): {fmt(g['jaccard_entropy_top_vs_gmts_top'])}")
     else:
         print(f"GMTS statistics omitted: {report['gmts_omitted_reason']}")
     return 0

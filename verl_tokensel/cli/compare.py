@@ -32,7 +32,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model-b", required=True, help="model B (e.g. the RL-trained model), local HF directory")
     parser.add_argument("--data", required=True, help="rollout dump dir, dump .jsonl, or .parquet/.jsonl table")
     parser.add_argument("--out", required=True, help="output directory for report.json, report.md, the PNG")
-    from verl_tokensel.cli.analyze import add_scoring_arguments
+    from verl_tokensel.cli.common import add_scoring_arguments
 
     add_scoring_arguments(parser)
 
@@ -43,7 +43,7 @@ def run(args) -> int:
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.report import require_matplotlib, write_comparison
     from verl_tokensel.analysis.stats import compare_entropies, pooled_entropy, top_mask
-    from verl_tokensel.cli.analyze import _error, _f, check_common_args, score_with_progress
+    from verl_tokensel.cli.common import check_common_args, error, fmt, score_with_progress
 
     t0 = time.time()
     try:
@@ -63,19 +63,19 @@ def run(args) -> int:
         io.check_vocab(tok_b, args.model_b, args.model_b)
         pairs = io.tokenize_records(tok_a, records)
     except (io.AnalysisInputError, RuntimeError) as e:
-        return _error(str(e))
+        return error(str(e))
 
     scores = {}
     for name, path in (("A", args.model_a), ("B", args.model_b)):
         try:
             model = io.load_model(path, device=args.device, dtype=args.dtype)
         except io.AnalysisInputError as e:
-            return _error(str(e))
+            return error(str(e))
         try:
             scores[name] = score_with_progress(model, pairs, desc=f"model {name}", temperature=args.temperature,
                                                device=args.device, chunk_size=args.chunk_size)
         except ValueError as e:
-            return _error(f"{args.data} under {path}: {e}")
+            return error(f"{args.data} under {path}: {e}")
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
@@ -89,10 +89,10 @@ def run(args) -> int:
     o, d = report["overlap"], report["entropy_change"]
     print(f"report: {path}")
     print(f"responses {report['responses']}, tokens {report['token_count']}, {time.time() - t0:.1f}s")
-    print(f"share of A's top-20% positions also in B's top-20%: {_f(o['share_of_a_top_in_b_top'])} "
-          f"(Jaccard {_f(o['jaccard'])})")
+    print(f"share of A's top-20% positions also in B's top-20%: {fmt(o['share_of_a_top_in_b_top'])} "
+          f"(Jaccard {fmt(o['jaccard'])})")
     for key, name in (("a_top", "A's top-20%"), ("rest", "the rest")):
         g = d[key]
-        print(f"H_B - H_A on {name}: mean {_f(g['mean'])}, median {_f(g['median'])}, "
-              f"share increased {_f(g['share_increased'])}")
+        print(f"H_B - H_A on {name}: mean {fmt(g['mean'])}, median {fmt(g['median'])}, "
+              f"share increased {fmt(g['share_increased'])}")
     return 0

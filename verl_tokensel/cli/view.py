@@ -61,36 +61,36 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from verl_tokensel.cli.analyze import _error, score_with_progress
+    from verl_tokensel.cli.common import error, score_with_progress
     from verl_tokensel.core.config import PRESETS
 
     if args.preset not in PRESETS:
-        return _error(f"--preset {args.preset!r} is unknown; valid: {', '.join(PRESETS)}")
+        return error(f"--preset {args.preset!r} is unknown; valid: {', '.join(PRESETS)}")
     sel = PRESETS[args.preset]
     shades = shade_choices()
     shade = args.shade if args.shade is not None else (sel.score if sel is not None and sel.score in shades
                                                        else "entropy")
     if shade not in shades:
-        return _error(f"--shade {shade!r} is unknown; valid: {', '.join(shades)}")
+        return error(f"--shade {shade!r} is unknown; valid: {', '.join(shades)}")
     if args.ratio is not None and not (0 < args.ratio <= 1):
-        return _error(f"--ratio {args.ratio!r} is invalid; valid: a number in (0, 1]")
+        return error(f"--ratio {args.ratio!r} is invalid; valid: a number in (0, 1]")
     if sel is None and (args.ratio is not None or args.scope is not None):
-        return _error("--ratio/--scope set with --preset none, which selects nothing; pick a selector preset")
+        return error("--ratio/--scope set with --preset none, which selects nothing; pick a selector preset")
     if args.max_responses is not None and args.max_responses < 1:
-        return _error(f"--max-responses {args.max_responses} is invalid; valid: an integer >= 1")
+        return error(f"--max-responses {args.max_responses} is invalid; valid: an integer >= 1")
     if not (args.temperature > 0):
-        return _error(f"--temperature {args.temperature!r} is invalid; valid: a number > 0")
+        return error(f"--temperature {args.temperature!r} is invalid; valid: a number > 0")
     model_dir = Path(args.model)
     if not model_dir.is_dir():
-        return _error(f"--model {model_dir}: no such directory")
+        return error(f"--model {model_dir}: no such directory")
     if not (model_dir / "config.json").is_file():
-        return _error(f"--model {model_dir}: not a HF model directory (no config.json)")
+        return error(f"--model {model_dir}: not a HF model directory (no config.json)")
     data = Path(args.data)
     if not data.exists():
-        return _error(f"--data {data}: no such file or directory")
+        return error(f"--data {data}: no such file or directory")
     out = Path(args.out)
     if out.exists() and out.is_dir():
-        return _error(f"--out {out} is a directory; give an .html file path")
+        return error(f"--out {out} is a directory; give an .html file path")
 
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.page import build_page
@@ -99,9 +99,9 @@ def run(args) -> int:
     try:
         records = io.load_records(data)
     except io.AnalysisInputError as e:
-        return _error(f"--data {e}")
+        return error(f"--data {e}")
     if not records:
-        return _error(f"--data {data}: holds no responses")
+        return error(f"--data {data}: holds no responses")
     n_total = len(records)
     records = records[: args.max_responses] if args.max_responses else records
     try:
@@ -109,7 +109,7 @@ def run(args) -> int:
         io.check_vocab(tokenizer, model_dir, model_dir)
         pairs = io.tokenize_records(tokenizer, records)
     except io.AnalysisInputError as e:
-        return _error(str(e))
+        return error(str(e))
 
     import torch
 
@@ -117,7 +117,7 @@ def run(args) -> int:
     try:
         model = io.load_model(model_dir, device=device, dtype=args.dtype)
     except io.AnalysisInputError as e:
-        return _error(str(e))
+        return error(str(e))
     advantages, adv_source = advantages_or_unit(records)
 
     scored = score_with_progress(model, pairs, desc="scoring", temperature=args.temperature, device=device)
