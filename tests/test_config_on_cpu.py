@@ -209,9 +209,10 @@ def test_readme_recipe_snippet_composes(tmp_path):
 def test_selection_fields_are_the_knob_set():
     """TokenSelectionConfig declares the knobs; a resolved Selection carries exactly those (the README table
     and the YAML are checked against the same dataclass above)."""
-    from verl_tokensel.core.config import Selection
+    from verl_tokensel.core.config import ENGINE_SWITCHES, Selection
 
-    knobs = {f.name for f in fields(TokenSelectionConfig)} - {"auto_enable_entropy"}
+    assert set(ENGINE_SWITCHES) == {"auto_enable_entropy", "no_grad_scores"}
+    knobs = {f.name for f in fields(TokenSelectionConfig)} - set(ENGINE_SWITCHES)
     assert {f.name for f in fields(Selection)} == knobs
 
 

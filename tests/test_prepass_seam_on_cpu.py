@@ -76,8 +76,8 @@ def test_worker_class_keeps_a_custom_inner_training_worker():
     ("separate_async", True, Role.ActorRollout, DetachActorWorker),
     ("separate_async", False, Role.Actor, DetachActorWorker),
 ])
-@pytest.mark.parametrize("selector", ["gmts", "forking"])
-def test_v1_trainers_swap_the_actor_worker_for_prepass_only(mode, hybrid, role, base, selector):
+@pytest.mark.parametrize("selector", ["gmts", "forking", "none"])
+def test_v1_trainers_swap_the_actor_worker_for_selectors_only(mode, hybrid, role, base, selector):
     from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
 
     from verl_tokensel.verl_glue.install import register_v1_trainers
@@ -89,14 +89,14 @@ def test_v1_trainers_swap_the_actor_worker_for_prepass_only(mode, hybrid, role, 
     trainer._enable_hybrid_replicas = hybrid
     trainer._init_resource_pool_mgr()
     cls = _base(trainer.role_worker_mapping[role])
-    if selector == "gmts":  # score_source=prepass
+    if selector != "none":  # the pre-pass (gmts) and the no-graph entropy (every selector) live in the worker
         assert cls is tokensel_worker_class(base) and cls.__bases__ == (base,)
-    else:  # score_source=current: verl's (or separate-async's) class, untouched
+    else:  # stock: verl's (or separate-async's) class, untouched
         assert cls is base
 
 
-@pytest.mark.parametrize("selector", ["gmts", "forking"])
-def test_v0_task_runner_builds_the_prepass_worker(selector):
+@pytest.mark.parametrize("selector", ["gmts", "forking", "none"])
+def test_v0_task_runner_builds_the_tokensel_worker_for_selectors(selector):
     from verl_tokensel.verl_glue.v0 import v0_task_runner as _v0_task_runner
 
     runner_cls = _base(_v0_task_runner())
@@ -104,7 +104,7 @@ def test_v0_task_runner_builds_the_prepass_worker(selector):
     runner.role_worker_mapping, runner.mapping = {}, {}
     actor_cls, _ = runner.add_actor_rollout_worker(_compose(selector))
     (remote_cls,) = runner.role_worker_mapping.values()
-    expected = tokensel_worker_class(ActorRolloutRefWorker) if selector == "gmts" else ActorRolloutRefWorker
+    expected = tokensel_worker_class(ActorRolloutRefWorker) if selector != "none" else ActorRolloutRefWorker
     assert actor_cls is expected and _base(remote_cls) is expected
 
 

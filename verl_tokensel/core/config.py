@@ -39,6 +39,10 @@ OMEGA_LOSS_MODES = ("vanilla",)
 OMEGA_KL_TYPES = ("kl", "k1", "mse", "k2", "low_var_kl", "k3")
 
 
+#: knobs of TokenSelectionConfig that switch engine behaviour rather than override a preset's rule
+ENGINE_SWITCHES = ("auto_enable_entropy", "no_grad_scores")
+
+
 class TokenSelectionConfigError(ValueError):
     """A token-selection key has an invalid value. The message names the key and the valid values."""
 
@@ -158,13 +162,21 @@ class TokenSelectionConfig:
         metadata={"help": "Turn on actor.calculate_entropy for the update pass when the score needs "
                   "entropy; false makes that an error instead.", "paper": "n/a"},
     )
+    no_grad_scores: bool = field(
+        default=True,
+        metadata={"help": "Compute the update pass's entropy and sum_j p_j^2 without an autograd graph, in "
+                  "vocabulary-bounded chunks, when nothing needs their gradient (entropy_coeff = 0; FSDP/FSDP2 "
+                  "engines, no fused kernels); false keeps verl's graph.",
+                  "paper": "n/a (stock verl keeps the graph; TRL computes its selection entropy under no_grad)"},
+    )
 
     def overrides(self) -> dict[str, Any]:
-        """The knobs set by the user (not None), excluding auto_enable_entropy."""
+        """The knobs set by the user (not None), excluding the engine switches (auto_enable_entropy,
+        no_grad_scores), which are not part of a preset."""
         return {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name != "auto_enable_entropy" and getattr(self, f.name) is not None
+            if f.name not in ENGINE_SWITCHES and getattr(self, f.name) is not None
         }
 
 
@@ -204,6 +216,7 @@ def resolve_selection(
     if not isinstance(token_selector, str) or token_selector not in PRESETS:
         raise _err("token_selector", token_selector, ", ".join(PRESETS))
     _check_bool("token_selection.auto_enable_entropy", overrides.auto_enable_entropy)
+    _check_bool("token_selection.no_grad_scores", overrides.no_grad_scores)
     preset = PRESETS[token_selector]
     given = overrides.overrides()
     if preset is None:

@@ -133,12 +133,13 @@ class _TokenselTrainerMixin:
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
-        # score_source=prepass: the actor's TrainingWorker selects at the start of each mini-batch; the
-        # swap subclasses whatever worker class the base trainer put there (separate_async: DetachActorWorker)
-        from verl_tokensel.verl_glue.prepass import selection_uses_prepass, use_prepass_workers
+        # the actor's TrainingWorker runs the selection's worker-side steps (the no-graph entropy of the update
+        # pass; score_source=prepass: the selection at the start of each mini-batch); the swap subclasses
+        # whatever worker class the base trainer put there (separate_async: DetachActorWorker)
+        from verl_tokensel.verl_glue.prepass import selection_uses_tokensel_workers, use_tokensel_workers
 
-        if selection_uses_prepass(self.config):
-            use_prepass_workers(self.role_worker_mapping)
+        if selection_uses_tokensel_workers(self.config):
+            use_tokensel_workers(self.role_worker_mapping)
 
     def on_init_end(self):
         install_actor_loss(self.actor_rollout_wg, self.config)

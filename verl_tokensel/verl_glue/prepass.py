@@ -47,6 +47,7 @@ from verl_tokensel.core.dist_topk import global_group_ids
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import select_tokens
 from verl_tokensel.verl_glue.loss import MASK_FIELD, METRIC_PREFIX, SCORE_FIELD, SelectingLoss, unpack_micro_batch
+from verl_tokensel.verl_glue.no_graph import install_no_graph_scores
 
 PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
 _WRAPPED = "_tokensel_prepass_base_train_batch"
@@ -149,17 +150,21 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
 
 
 def install_prepass(worker: TrainingWorker) -> TrainingWorker:
-    """Wrap ``worker.train_batch`` (one PPO mini-batch) so a prepass selection runs before it (idempotent).
+    """Wrap ``worker.train_batch`` (one PPO mini-batch) with the selection's worker-side steps (idempotent).
 
-    The wrap does nothing unless the worker's loss (at call time) is bound to a config whose selection
-    has ``score_source=prepass``; then it runs :func:`prepass_select` on the mini-batch, trains it, and
-    adds the ``tokensel/prepass/*`` metrics to the mini-batch's metrics.
+    At each call, with the worker's CURRENT loss: the update pass's entropy / sum p^2 without an autograd graph
+    when the loss's config allows it (:func:`verl_tokensel.verl_glue.no_graph.install_no_graph_scores`, on
+    the worker's engine); and, when its selection has ``score_source=prepass``, :func:`prepass_select` on the
+    mini-batch before it trains, its ``tokensel/prepass/*`` metrics added to the mini-batch's metrics. Any
+    other loss passes through untouched.
     """
     if getattr(worker, _WRAPPED, None) is not None:
         return worker
     base = worker.train_batch
 
     def train_batch(data: TensorDict, *args, **kwargs):
+        if isinstance(worker.loss_fn, SelectingLoss):
+            install_no_graph_scores(worker)
         config = _selecting_config(worker.loss_fn)
         if config is None:
             return base(data, *args, **kwargs)
@@ -211,7 +216,7 @@ def tokensel_worker_class(base: type) -> type:
     return _WORKER_CLASSES[base]
 
 
-def use_prepass_workers(role_worker_mapping: dict) -> None:
+def use_tokensel_workers(role_worker_mapping: dict) -> None:
     """Swap, in place, every actor worker class of a trainer's ``role_worker_mapping`` for its tokensel twin.
 
     Called after verl (or a trainer subclass such as separate-async) filled the mapping, so it composes
@@ -225,12 +230,12 @@ def use_prepass_workers(role_worker_mapping: dict) -> None:
             role_worker_mapping[role] = ray.remote(tokensel_worker_class(cls))
 
 
-def selection_uses_prepass(config) -> bool:
-    """Whether the (OmegaConf) trainer config selects with ``score_source=prepass``."""
+def selection_uses_tokensel_workers(config) -> bool:
+    """Whether the (OmegaConf) trainer config selects at all: then the actor workers are the tokensel twins
+    (the pre-pass for ``score_source=prepass``, the no-graph entropy for every selector)."""
     from verl_tokensel.verl_glue.actor_config import actor_selection
 
-    sel = actor_selection(config)
-    return sel is not None and sel.score_source == "prepass"
+    return actor_selection(config) is not None
 
 
 __all__ = [
@@ -238,7 +243,7 @@ __all__ = [
     "TokenselTrainingWorker",
     "install_prepass",
     "prepass_select",
-    "selection_uses_prepass",
+    "selection_uses_tokensel_workers",
     "tokensel_worker_class",
-    "use_prepass_workers",
+    "use_tokensel_workers",
 ]

@@ -140,20 +140,20 @@ def v0_task_runner():
     base = getattr(TaskRunner, "__ray_actor_class__", TaskRunner)
 
     class TokenselTaskRunner(base):
-        """verl's v0 TaskRunner; routes the checkpoint-engine manager through ours and, for
-        score_source=prepass, builds the actor workers with the pre-pass (verl_glue.prepass)."""
+        """verl's v0 TaskRunner; routes the checkpoint-engine manager through ours and, with a selector on,
+        builds the actor workers with the selection's worker-side steps (verl_glue.prepass)."""
 
         def add_actor_rollout_worker(self, config):
             from verl_tokensel.verl_glue.prepass import (
-                selection_uses_prepass,
+                selection_uses_tokensel_workers,
                 tokensel_worker_class,
-                use_prepass_workers,
+                use_tokensel_workers,
             )
 
             actor_rollout_cls, group_cls = super().add_actor_rollout_worker(config)
-            if not selection_uses_prepass(config):
+            if not selection_uses_tokensel_workers(config):
                 return actor_rollout_cls, group_cls
-            use_prepass_workers(self.role_worker_mapping)
+            use_tokensel_workers(self.role_worker_mapping)
             return tokensel_worker_class(actor_rollout_cls), group_cls
 
         def run(self, config):

@@ -1,0 +1,165 @@
+"""The update pass's ranking values (entropy, sum_j p_j^2) without an autograd graph.
+
+Stock verl computes the update pass's entropy only when ``calculate_entropy`` is on, and then WITH autograd:
+the softmax over the whole vocabulary of every token is kept for a backward that, with ``entropy_coeff = 0``
+(every DAPO recipe, both papers), carries a zero gradient. A selector that ranks by entropy needs the
+values, not their gradient. When nothing needs that gradient, this module makes the engine compute them
+under ``no_grad``, in chunks of :data:`CHUNK_ELEMENTS` logits (a few rows x the vocabulary), so the extra
+peak memory is a small constant times ``chunk x vocab``, freed before the next chunk, and nothing of it is
+saved for the backward.
+
+The seam, with no verl file edited (verl 0.9.1, ``FSDPEngineWithLMHead.prepare_model_outputs``):
+
+- with ``use_remove_padding``, the engine calls ``self.compute_entropy_from_logits`` (an instance attribute
+  its ``__init__`` sets to ``verl_F.entropy_from_logits`` or its ``_with_chunking`` twin, maybe compiled);
+- without it, the engine calls ``verl_F.entropy_from_logits`` (``verl.utils.torch_functional``) directly;
+- both call ``verl_F.calculate_sum_pi_squared_from_logits`` for ``calculate_sum_pi_squared``.
+
+:func:`install_no_graph_scores` wraps ONE engine's ``prepare_model_outputs`` (an instance attribute): for the
+duration of a call made with autograd on, and only while the worker's loss is a
+:class:`~verl_tokensel.verl_glue.loss.SelectingLoss` whose config asks for it (:func:`wants_no_graph`), the
+three names point at the no-graph versions; they are restored when the call returns. Forward-only passes
+(old log-prob, reference) are left to verl (they run without autograd anyway). The values equal verl's to
+float rounding (float32 arithmetic, returned in the dtype verl's function returns).
+
+When the graph stays: ``entropy_coeff != 0`` (the bonus needs d H / d logits; with ``mask_entropy_bonus``
+still on the selected tokens), ``token_selection.no_grad_scores=false``, a stock loss, fused kernels
+(``use_fused_kernels``: the fused kernel returns its own entropy), and engines other than FSDP/FSDP2 (the
+Megatron engine computes entropy inside its own logits processor; not covered).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: logits per chunk (2^25 = 32M float32 values, 128 MiB; 220 rows at a vocabulary of 151,936)
+CHUNK_ELEMENTS = 1 << 25
+_WRAPPED = "_tokensel_no_graph_base"
+
+
+def _rows_per_chunk(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(1, vocab))
+
+
+def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dim, nats, with no autograd graph, chunked over rows.
+
+    ``H = logsumexp(x) - sum softmax(x) * x`` in float32 (verl's formula). ``chunk_size`` (verl's
+    ``entropy_from_logits_chunk_size``, passed by the chunking variant) caps the rows per chunk; the
+    memory bound :data:`CHUNK_ELEMENTS` applies either way. Returns float32 when verl's chunking variant
+    would (``chunk_size`` given), else ``logits.dtype``, shaped ``logits.shape[:-1]``.
+    """
+    vocab = logits.shape[-1]
+    flat = logits.detach().reshape(-1, vocab)
+    rows = _rows_per_chunk(vocab) if chunk_size is None else max(1, min(int(chunk_size), _rows_per_chunk(vocab)))
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    with torch.no_grad():
+        for i in range(0, flat.shape[0], rows):
+            x = flat[i:i + rows].float()
+            lse = torch.logsumexp(x, dim=-1)
+            out[i:i + rows] = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+    out = out.view(logits.shape[:-1])
+    return out if chunk_size is not None else out.to(logits.dtype)
+
+
+def sum_pi_squared_no_graph(logits: torch.Tensor) -> torch.Tensor:
+    """``sum_j p_j^2`` of ``softmax(logits)`` (verl's ``exp(lse(2x) - 2 lse(x))``), no graph, chunked; dtype of
+    ``logits``."""
+    vocab = logits.shape[-1]
+    flat = logits.detach().reshape(-1, vocab)
+    rows = _rows_per_chunk(vocab)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    with torch.no_grad():
+        for i in range(0, flat.shape[0], rows):
+            x = flat[i:i + rows].float()
+            out[i:i + rows] = torch.exp(torch.logsumexp(2.0 * x, dim=-1) - 2.0 * torch.logsumexp(x, dim=-1))
+    return out.view(logits.shape[:-1]).to(logits.dtype)
+
+
+def wants_no_graph(config: Any) -> bool:
+    """Whether the update pass may compute its entropy / sum p^2 without a graph for this actor config.
+
+    True when a selector is on, ``token_selection.no_grad_scores`` is true (the default) and
+    ``entropy_coeff == 0`` (no entropy bonus, so no gradient of the entropy is used anywhere).
+    """
+    sel = getattr(config, "selection", None)
+    if sel is None:
+        return False
+    knobs = getattr(config, "token_selection", None)
+    if not getattr(knobs, "no_grad_scores", True):
+        return False
+    return float(getattr(config, "entropy_coeff", 0.0) or 0.0) == 0.0
+
+
+@contextlib.contextmanager
+def _no_graph_functions(engine):
+    import verl.utils.torch_functional as verl_F
+
+    saved = (verl_F.entropy_from_logits, verl_F.calculate_sum_pi_squared_from_logits,
+             engine.__dict__.get("compute_entropy_from_logits"))
+    verl_F.entropy_from_logits = entropy_no_graph
+    verl_F.calculate_sum_pi_squared_from_logits = sum_pi_squared_no_graph
+    engine.compute_entropy_from_logits = entropy_no_graph
+    try:
+        yield
+    finally:
+        verl_F.entropy_from_logits, verl_F.calculate_sum_pi_squared_from_logits = saved[0], saved[1]
+        if saved[2] is None:
+            engine.__dict__.pop("compute_entropy_from_logits", None)
+        else:
+            engine.compute_entropy_from_logits = saved[2]
+
+
+def supports_no_graph(engine) -> bool:
+    """Only verl's FSDP/FSDP2 LM-head engine has the seam (``compute_entropy_from_logits``)."""
+    return hasattr(engine, "compute_entropy_from_logits") and hasattr(engine, "prepare_model_outputs")
+
+
+def install_no_graph_scores(worker) -> bool:
+    """Wrap ``worker.engine.prepare_model_outputs`` (idempotent); returns whether the engine has the seam.
+
+    The wrap reads ``worker.loss_fn`` at call time, so a later ``set_loss_fn`` (a stock loss, another
+    config) takes effect at once.
+    """
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+
+    engine = getattr(worker, "engine", None)
+    if engine is None or not supports_no_graph(engine):
+        return False
+    if getattr(engine, _WRAPPED, None) is not None:
+        return True
+    base = engine.prepare_model_outputs
+
+    def prepare_model_outputs(output, output_args, micro_batch, logits_processor_func):
+        loss_fn = getattr(worker, "loss_fn", None)
+        if (torch.is_grad_enabled() and isinstance(loss_fn, SelectingLoss) and wants_no_graph(loss_fn.config)
+                and not _fused(micro_batch)):
+            with _no_graph_functions(engine):
+                return base(output, output_args, micro_batch, logits_processor_func)
+        return base(output, output_args, micro_batch, logits_processor_func)
+
+    setattr(engine, _WRAPPED, base)
+    engine.prepare_model_outputs = prepare_model_outputs
+    return True
+
+
+def _fused(micro_batch) -> bool:
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(data=micro_batch, key="use_fused_kernels", default=False))
+
+
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "entropy_no_graph",
+    "install_no_graph_scores",
+    "sum_pi_squared_no_graph",
+    "supports_no_graph",
+    "wants_no_graph",
+]
