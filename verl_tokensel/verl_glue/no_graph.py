@@ -18,7 +18,11 @@ The seam, with no verl file edited (verl 0.9.1, ``FSDPEngineWithLMHead.prepare_m
 :func:`install_no_graph_scores` wraps ONE engine's ``prepare_model_outputs`` (an instance attribute): for the
 duration of a call made with autograd on, and only while the worker's loss is a
 :class:`~verl_tokensel.verl_glue.loss.SelectingLoss` whose config asks for it (:func:`wants_no_graph`), the
-three names point at the no-graph versions; they are restored when the call returns. Forward-only passes
+three names point at the no-graph versions; they are restored when the call returns. With
+``use_remove_padding`` the engine's log-prob call (``logprobs_from_logits``, by name in
+``verl.workers.engine.fsdp.transformer_impl``) follows the entropy call on the same logits, and reuses the
+row ``logsumexp`` the entropy pass measured (:func:`logprobs_from_lse`: same value and gradient, one pass over
+the logits fewer), so the entropy costs about one extra read of the logits instead of verl's graph. Forward-only passes
 (old log-prob, reference) are left to verl (they run without autograd anyway). The values equal verl's to
 float rounding (float32 arithmetic, returned in the dtype verl's function returns).
 
@@ -47,25 +51,75 @@ def _rows_per_chunk(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, vocab))
 
 
-def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None) -> torch.Tensor:
+class _LseCache:
+    """The log-sum-exp of the last logits :func:`entropy_no_graph` saw, for the log-prob call that follows."""
+
+    def __init__(self):
+        self.logits: Optional[torch.Tensor] = None
+        self.lse: Optional[torch.Tensor] = None
+
+
+def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None, *,
+                     cache: Optional[_LseCache] = None) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` over the last dim, nats, with no autograd graph, chunked over rows.
 
-    ``H = logsumexp(x) - sum softmax(x) * x`` in float32 (verl's formula). ``chunk_size`` (verl's
-    ``entropy_from_logits_chunk_size``, passed by the chunking variant) caps the rows per chunk; the
-    memory bound :data:`CHUNK_ELEMENTS` applies either way. Returns float32 when verl's chunking variant
-    would (``chunk_size`` given), else ``logits.dtype``, shaped ``logits.shape[:-1]``.
+    One exponential per logit: per chunk ``m = max x``, ``e = exp(x - m)``, ``s = sum e``; ``H = log s -
+    (e . (x - m)) / s`` (= verl's ``logsumexp(x) - sum softmax(x) x``), in float32. ``chunk_size`` (verl's
+    ``entropy_from_logits_chunk_size``, passed by the chunking variant) caps the rows per chunk; the memory
+    bound :data:`CHUNK_ELEMENTS` applies either way. With ``cache``, the rows' ``logsumexp`` is kept for
+    :func:`logprobs_from_lse` (the engine's log-prob call on the same logits then needs no second pass).
+    Returns float32 when verl's chunking variant would (``chunk_size`` given), else ``logits.dtype``,
+    shaped ``logits.shape[:-1]``.
     """
     vocab = logits.shape[-1]
     flat = logits.detach().reshape(-1, vocab)
     rows = _rows_per_chunk(vocab) if chunk_size is None else max(1, min(int(chunk_size), _rows_per_chunk(vocab)))
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    lse = torch.empty_like(out) if cache is not None else None
     with torch.no_grad():
         for i in range(0, flat.shape[0], rows):
             x = flat[i:i + rows].float()
-            lse = torch.logsumexp(x, dim=-1)
-            out[i:i + rows] = lse - (torch.softmax(x, dim=-1) * x).sum(-1)
+            m = x.amax(dim=-1, keepdim=True)
+            z = x - m
+            e = torch.exp(z)
+            sums = e.sum(-1)
+            dot = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)
+            log_s = torch.log(sums)
+            out[i:i + rows] = log_s - dot / sums
+            if lse is not None:
+                lse[i:i + rows] = log_s + m.view(-1)
+    if cache is not None:
+        cache.logits, cache.lse = logits, lse
     out = out.view(logits.shape[:-1])
     return out if chunk_size is not None else out.to(logits.dtype)
+
+
+class _LogProbFromLse(torch.autograd.Function):
+    """``log p(label) = x[label] - lse`` with ``lse`` measured already; backward ``(onehot - softmax(x)) * g``,
+    recomputed per chunk from ``x`` and ``lse`` (what autograd of verl's ``logsumexp`` computes, minus its
+    forward pass)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, lse):
+        ctx.save_for_backward(logits, labels, lse)
+        picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked.float() - lse if logits.dtype != torch.float64 else picked - lse.double()
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, labels, lse = ctx.saved_tensors
+        g = torch.empty_like(logits)
+        rows = _rows_per_chunk(logits.shape[-1])
+        for i in range(0, logits.shape[0], rows):
+            p = torch.exp(logits[i:i + rows].float() - lse[i:i + rows].unsqueeze(-1))
+            g[i:i + rows] = p.mul_(-grad[i:i + rows].float().unsqueeze(-1))
+        g.scatter_add_(-1, labels.unsqueeze(-1), grad.unsqueeze(-1).to(g.dtype))
+        return g, None, None
+
+
+def logprobs_from_lse(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Differentiable ``log softmax(logits)[label]`` of 2-D ``logits`` given their (detached) row ``lse``."""
+    return _LogProbFromLse.apply(logits, labels, lse)
 
 
 def sum_pi_squared_no_graph(logits: torch.Tensor) -> torch.Tensor:
@@ -100,15 +154,32 @@ def wants_no_graph(config: Any) -> bool:
 @contextlib.contextmanager
 def _no_graph_functions(engine):
     import verl.utils.torch_functional as verl_F
+    from verl.workers.engine.fsdp import transformer_impl
+
+    cache = _LseCache()
+    stock_logprobs = transformer_impl.logprobs_from_logits
+
+    def compute_entropy(logits, chunk_size=None):
+        return entropy_no_graph(logits, chunk_size, cache=cache)
+
+    def logprobs(logits, labels, inplace_backward=True):
+        # the log-prob call right after the entropy call, on the same logits (use_remove_padding): reuse its lse
+        if cache.logits is logits and logits.dim() == 2 and labels.shape == logits.shape[:1]:
+            lse, cache.logits, cache.lse = cache.lse, None, None
+            return logprobs_from_lse(logits, labels, lse)
+        return stock_logprobs(logits=logits, labels=labels, inplace_backward=inplace_backward)
 
     saved = (verl_F.entropy_from_logits, verl_F.calculate_sum_pi_squared_from_logits,
              engine.__dict__.get("compute_entropy_from_logits"))
     verl_F.entropy_from_logits = entropy_no_graph
     verl_F.calculate_sum_pi_squared_from_logits = sum_pi_squared_no_graph
-    engine.compute_entropy_from_logits = entropy_no_graph
+    engine.compute_entropy_from_logits = compute_entropy
+    transformer_impl.logprobs_from_logits = logprobs
     try:
         yield
     finally:
+        cache.logits = cache.lse = None
+        transformer_impl.logprobs_from_logits = stock_logprobs
         verl_F.entropy_from_logits, verl_F.calculate_sum_pi_squared_from_logits = saved[0], saved[1]
         if saved[2] is None:
             engine.__dict__.pop("compute_entropy_from_logits", None)
@@ -158,6 +229,7 @@ def _fused(micro_batch) -> bool:
 __all__ = [
     "CHUNK_ELEMENTS",
     "entropy_no_graph",
+    "logprobs_from_lse",
     "install_no_graph_scores",
     "sum_pi_squared_no_graph",
     "supports_no_graph",
