@@ -63,8 +63,8 @@ def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None, *,
                      cache: Optional[_LseCache] = None) -> torch.Tensor:
     """Entropy of ``softmax(logits)`` over the last dim, nats, with no autograd graph, chunked over rows.
 
-    One exponential per logit: per chunk ``m = max x``, ``e = exp(x - m)``, ``s = sum e``; ``H = log s -
-    (e . (x - m)) / s`` (= verl's ``logsumexp(x) - sum softmax(x) x``), in float32. ``chunk_size`` (verl's
+    One exponential per logit: per chunk ``m = max x``, ``e = exp(x - m)``, ``s = sum e``, ``lse = m + log s``;
+    ``H = lse - (e . x) / s``, verl's ``logsumexp(x) - sum softmax(x) x``, in float32. ``chunk_size`` (verl's
     ``entropy_from_logits_chunk_size``, passed by the chunking variant) caps the rows per chunk; the memory
     bound :data:`CHUNK_ELEMENTS` applies either way. With ``cache``, the rows' ``logsumexp`` is kept for
     :func:`logprobs_from_lse` (the engine's log-prob call on the same logits then needs no second pass).
@@ -80,14 +80,14 @@ def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None, *,
         for i in range(0, flat.shape[0], rows):
             x = flat[i:i + rows].float()
             m = x.amax(dim=-1, keepdim=True)
-            z = x - m
-            e = torch.exp(z)
+            e = torch.sub(x, m)
+            e.exp_()
             sums = e.sum(-1)
-            dot = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).view(-1)
-            log_s = torch.log(sums)
-            out[i:i + rows] = log_s - dot / sums
+            dot = torch.bmm(e.unsqueeze(1), x.unsqueeze(2)).view(-1)  # sum_j e_j x_j
+            row_lse = torch.log(sums) + m.view(-1)
+            out[i:i + rows] = row_lse - dot / sums
             if lse is not None:
-                lse[i:i + rows] = log_s + m.view(-1)
+                lse[i:i + rows] = row_lse
     if cache is not None:
         cache.logits, cache.lse = logits, lse
     out = out.view(logits.shape[:-1])
