@@ -211,7 +211,7 @@ def test_selection_fields_are_the_knob_set():
     and the YAML are checked against the same dataclass above)."""
     from verl_tokensel.core.config import ENGINE_SWITCHES, Selection
 
-    assert set(ENGINE_SWITCHES) == {"auto_enable_entropy", "no_grad_scores"}
+    assert set(ENGINE_SWITCHES) == {"auto_enable_entropy", "no_grad_scores", "prepass_reuse"}
     knobs = {f.name for f in fields(TokenSelectionConfig)} - set(ENGINE_SWITCHES)
     assert {f.name for f in fields(Selection)} == knobs
 

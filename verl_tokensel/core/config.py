@@ -40,7 +40,7 @@ OMEGA_KL_TYPES = ("kl", "k1", "mse", "k2", "low_var_kl", "k3")
 
 
 #: knobs of TokenSelectionConfig that switch engine behaviour rather than override a preset's rule
-ENGINE_SWITCHES = ("auto_enable_entropy", "no_grad_scores")
+ENGINE_SWITCHES = ("auto_enable_entropy", "no_grad_scores", "prepass_reuse")
 
 
 class TokenSelectionConfigError(ValueError):
@@ -169,6 +169,14 @@ class TokenSelectionConfig:
                   "engines, no fused kernels); false keeps verl's graph.",
                   "paper": "n/a (stock verl keeps the graph; TRL computes its selection entropy under no_grad)"},
     )
+    prepass_reuse: bool = field(
+        default=True,
+        metadata={"help": "score_source=prepass: where the pre-pass would measure the weights verl's old-log-prob "
+                  "pass measured (the first mini-batch of the first PPO epoch of a step; every mini-batch with "
+                  "one mini-batch per step), use that pass's log-probs and entropy instead of a second forward; "
+                  "false always runs the forward.",
+                  "paper": "n/a (the GMTS code always runs its forward)"},
+    )
 
     def overrides(self) -> dict[str, Any]:
         """The knobs set by the user (not None), excluding the engine switches (auto_enable_entropy,
@@ -217,6 +225,7 @@ def resolve_selection(
         raise _err("token_selector", token_selector, ", ".join(PRESETS))
     _check_bool("token_selection.auto_enable_entropy", overrides.auto_enable_entropy)
     _check_bool("token_selection.no_grad_scores", overrides.no_grad_scores)
+    _check_bool("token_selection.prepass_reuse", overrides.prepass_reuse)
     preset = PRESETS[token_selector]
     given = overrides.overrides()
     if preset is None:

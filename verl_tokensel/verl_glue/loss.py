@@ -61,6 +61,8 @@ SCORE_FIELD = "token_select_score"
 
 
 UID_FIELD = "uid"
+# the old-log-prob pass's per-token entropy, as the V1 driver stores it with the batch
+OLD_ENTROPY_FIELD = "entropy"
 
 
 def batch_uids(data: TensorDict):
@@ -93,21 +95,29 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     """The engine's nested ``model_output`` and micro-batch ``data`` as padded tensors and their
     :func:`~verl_tokensel.core.batch.score_batch` (the loss and the pre-pass both call this).
 
+    ``model_output=None``: the policy values are the old-log-prob pass's (``old_log_probs`` and, when present,
+    ``entropy`` of ``data``): the pre-pass at the weights that pass measured.
     ``rank=False`` skips the row keys and group ids (the mask was measured before the update).
     ``extra_fields``: more per-token fields of ``data`` to pad (the pre-measured mask and scores).
     """
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    entropy = model_output.get("entropy", None)
-    if entropy is not None:
-        entropy = no_padding_2_padding(entropy, data)
-    sum_pi_squared = model_output.get("sum_pi_squared", None)
-    if sum_pi_squared is not None:
-        sum_pi_squared = no_padding_2_padding(sum_pi_squared, data)
     fields = ["response_mask", "old_log_probs", "advantages"]
     fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
     fields += [k for k in extra_fields if k in data.keys()]
+    if model_output is None and OLD_ENTROPY_FIELD in data.keys():
+        fields.append(OLD_ENTROPY_FIELD)
     padded = data.select(*fields).to_padded_tensor()
     response_mask = padded["response_mask"].to(torch.bool)
+    if model_output is None:
+        log_prob, sum_pi_squared = padded["old_log_probs"], None
+        entropy = padded.get(OLD_ENTROPY_FIELD, None)
+    else:
+        log_prob = no_padding_2_padding(model_output["log_probs"], data)
+        entropy = model_output.get("entropy", None)
+        if entropy is not None:
+            entropy = no_padding_2_padding(entropy, data)
+        sum_pi_squared = model_output.get("sum_pi_squared", None)
+        if sum_pi_squared is not None:
+            sum_pi_squared = no_padding_2_padding(sum_pi_squared, data)
     ids = attn = uids = None
     if rank:
         ids = data["input_ids"]

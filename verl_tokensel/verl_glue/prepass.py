@@ -46,11 +46,22 @@ from verl_tokensel.core.config import Selection
 from verl_tokensel.core.dist_topk import global_group_ids
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import select_tokens
-from verl_tokensel.verl_glue.loss import MASK_FIELD, METRIC_PREFIX, SCORE_FIELD, SelectingLoss, unpack_micro_batch
+from verl_tokensel.verl_glue.loss import (
+    MASK_FIELD,
+    METRIC_PREFIX,
+    OLD_ENTROPY_FIELD,
+    SCORE_FIELD,
+    SelectingLoss,
+    unpack_micro_batch,
+)
 from verl_tokensel.verl_glue.no_graph import install_no_graph_scores
 
 PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
 _WRAPPED = "_tokensel_prepass_base_train_batch"
+# per worker: updates and checkpoint loads so far, and that count at the last old-log-prob pass
+_WEIGHTS_VERSION = "_tokensel_weights_version"
+_INFER_AT = "_tokensel_infer_at_version"
+_REUSE_SWITCH = "_tokensel_prepass_reuse"
 
 
 def _selecting_config(loss_fn) -> Optional[Any]:
@@ -59,6 +70,28 @@ def _selecting_config(loss_fn) -> Optional[Any]:
         return None
     sel = loss_fn.selection
     return loss_fn.config if sel is not None and sel.score_source == "prepass" else None
+
+
+def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, sel: Selection) -> bool:
+    """Whether the old-log-prob pass of this step measured the weights the pre-pass would measure, and left
+    everything the score needs in ``data``: then its values are used instead of a second forward.
+
+    True when ``token_selection.prepass_reuse`` is on, this worker's last ``infer_batch`` (verl's
+    ``compute_log_prob``, with the LoRA adapter on) came after its last update (``train_batch``) and after
+    any checkpoint load (so: the first mini-batch of the first PPO epoch of a step, and every mini-batch
+    when a step has one), and ``data`` carries that pass's ``old_log_probs`` and, for a score that needs it,
+    its ``entropy``. A score that reads ``sum_pi_squared`` always gets the forward (the old pass's is not
+    in the update batch). The decision is the same on every rank (same calls on each).
+    """
+    if not getattr(worker, _REUSE_SWITCH, True):
+        return False
+    version = getattr(worker, _WEIGHTS_VERSION, None)
+    if version is None or getattr(worker, _INFER_AT, None) != version:
+        return False
+    spec = SCORE_REGISTRY[sel.score]
+    if spec.uses_sum_pi_squared or "old_log_probs" not in data.keys():
+        return False
+    return not spec.needs_entropy or OLD_ENTROPY_FIELD in data.keys()
 
 
 def _as_response_field(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -111,14 +144,20 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
     over the engine's data-parallel group for ``mini_batch`` and ``group``: every rank must call it for
     the same mini-batch. Returns the metrics (``tokensel/prepass/*``), equal on every rank:
     ``selected_fraction`` (selected / valid tokens over all ranks), ``selected_tokens``, ``valid_tokens``,
-    ``groups`` (group scope) and ``seconds`` (this rank's forward + selection time).
+    ``groups`` (group scope), ``seconds`` (this rank's forward + selection time) and ``reused_old_pass``
+    (1 when the old-log-prob pass's values were used instead of a forward, see
+    :func:`old_pass_measured_these_weights`).
     """
     sel: Selection = config.selection
     t0 = time.perf_counter()
-    model_output = _forward_no_grad(worker, data, sel)
-    if model_output is None:
-        return {}
-    mb = unpack_micro_batch(config, sel, model_output, data)
+    reused = old_pass_measured_these_weights(worker, data, sel)
+    if reused:
+        mb = unpack_micro_batch(config, sel, None, data)
+    else:
+        model_output = _forward_no_grad(worker, data, sel)
+        if model_output is None:
+            return {}
+        mb = unpack_micro_batch(config, sel, model_output, data)
     response_mask = mb.response_mask
     scores = mb.scores.score(sel.score)
     group_ids = mb.scores.group_ids
@@ -143,6 +182,7 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
         PREPASS_METRIC_PREFIX + "selected_tokens": n_sel,
         PREPASS_METRIC_PREFIX + "valid_tokens": n_valid,
         PREPASS_METRIC_PREFIX + "seconds": seconds,
+        PREPASS_METRIC_PREFIX + "reused_old_pass": float(reused),
     }
     if group_ids is not None:
         metrics[PREPASS_METRIC_PREFIX + "groups"] = float(global_group_ids(group_ids, dp_group, world).numel())
@@ -161,21 +201,42 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
     if getattr(worker, _WRAPPED, None) is not None:
         return worker
     base = worker.train_batch
+    base_infer = worker.infer_batch
+    base_load = getattr(worker, "load_checkpoint", None)
+    setattr(worker, _WEIGHTS_VERSION, 0)
 
     def train_batch(data: TensorDict, *args, **kwargs):
         if isinstance(worker.loss_fn, SelectingLoss):
             install_no_graph_scores(worker)
         config = _selecting_config(worker.loss_fn)
-        if config is None:
-            return base(data, *args, **kwargs)
-        metrics = prepass_select(worker, data, config)
-        output = base(data, *args, **kwargs)
+        try:
+            if config is None:
+                return base(data, *args, **kwargs)
+            setattr(worker, _REUSE_SWITCH, bool(getattr(config.token_selection, "prepass_reuse", True)))
+            metrics = prepass_select(worker, data, config)
+            output = base(data, *args, **kwargs)
+        finally:  # the update changed the weights (or may have, if it failed)
+            setattr(worker, _WEIGHTS_VERSION, getattr(worker, _WEIGHTS_VERSION) + 1)
         if output is not None and metrics:
             tu.get(output, "metrics").update(metrics)
         return output
 
+    def infer_batch(data: TensorDict, *args, **kwargs):
+        with_adapter = not tu.get_non_tensor_data(data=data, key="no_lora_adapter", default=False)
+        out = base_infer(data, *args, **kwargs)
+        if with_adapter:  # the policy itself (verl's ref pass may run this worker with the adapter off)
+            setattr(worker, _INFER_AT, getattr(worker, _WEIGHTS_VERSION))
+        return out
+
     setattr(worker, _WRAPPED, base)
     worker.train_batch = train_batch
+    worker.infer_batch = infer_batch
+    if base_load is not None:
+        def load_checkpoint(*args, **kwargs):
+            setattr(worker, _WEIGHTS_VERSION, getattr(worker, _WEIGHTS_VERSION) + 1)
+            return base_load(*args, **kwargs)
+
+        worker.load_checkpoint = load_checkpoint
     return worker
 
 
