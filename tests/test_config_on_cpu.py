@@ -193,6 +193,24 @@ def test_validate_driver_config_accepts_stock_and_v0():
     validate_driver_config(_compose(overrides=[f"{SEL}=gmts"]))
 
 
+def test_fused_kernels_refused_where_the_scoring_pass_needs_sum_pi_squared():
+    from verl_tokensel.verl_glue.install import validate_driver_config
+
+    fused = "actor_rollout_ref.model.use_fused_kernels=true"
+    node = SEL.rsplit(".", 1)[0]
+    for source, needle in (("prepass", r"token_selector=grad_norm .*score_source=prepass.*use_fused_kernels=true: "
+                                       r"its scoring pass needs sum_j p_j\^2"),
+                           ("rollout", r"use_fused_kernels=True is invalid with .*score=grad_norm and "
+                                       r"score_source=rollout")):
+        with pytest.raises(ValueError, match=needle):
+            validate_driver_config(_compose(overrides=[f"{SEL}=grad_norm", fused, f"{node}.token_selection.scope=group",
+                                                       f"{node}.token_selection.score_source={source}"]))
+    # fine: the in-loss grad_norm (lower bound without sum p^2) and every entropy score
+    validate_driver_config(_compose(overrides=[f"{SEL}=grad_norm", fused]))
+    validate_driver_config(_compose(overrides=[f"{SEL}=gmts", fused]))
+    validate_driver_config(_compose(overrides=[f"{SEL}=forking_paper", fused]))
+
+
 def test_readme_recipe_snippet_composes(tmp_path):
     from hydra import initialize_config_dir
 

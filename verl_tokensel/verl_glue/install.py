@@ -54,6 +54,7 @@ def validate_driver_config(config: DictConfig) -> None:
     if selector in (None, "none"):
         return
     validate_rollout_config(config)
+    _check_fused_kernels(config, selector)
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
         return
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
@@ -65,6 +66,28 @@ def validate_driver_config(config: DictConfig) -> None:
             msg += (" Only these modes install the selecting loss on the actor workers (each wraps verl's mode of "
                     f"the same name). Fix: trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode}")
         raise ValueError(msg)
+
+
+def _check_fused_kernels(config: DictConfig, selector: str) -> None:
+    """verl's fused linear-cross-entropy returns log-probs and entropy, never sum_j p_j^2 (verl raises
+    NotImplementedError on a worker for ``calculate_sum_pi_squared`` with fused kernels): refuse, on the
+    driver, a pre-pass that would ask for it (``score_source=rollout`` is refused by
+    :func:`~verl_tokensel.verl_glue.rollout_source.validate_rollout_config`)."""
+    from verl_tokensel.core.scores import SCORE_REGISTRY
+    from verl_tokensel.verl_glue.actor_config import actor_selection
+
+    if not OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels", default=False):
+        return
+    sel = actor_selection(config)
+    if sel is None or sel.score_source != "prepass" or not SCORE_REGISTRY[sel.score].uses_sum_pi_squared:
+        return
+    raise ValueError(
+        f"actor_rollout_ref.actor.token_selector={selector} (score {sel.score}, score_source={sel.score_source}) "
+        "cannot run with actor_rollout_ref.model.use_fused_kernels=true: its scoring pass needs sum_j p_j^2, which "
+        "verl's fused kernels do not compute. Fix: actor_rollout_ref.model.use_fused_kernels=false, or "
+        "token_selection.score_source=current (the score then uses its (1 - p_a) lower bound), or a score "
+        "without sum p^2 (entropy, gmts)."
+    )
 
 
 def prepare_driver_config(config: DictConfig) -> None:
