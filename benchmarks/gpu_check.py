@@ -20,12 +20,15 @@ with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
    (verl's defaults); one mini-batch of 16 responses of 3584..4096 tokens (4 GRPO groups of 4)
    split into micro-batches of <= 16384 tokens; ``lr=0`` so every step sees the same weights and
    the old log-probs (the real log-prob pass, once) stay on-policy.
-   Per variant (``none``, ``none+entropy``, ``forking``, ``gmts``; ``none+entropy`` is stock verl
-   with the entropy pass on, which the entropy-scored presets turn on, so the ratio of the loss
-   alone can be read off; a preset scored outside the loss, like ``gmts`` with its pre-pass at
-   group scope, is run with ``score_source=current, scope=micro_batch``: same score and ratio,
-   computed in the loss, see ``parse_variant``): a sanity step, warm-up steps, then timed steps interleaved across the
-   variants (none, none+entropy, forking, gmts, none, ...). Reported: median step time and its
+   Per variant (``none``, ``none+entropy``, ``forking``, ``forking:no_grad_scores=false``, ``gmts``,
+   ``grad_norm``, ``forking_paper``, as ``benchmarks/bench_memory.py`` on CPU; ``none+entropy`` is stock
+   verl with the entropy pass on, and ``forking:no_grad_scores=false`` is ``forking`` with verl's entropy
+   graph kept, two references for what the no-graph entropy saves; a preset scored outside the loss, like
+   ``gmts`` with its pre-pass at group scope or ``forking_paper`` on the driver, is run with
+   ``score_source=current, scope=micro_batch``: same score and ratio, computed in the loss, see
+   ``parse_variant``): a sanity step, warm-up steps, then timed steps interleaved across the
+   variants (none, none+entropy, forking, ..., none, ...). Targets: ``forking`` peak memory <= 1.05x
+   ``none``, step time <= 1.01x. Reported: median step time and its
    ratio vs ``none``, peak ``torch.cuda.max_memory_allocated`` over the timed steps and its ratio.
    Sanity (the step with hooks, not timed): per micro-batch the selected count is exactly
    ``ceil(0.2 N)`` of its ``N`` valid response tokens (micro_batch scope), the logits' gradient is
@@ -69,7 +72,8 @@ TINY_QWEN3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, nu
 # Both vocabularies exceed the tokenizer's 384 tokens (as Qwen3's 151936 exceeds its 151669): the
 # batches draw ids from the whole model vocabulary.
 
-DEFAULT_VARIANTS = ("none", "none+entropy", "forking", "gmts")
+DEFAULT_VARIANTS = ("none", "none+entropy", "forking", "forking:no_grad_scores=false", "gmts", "grad_norm",
+                    "forking_paper")
 EXIT_OK, EXIT_FAILED, EXIT_ENV, EXIT_DEADLINE = 0, 1, 2, 3
 
 
@@ -421,7 +425,7 @@ def make_variants(H, actor, names, selecting_config) -> list[Variant]:
         sel = getattr(probe, "selection", None)
         entropy = force_entropy or (sel is not None and SCORE_REGISTRY[sel.score].needs_entropy)
         cfg = selecting_config(actor, preset, calculate_entropy=entropy, **knobs) if entropy != force_entropy else probe
-        out.append(Variant(name.partition(":")[0], preset, entropy, cfg, sel, knobs))
+        out.append(Variant(name, preset, entropy, cfg, sel, knobs))
     return out
 
 
