@@ -61,7 +61,6 @@ _WRAPPED = "_tokensel_prepass_base_train_batch"
 # per worker: updates and checkpoint loads so far, and that count at the last old-log-prob pass
 _WEIGHTS_VERSION = "_tokensel_weights_version"
 _INFER_AT = "_tokensel_infer_at_version"
-_REUSE_SWITCH = "_tokensel_prepass_reuse"
 
 
 def _selecting_config(loss_fn) -> Optional[Any]:
@@ -72,7 +71,7 @@ def _selecting_config(loss_fn) -> Optional[Any]:
     return loss_fn.config if sel is not None and sel.score_source == "prepass" else None
 
 
-def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, sel: Selection) -> bool:
+def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, config) -> bool:
     """Whether the old-log-prob pass of this step measured the weights the pre-pass would measure, and left
     everything the score needs in ``data``: then its values are used instead of a second forward.
 
@@ -83,12 +82,12 @@ def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, se
     its ``entropy``. A score that reads ``sum_pi_squared`` always gets the forward (the old pass's is not
     in the update batch). The decision is the same on every rank (same calls on each).
     """
-    if not getattr(worker, _REUSE_SWITCH, True):
+    if not getattr(config.token_selection, "prepass_reuse", True):
         return False
     version = getattr(worker, _WEIGHTS_VERSION, None)
     if version is None or getattr(worker, _INFER_AT, None) != version:
         return False
-    spec = SCORE_REGISTRY[sel.score]
+    spec = SCORE_REGISTRY[config.selection.score]
     if spec.uses_sum_pi_squared or "old_log_probs" not in data.keys():
         return False
     return not spec.needs_entropy or OLD_ENTROPY_FIELD in data.keys()
@@ -150,7 +149,7 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
     """
     sel: Selection = config.selection
     t0 = time.perf_counter()
-    reused = old_pass_measured_these_weights(worker, data, sel)
+    reused = old_pass_measured_these_weights(worker, data, config)
     if reused:
         mb = unpack_micro_batch(config, sel, None, data)
     else:
@@ -212,7 +211,6 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
         try:
             if config is None:
                 return base(data, *args, **kwargs)
-            setattr(worker, _REUSE_SWITCH, bool(getattr(config.token_selection, "prepass_reuse", True)))
             metrics = prepass_select(worker, data, config)
             output = base(data, *args, **kwargs)
         finally:  # the update changed the weights (or may have, if it failed)
