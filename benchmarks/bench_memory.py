@@ -7,8 +7,12 @@ Run (from the repository root; about 10 minutes at the defaults on a 2-core mach
 
 What runs: one real verl actor update per step (``TrainingWorker.train_mini_batch``, FSDP2 engine,
 ``use_remove_padding``) of a random Qwen2 with a vocabulary of 151,936 (Qwen3's), 2 layers, tied embeddings
-and ``--hidden`` units; one mini-batch of 4 responses in 2 micro-batches of ``--tokens`` tokens or more
-(prompt + response), old log-probs from the real log-prob pass (on-policy). Each variant runs in a FRESH
+and ``--hidden`` units; 4 responses per step in 2 PPO mini-batches (``ppo_mini_batch_size=2``), each one
+micro-batch of ``--tokens`` tokens or more (prompt + response), old log-probs from the real log-prob pass
+(on-policy). Two mini-batches so that ``gmts``'s pre-pass shows both cases: on the first mini-batch the
+weights are those the old-log-prob pass measured, and the pre-pass reuses its values
+(``token_selection.prepass_reuse``); on the second the weights have changed (one optimizer step), and it runs
+its no-grad forward. The table reports the share of mini-batches that reused the old pass. Each variant runs in a FRESH
 process for its peak memory: a warm-up step, then two measured steps; right before each update freed heap is
 returned to the system (``malloc_trim``) and the peak-RSS mark is reset (``/proc/self/clear_refs``, after the
 old-log-prob pass, which verl runs as a separate call), so the peak is the RSS high-water mark (``VmHWM``) of
@@ -22,7 +26,8 @@ Variants (as a recipe would run them):
 - ``none+entropy``: stock verl with ``calculate_entropy=true`` (verl computes the entropy with its graph);
   a reference for what the graph costs, not a selector;
 - ``forking``, ``grad_norm`` (``score_source=current``; forking turns on ``calculate_entropy``),
-  ``gmts`` (``score_source=prepass``: the step includes its no-grad pre-pass forward), ``forking_paper``
+  ``gmts`` (``score_source=prepass``: the step includes its no-grad pre-pass, a forward on the second
+  mini-batch), ``forking_paper``
   (``score_source=rollout``: the mask comes from the driver, whose selection time is added);
 - ``forking(graph)``: ``forking`` with ``token_selection.no_grad_scores=false`` (verl's graph kept), a
   reference for the before/after of the no-graph path.
@@ -120,8 +125,9 @@ class _Variant:
         needs = bool(self.config is not None and self.config.needs_entropy)
         self.entropy_in_update = variant == "none+entropy" or needs
 
-    def step(self, resp: int) -> tuple[float, int]:
-        """One update (after its old-log-prob pass): (seconds incl. the driver's selection, the update's peak KiB)."""
+    def step(self, resp: int) -> tuple[float, int, float]:
+        """One update (after its old-log-prob pass): (seconds incl. the driver's selection, the update's peak KiB,
+        the share of its mini-batches whose pre-pass reused the old pass's values; NaN without a pre-pass)."""
         from verl_tokensel.cpu import batches as B, worker as H
 
         from verl.utils import tensordict_utils as tu
@@ -136,13 +142,15 @@ class _Variant:
             extra = _driver_select(self.config, batch)
         r = H.run_train_step(self.actor, batch, loss_fn=self.loss_fn, capture_params=False)
         assert r.loss == r.loss, f"{self.name}: NaN loss"
-        return r.seconds + extra, _hwm_kb()
+        reused = r.metrics.get("tokensel/prepass/reused_old_pass")
+        share = statistics.fmean(map(float, reused)) if isinstance(reused, list) and reused else float("nan")
+        return r.seconds + extra, _hwm_kb(), share
 
 
 def _actor(model_dir: str, tokens: int):
     from verl_tokensel.cpu import worker as H  # selects verl's CPU platform first
 
-    return H.make_training_worker(model_dir, use_remove_padding=True, ppo_mini_batch_size=4,
+    return H.make_training_worker(model_dir, use_remove_padding=True, ppo_mini_batch_size=2,
                                   ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=4 * tokens,
                                   lr=0.0, clip_grad=1e9, num_threads=None)
 
@@ -163,10 +171,14 @@ def child_time(variants: list[str], model_dir: str, tokens: int, steps: int) -> 
     for v in vs:  # warm-up
         v.step(tokens // 2)
     times: dict = {v.name: [] for v in vs}
+    reused: dict = {v.name: [] for v in vs}
     for _ in range(steps):
         for v in vs:
-            times[v.name].append(v.step(tokens // 2)[0])
-    return {k: statistics.median(t) for k, t in times.items()}
+            seconds, _, share = v.step(tokens // 2)
+            times[v.name].append(seconds)
+            reused[v.name].append(share)
+    return {k: {"seconds": statistics.median(t), "prepass_reused_share": statistics.fmean(reused[k])}
+            for k, t in times.items()}
 
 
 def _driver_select(config, batch) -> float:
@@ -231,16 +243,18 @@ def main(argv=None) -> int:
 
         for v in variants:  # peak memory: one fresh process per variant
             rows[v] = run_child("--child", v, label=f"{v} (memory)")
-        seconds = ({v: float("nan") for v in variants} if args.no_time else
-                   run_child("--child", "time", "--variants", ",".join(variants), label="all variants (time)"))
+        nan = {"seconds": float("nan"), "prepass_reused_share": float("nan")}
+        timed = ({v: nan for v in variants} if args.no_time else
+                 run_child("--child", "time", "--variants", ",".join(variants), label="all variants (time)"))
         for v in variants:
-            rows[v]["seconds"] = seconds[v]
+            rows[v].update(timed[v])
         base = rows["none"]
         target_t = TARGET_TIME.get(hidden)
         print(f"\nhidden {hidden}, vocabulary {VOCAB}, >= {args.tokens} tokens per micro-batch; time: median of "
               f"{args.steps} interleaved steps (none: peak {base['peak_kb'] / 2**20:.2f} GiB, "
               f"step {base['seconds']:.1f} s)")
-        print(f"{'variant':<16} {'peak memory':>12} {'step time':>10}  targets: memory <= {TARGET_MEM:.2f}x, time <= "
+        print(f"{'variant':<16} {'peak memory':>12} {'step time':>10} {'pre-pass reused':>19}  "
+              f"targets: memory <= {TARGET_MEM:.2f}x, time <= "
               f"{target_t if target_t else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x)")
         for v, r in rows.items():
             m, t = r["peak_kb"] / base["peak_kb"], r["seconds"] / base["seconds"]
@@ -255,7 +269,9 @@ def main(argv=None) -> int:
                     [s for s, ok in (("memory", ok_m), ("time", ok_t)) if not ok])
             elif v in REFERENCES:
                 note = "  (reference)"
-            print(f"{v:<16} {m:>11.2f}x {t:>9.2f}x{note}")
+            share = r.get("prepass_reused_share", float("nan"))
+            reused = f"{share:.0%} of mini-batches" if share == share else "-"
+            print(f"{v:<16} {m:>11.2f}x {t:>9.2f}x {reused:>19}{note}")
         results[str(hidden)] = rows
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
