@@ -57,3 +57,35 @@ def test_selection_product_imports_no_cpu_port():
     )
     res = _run(code)
     assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_import_verl_with_the_plugin_stays_light():
+    """``import verl`` runs in every process verl starts; with the plugin it must not import vLLM, verl's trainer
+    package, the selection glue or (off the CPU platform) the CPU port, nor print an accelerator warning. The
+    trainer modes still register as soon as verl's trainer package is imported, wherever that happens."""
+    code = (
+        "import sys\n"
+        "import verl\n"
+        "heavy = sorted(m for m in sys.modules if m == 'vllm' or m.startswith(('vllm.', 'verl.trainer.ppo.v1', "
+        "'verl.checkpoint_engine', 'verl_tokensel.verl_glue', 'verl_tokensel.cpu')))\n"
+        "assert not heavy, heavy\n"
+        "import verl_tokensel.plugin as p\n"
+        "assert p.LOAD_ERROR is None\n"
+        "print('MODULES', len(sys.modules), flush=True)\n"
+        "print('TRAINERS NEXT', file=sys.stderr, flush=True)\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "assert get_trainer_cls('tokensel_sync').__name__ == 'TokenselPPOTrainerSync'\n"
+        "assert get_trainer_cls('tokensel_separate_async').__name__ == 'TokenselPPOTrainerSeparateAsync'\n"
+        "assert p.LOAD_ERROR is None and p.ensure_selection_loaded() is None\n"
+        "import verl.trainer.ppo.v1 as v1\n"
+        "assert v1.__loader__.__class__.__module__ != 'verl_tokensel.plugin', v1.__loader__\n"
+    )
+    res = _run(code)
+    assert res.returncode == 0, res.stderr[-3000:]
+    before_trainers = res.stderr.split("TRAINERS NEXT")[0]
+    assert "No supported accelerator detected" not in before_trainers, before_trainers[-2000:]
+    plain = _run("import sys, verl; print('MODULES', len(sys.modules))", VERL_USE_EXTERNAL_PLUGINS="none")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    n_plugin = int(res.stdout.split("MODULES")[1].split()[0])
+    n_plain = int(plain.stdout.split("MODULES")[1].split()[0])
+    assert n_plugin - n_plain <= 20, (n_plugin, n_plain)

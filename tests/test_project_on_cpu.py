@@ -73,6 +73,8 @@ def test_broken_plugin_import_is_loud():
     code = ("import sys; sys.modules['verl_tokensel.verl_glue.install'] = None\n"
             "import verl\n"
             "import verl_tokensel.plugin as p\n"
+            "assert p.LOAD_ERROR is None  # registration waits for verl's trainer package\n"
+            "import verl.trainer.ppo.v1\n"
             "assert p.LOAD_ERROR is not None\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

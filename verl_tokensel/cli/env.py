@@ -51,7 +51,7 @@ def collect(import_verl: bool = True) -> dict[str, str]:
 
         import verl_tokensel.plugin as plugin
 
-        err = plugin.LOAD_ERROR
+        err = plugin.ensure_selection_loaded()  # the trainer modes register when verl's trainers are imported
         out["verl plugin"] = "loaded" if err is None else "FAILED: " + err.strip().splitlines()[-1]
     except Exception as exc:  # noqa: BLE001
         out["verl plugin"] = f"FAILED: {exc!r}"
