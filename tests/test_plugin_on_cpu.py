@@ -89,3 +89,16 @@ def test_import_verl_with_the_plugin_stays_light():
     n_plugin = int(res.stdout.split("MODULES")[1].split()[0])
     n_plain = int(plain.stdout.split("MODULES")[1].split()[0])
     assert n_plugin - n_plain <= 20, (n_plugin, n_plain)
+
+
+def test_trainer_classes_unpickle_in_a_process_that_never_imported_verls_trainers():
+    code = (
+        "import pickle, sys\n"
+        "import verl\n"
+        "assert 'verl.trainer.ppo.v1' not in sys.modules\n"
+        "cls = pickle.loads(pickle.dumps(pickle.Unpickler.find_class(pickle.Unpickler(__import__('io').BytesIO()), "
+        "'verl_tokensel.verl_glue.install', 'TokenselPPOTrainerColocateAsync')))\n"
+        "assert cls._tokensel_base_mode == 'colocate_async', cls\n"
+    )
+    res = _run(code)
+    assert res.returncode == 0, res.stderr[-3000:]

@@ -144,6 +144,16 @@ def register_v1_trainers() -> None:
         globals()[cls.__name__] = cls  # picklable by qualified name
 
 
+def __getattr__(name: str):
+    """``Tokensel<verl trainer>`` classes exist once :func:`register_v1_trainers` ran; a process that unpickles one
+    by its qualified name before verl's trainer package was imported gets it registered on the way."""
+    if name.startswith("TokenselPPOTrainer"):
+        register_v1_trainers()
+        if name in globals():
+            return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 class _TokenselTrainerMixin:
     _tokensel_base_mode = "sync"
 
