@@ -150,3 +150,53 @@ def test_sequence_scope_mask_is_identical_in_every_engine_mode(tiny_model_dir):
     assert len(per_combo[0]) == BATCH_KW["n"]
     for other in per_combo[1:]:
         assert other == per_combo[0]
+
+
+# --------------------------------------------------------------------------------------------
+# normaliser=selected weights micro-batches as the released 80/20 code does: by their share of responses
+# --------------------------------------------------------------------------------------------
+SPLITS = [  # (use_dynamic_bsz, ppo_max_token_len_per_gpu): fixed pairs, then two token budgets (unequal rows)
+    (False, 40), (True, 40), (True, 72),
+]
+
+
+@pytest.mark.parametrize("dyn,max_tokens", SPLITS, ids=[f"dynbsz={d}-maxtok={t}" for d, t in SPLITS])
+def test_normaliser_selected_weights_micro_batches_by_their_share_of_responses(tiny_model_dir, dyn, max_tokens):
+    """Through the real engine, the gradient reaching each selected token's log-prob is that of the released code's
+    objective, computed here independently: sum over micro-batches of ``rows(mb) / rows(mini-batch)`` times the mean
+    over the micro-batch's selected tokens of the vanilla surrogate (on-policy: d/d log p = -A). Dynamic batch size
+    makes the micro-batches unequal in rows and tokens, where a token-share weighting would differ."""
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+
+    key = ("split", dyn, max_tokens)
+    if key not in _WORKERS:
+        kw = {**WORKER_KW, "ppo_max_token_len_per_gpu": max_tokens}
+        _WORKERS[key] = H.make_training_worker(tiny_model_dir, use_dynamic_bsz=dyn, use_remove_padding=True, **kw)
+    actor = _WORKERS[key]
+    cfg = H.selecting_actor_config(actor, "forking")
+    assert cfg.selection.normaliser == "selected"
+    seen = []
+
+    def observe(rec):
+        slot = {"mask": rec["mask"].clone(), "adv": rec["advantages"].detach().clone(),
+                "valid": rec["response_mask"].clone(), "rows": int(rec["response_mask"].shape[0])}
+        rec["log_prob"].register_hook(lambda g, slot=slot: slot.__setitem__("grad", g.detach().clone()))
+        seen.append(slot)
+
+    batch = B.make_update_batch(actor, calculate_entropy=True, n=8, seed=11, resp_len=(2, 16))
+    H.compute_old_log_probs(actor, batch)  # on-policy: ratio 1, nothing clipped
+    H.run_train_step(actor, batch, loss_fn=SelectingLoss(cfg, observer=observe), capture_params=False)
+
+    rows = [s["rows"] for s in seen]
+    total_rows = sum(rows)
+    assert total_rows == 8 and len(seen) >= 2
+    if dyn:
+        tokens = [int(s["valid"].sum()) for s in seen]
+        shares_rows = [r / total_rows for r in rows]
+        shares_tokens = [t / sum(tokens) for t in tokens]
+        assert max(abs(a - b) for a, b in zip(shares_rows, shares_tokens)) > 0.02, (rows, tokens)
+    for s in seen:
+        mask, n_sel = s["mask"], int(s["mask"].sum())
+        assert n_sel > 0 and "grad" in s
+        expected = torch.where(mask, -s["adv"] * s["rows"] / (total_rows * n_sel), torch.zeros_like(s["adv"]))
+        torch.testing.assert_close(s["grad"], expected.to(s["grad"].dtype), rtol=1e-5, atol=1e-9)

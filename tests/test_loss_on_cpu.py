@@ -314,19 +314,24 @@ def test_kl_and_entropy_terms_follow_their_mask_knobs(mask_kl_loss, masks):
 # --------------------------------------------------------------------------------------------
 # normalisers
 # --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dp_size,bnt_factor", [(1, 1), (2, 2), (2, 3.5), (4, 1.7)])
-def test_normaliser_selected_hand_value(dp_size, bnt_factor, masks):
+@pytest.mark.parametrize("dp_size,bnt_factor,rows_factor", [(1, 1, 1), (2, 2, 3), (2, 3.5, 1.5), (4, 1.7, 5)])
+def test_normaliser_selected_hand_value(dp_size, bnt_factor, rows_factor, masks):
     cfg = actor_config("forking")  # entropy top 20%, normaliser=selected, token-mean
     assert cfg.selection.normaliser == "selected" and cfg.loss_agg_mode == "token-mean"
     for seed in range(3):
         mo, data, lp = make_and_set_bnt(seed, dp_size, bnt_factor)
+        rows = int(data["response_mask"].shape[0])
+        global_rows = int(round(rows * dp_size * rows_factor))  # the mini-batch's responses over all ranks
+        tu.assign_non_tensor(data, global_batch_size=global_rows)
         loss, grad, _ = run(tokensel_ppo_loss, cfg, mo, data, lp)
-        mask, valid = masks[-1], data["response_mask"].bool()
-        n_valid, n_sel, bnt = int(valid.sum()), int(mask.sum()), data["batch_num_tokens"]
+        mask = masks[-1]
+        n_sel = int(mask.sum())
         lp_pad = padded(lp, data)  # differentiable
         tok = vanilla_token_loss(cfg, lp_pad, data["old_log_probs"], data["advantages"])
-        # sum over selected of the vanilla token loss / n_selected * n_valid * dp_size / batch_num_tokens
-        expected = tok[mask].sum() / n_sel * n_valid * dp_size / bnt
+        # the released 80/20 code: the micro-batch's mean over selected tokens, weighted by its share of the
+        # mini-batch's responses (rows / global responses), times dp_size (the engines average over ranks);
+        # batch_num_tokens (the token count) plays no part
+        expected = tok[mask].sum() / n_sel * rows / global_rows * dp_size
         torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=1e-7)
         (g_expected,) = torch.autograd.grad(expected, lp)
         torch.testing.assert_close(grad, g_expected, rtol=1e-5, atol=1e-8)

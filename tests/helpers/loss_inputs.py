@@ -50,6 +50,7 @@ def make_micro_batch(
     batch_num_tokens=None,
     with_ref=False,
     with_sum_pi_squared=False,
+    global_batch_size=None,
 ):
     g = torch.Generator().manual_seed(seed)
     P, R = prompt_len, resp_len + extra_pad
@@ -69,8 +70,9 @@ def make_micro_batch(
         extra["ref_log_prob"] = -torch.rand(batch, R, generator=g) * 3 * response_mask
     data = engine_layout(input_ids, attn, P, old_log_probs=old_lp, advantages=adv, **extra)
     n_tok = int(response_mask.sum())
+    # global_batch_size: the mini-batch's responses over all ranks (verl's drivers: ppo_mini_batch_size * rollout.n)
     tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=batch_num_tokens or n_tok * dp_size,
-                         global_batch_size=None)
+                         global_batch_size=global_batch_size or batch * dp_size)
     total = int(attn.sum())
     lp_values = (-torch.rand(total, generator=g) * 3).requires_grad_(True)
     ent_values = torch.rand(total, generator=g) * 2

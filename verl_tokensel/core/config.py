@@ -132,8 +132,9 @@ class TokenSelectionConfig:
     )
     normaliser: Optional[str] = field(
         default=None,
-        metadata={"help": "Token-mean denominator: all valid tokens (paper formula) or the selected "
-                  "tokens (80/20 released code); 'selected' needs loss_agg_mode=token-mean.",
+        metadata={"help": "Token-mean denominator: all valid tokens (paper formula) or each micro-batch's "
+                  "selected tokens, the micro-batch weighted by its share of the mini-batch's responses "
+                  "(80/20 released code); 'selected' needs loss_agg_mode=token-mean.",
                   "paper": "all (80/20 paper, GMTS); selected (80/20 code)"},
     )
     seed: Optional[int] = field(

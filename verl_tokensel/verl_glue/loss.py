@@ -18,10 +18,13 @@ How the mask acts (the clip maths stays verl's: the registered policy loss of
   logged ``actor/pg_loss`` is therefore the full-token surrogate.
 - ``normaliser=selected`` (token-mean only, the 80/20 released code): the policy loss gets
   ``response_mask & mask`` as its loss mask and a denominator of the micro-batch's selected
-  tokens, weighted by the micro-batch's share of the mini-batch's valid tokens: the loss is
-  ``sum_sel l / n_sel(mb) * n_valid(mb) * dp_size / batch_num_tokens``, i.e. the released code's
-  per-micro-batch mean over selected tokens when micro-batches are equal-sized. Clip metrics are
-  then over the selected tokens, as in that code.
+  tokens, weighted by the micro-batch's share of the mini-batch's RESPONSES, as that code weights
+  its micro-batches (``1 / gradient_accumulation`` with fixed micro-batches, ``len(micro-batch) /
+  ppo_mini_batch_size`` with dynamic batch size): the loss is
+  ``sum_sel l / n_sel(mb) * rows(mb) * dp_size / global_batch_size`` (``global_batch_size``: the
+  mini-batch's responses over all data-parallel ranks, which both verl drivers pass), so after the
+  engines' data-parallel gradient average each micro-batch's mean counts ``rows(mb) / global_batch_size``.
+  Clip metrics are then over the selected tokens, as in that code.
 - entropy bonus and KL loss see the mask only when ``mask_entropy_bonus`` / ``mask_kl_loss``.
 
 What is verl's and what is ours: the part of ``ppo_loss`` the selecting loss has to repeat (global batch
@@ -43,6 +46,7 @@ import torch
 from tensordict import TensorDict
 
 from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
+from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 from verl.workers.utils.padding import no_padding_2_padding
@@ -145,6 +149,18 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
 
 
+def _global_responses(data: TensorDict) -> int:
+    """The mini-batch's responses over all data-parallel ranks (``global_batch_size``, set by verl's drivers)."""
+    g = tu.get_non_tensor_data(data=data, key="global_batch_size", default=None)
+    if g is None or int(g) <= 0:
+        raise RuntimeError(
+            f"token_selection.normaliser=selected weights each micro-batch by its share of the mini-batch's "
+            f"responses, but the micro-batch carries global_batch_size={g!r} (verl's drivers set it to "
+            "ppo_mini_batch_size * rollout.n in _update_actor). A custom driver must pass it, or use "
+            "token_selection.normaliser=all.")
+    return int(g)
+
+
 class SelectingLoss:
     """The selecting actor loss bound to its resolved actor config: what ``set_loss_fn`` installs.
 
@@ -172,9 +188,9 @@ def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, obs
     """verl's PPO actor loss with the policy gradient restricted to the selected tokens.
 
     ``observer`` (bind it with ``functools.partial``; engines never pass it) is called once per
-    micro-batch with ``{"mask", "scores", "response_mask", "data"}`` (padded
-    ``(batch, response_len)`` tensors and the micro-batch as the engine passed it), for analysis
-    and tests.
+    micro-batch with ``{"mask", "scores", "response_mask", "data", "log_prob", "advantages"}`` (padded
+    ``(batch, response_len)`` tensors, ``log_prob`` still in the graph, and the micro-batch as the engine
+    passed it), for analysis and tests.
     """
     sel: Selection | None = getattr(config, "selection", None)
     if sel is None:
@@ -211,7 +227,8 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
                              dp_group=dp_group)
     if observer is not None:
-        observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data})
+        observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data,
+                  "log_prob": log_prob, "advantages": padded["advantages"]})
 
     # ---- policy loss, via verl's registered loss for loss_mode; only its inputs are ours ----
     gated_log_prob = torch.where(mask, log_prob, log_prob.detach())
@@ -224,8 +241,8 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
             n_sel = int(mask.sum())
             if n_sel > 0:
                 loss_mask = mask
-                if saved is not None:
-                    info["batch_num_tokens"] = saved * n_sel / int(response_mask.sum())
+                # token-mean divides by batch_num_tokens: n_sel * G / rows makes it the selected mean x rows / G
+                info["batch_num_tokens"] = n_sel * _global_responses(data) / int(response_mask.shape[0])
         try:
             return policy_loss_fn(
                 old_log_prob=padded["old_log_probs"],
