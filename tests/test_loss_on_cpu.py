@@ -17,7 +17,7 @@ from functools import partial
 import pytest
 import torch
 from hydra import compose, initialize_config_module
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
@@ -79,8 +79,8 @@ def actor_config(selector=None, selection=None, *, megatron=False, fresh=False, 
         if not megatron:
             node.strategy = "fsdp2"
         node.ppo_micro_batch_size_per_gpu = 2
-        for k, v in actor.items():
-            node[k] = v
+        for k, v in actor.items():  # dotted keys reach nested nodes (policy_loss.loss_mode)
+            OmegaConf.update(node, k, v, merge=True)
         if selector is not None:
             node._target_ = OUR_MCORE_ACTOR if megatron else OUR_ACTOR
             node.token_selector = selector
@@ -206,6 +206,31 @@ def test_ratio_one_normaliser_all_is_stock_bitwise(score, settings, masks):
         assert torch.equal(go, gs)
         assert torch.equal(masks[-1], data["response_mask"].bool())
         assert _metric(metrics, "tokensel/selected_fraction") == 1.0
+
+
+@pytest.mark.parametrize("loss_mode", ["clip_cov", "kl_cov"])
+def test_verls_clip_cov_and_kl_cov_compose_with_a_selector(loss_mode, masks):
+    """verl's Clip-Cov / KL-Cov are policy losses, not token selectors: the selecting loss calls them as it calls
+    any registered ``loss_mode``. At ratio 1.0 with ``normaliser=all`` the result is verl's own, bit for bit
+    (their random token choice seeded alike); at 0.2 their token choice acts and no unselected token gets
+    gradient."""
+    knob = {"policy_loss.loss_mode": loss_mode}
+    stock = actor_config(None, **knob)
+    assert stock.policy_loss.loss_mode == loss_mode
+    full = actor_config("forking", {"ratio": 1.0, "normaliser": "all"}, **knob)
+    part = actor_config("forking", {"normaliser": "all"}, **knob)
+    for seed in range(3):
+        mo, data, lp = micro_batch(seed, batch=12, resp_len=24, noise=0.05)
+        torch.manual_seed(seed)
+        ls, gs, _ = run(ppo_loss, stock, mo, data, lp)
+        torch.manual_seed(seed)
+        lo, go, _ = run(tokensel_ppo_loss, full, mo, data, lp)
+        assert torch.equal(lo, ls) and torch.equal(go, gs)
+        torch.manual_seed(seed)
+        _, gp, _ = run(tokensel_ppo_loss, part, mo, data, lp)
+        mask, valid = masks[-1], data["response_mask"].bool()
+        g = padded(gp, data)
+        assert torch.all(g[valid & ~mask] == 0) and g[mask].abs().sum() > 0
 
 
 # --------------------------------------------------------------------------------------------

@@ -77,9 +77,10 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     """
     ratio = sel.ratio if ratio is None else ratio
     scope = scope or ("sequence" if sel.scope == "sequence" else "micro_batch")
-    valid = batch.valid
     scores = batch.score(sel.score)
-    mask = select_tokens(scores, valid, ratio, scope=scope, direction=sel.direction)
+    pool = getattr(sel, "pool", "valid")
+    mask = select_tokens(scores, batch.valid, ratio, scope=scope, direction=sel.direction, pool=pool)
+    valid = batch.valid & (scores != 0) if pool == "nonzero" else batch.valid  # the pool the budget counts
     ranks = selection_ranks(scores, valid, sel.direction, scope)
     if scope == "sequence":
         budgets = [budget(ratio, int(valid[i].sum())) for i in range(valid.shape[0])]

@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
-from verl_tokensel.core.pools import DIRECTIONS, SCOPES
+from verl_tokensel.core.pools import DIRECTIONS, POOLS, SCOPES
 from verl_tokensel.core.scores import SCORE_REGISTRY
 
 NORMALISERS = ("all", "selected")
@@ -61,6 +61,7 @@ class Selection:
     mask_kl_loss: bool = False
     score_source: str = "current"
     ref_model_path: Optional[str] = None
+    pool: str = "valid"
 
 
 # Presets. Each mirrors one reference semantics; see prior-art notes in the README.
@@ -136,6 +137,13 @@ class TokenSelectionConfig:
                   "selected tokens, the micro-batch weighted by its share of the mini-batch's responses "
                   "(80/20 released code); 'selected' needs loss_agg_mode=token-mean.",
                   "paper": "all (80/20 paper, GMTS); selected (80/20 code)"},
+    )
+    pool: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Tokens of the scope the budget is a fraction of: {' or '.join(POOLS)}. valid = every "
+                  "valid response token; nonzero = only tokens whose score is not exactly 0 (the released GMTS "
+                  "code, whose padding filter also drops clipped tokens and zero-advantage groups).",
+                  "paper": "valid (80/20; GMTS paper: a fraction of the responses' tokens); nonzero (GMTS code)"},
     )
     seed: Optional[int] = field(
         default=None,
@@ -259,6 +267,7 @@ def resolve_selection(
             f"{fitting[0]} or pick one of the scopes above.",
         )
     _check_choice("token_selection.normaliser", sel.normaliser, NORMALISERS)
+    _check_choice("token_selection.pool", sel.pool, POOLS)
     if isinstance(sel.seed, bool) or not isinstance(sel.seed, int) or sel.seed < 0:
         raise _err("token_selection.seed", sel.seed, "an integer >= 0")
     _check_bool("token_selection.mask_entropy_bonus", sel.mask_entropy_bonus)

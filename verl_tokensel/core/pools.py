@@ -14,6 +14,9 @@ import torch.distributed as dist
 
 DIRECTIONS = ("top", "bottom")
 SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "batch")
+#: which tokens of a scope the budget is a fraction of (and may be chosen from): every valid response token,
+#: or only those whose score is not exactly zero (NaN counts as scored; it ranks last)
+POOLS = ("valid", "nonzero")
 
 
 def budget(ratio: float, n: int) -> int:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed, ordered_keys32, topk_mask_distributed
-from verl_tokensel.core.pools import DIRECTIONS, SCOPES, budget, world_size
+from verl_tokensel.core.pools import DIRECTIONS, POOLS, SCOPES, budget, world_size
 
 _PAD_KEY = -(2**31)  # below every key, NaN included
 
@@ -57,6 +57,7 @@ def select_tokens(
     direction: str = "top",
     dp_group: Optional[dist.ProcessGroup] = None,
     group_ids: Optional[torch.Tensor] = None,
+    pool: str = "valid",
 ) -> torch.Tensor:
     """Select tokens by score.
 
@@ -69,6 +70,9 @@ def select_tokens(
         dp_group: process group of the data-parallel ranks (``micro_batch_dp``, ``mini_batch``,
             ``batch``, ``group``; None or a world of one means a single rank).
         group_ids: ``(batch,)`` int64 group of each row (``group`` only).
+        pool: one of :data:`~verl_tokensel.core.pools.POOLS`: ``valid`` (the budget is ``ceil(ratio * n)`` of
+            the scope's valid tokens) or ``nonzero`` (of its valid tokens whose score is not exactly 0; the
+            others are never selected).
 
     Returns:
         ``(batch, response_len)`` bool mask, a subset of ``valid_mask``.
@@ -79,7 +83,11 @@ def select_tokens(
         raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
     if direction not in DIRECTIONS:
         raise ValueError(f"unknown direction {direction!r}; valid: {list(DIRECTIONS)}")
+    if pool not in POOLS:
+        raise ValueError(f"unknown pool {pool!r}; valid: {list(POOLS)}")
     valid = valid_mask.to(torch.bool)
+    if pool == "nonzero":
+        valid = valid & (scores != 0)  # NaN != 0: a NaN score stays in the pool (and ranks last)
 
     if scope == "sequence":
         rows = [_first_k_padded(scores[i], valid[i], budget(ratio, int(valid[i].sum())), direction)

@@ -108,7 +108,7 @@ def select_on_driver(
     valid, inp = sb.valid, sb.inputs
     scores = sb.score(sel.score)
     mask = select_tokens(scores, valid, sel.ratio, scope=sel.scope, direction=sel.direction,
-                         group_ids=group_ids if sel.scope == "group" else None)
+                         group_ids=group_ids if sel.scope == "group" else None, pool=sel.pool)
 
     stats = selection_stats(mask, valid, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
     metrics = {DRIVER_METRIC_PREFIX + k: v for k, v in stats.items()}

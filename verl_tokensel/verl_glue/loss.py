@@ -225,7 +225,7 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     else:
         scores = mb.scores.score(sel.score)
         mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
-                             dp_group=dp_group)
+                             dp_group=dp_group, pool=sel.pool)
     if observer is not None:
         observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data,
                   "log_prob": log_prob, "advantages": padded["advantages"]})

@@ -162,7 +162,7 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
     group_ids = mb.scores.group_ids
     dp_group = worker.engine.get_data_parallel_group()
     mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
-                         dp_group=dp_group, group_ids=group_ids) & response_mask
+                         dp_group=dp_group, group_ids=group_ids, pool=sel.pool) & response_mask
 
     rm = data["response_mask"]
     if data.is_locked:  # a chunk verl's dispatch produced; the fields must travel with the mini-batch
