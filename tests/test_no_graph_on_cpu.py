@@ -70,6 +70,27 @@ def test_logprobs_from_lse_value_and_gradient_equal_log_softmax():
     torch.testing.assert_close(got, x.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_inplace_log_prob_backward_writes_the_gradient_into_the_logits():
+    """As flash-attn's cross-entropy with ``inplace_backward=True`` (verl's stock log-prob without entropy): same
+    gradient, no tokens x vocab buffer (the logits' own storage holds it afterwards)."""
+    from verl_tokensel.verl_glue.no_graph import logprobs_from_lse
+
+    g = torch.Generator().manual_seed(2)
+    base = (torch.randn(29, 613, generator=g) * 3).requires_grad_(True)
+    labels = torch.randint(0, 613, (29,), generator=g)
+    w = torch.randn(29, generator=g)
+    logits = base * 1.0  # a non-leaf, as the engine's logits
+    before = logits.detach().clone()
+    lp = logprobs_from_lse(logits, labels, torch.logsumexp(before, -1), inplace=True)
+    (lp * w).sum().backward()
+    ref_x = before.clone().requires_grad_(True)
+    ref = torch.log_softmax(ref_x, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(lp.detach(), ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(base.grad, ref_x.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(logits.detach(), ref_x.grad, rtol=1e-5, atol=1e-7)  # overwritten in place
+
+
 def test_the_chunk_bound_holds_at_a_real_vocabulary():
     from verl_tokensel.verl_glue.no_graph import CHUNK_ELEMENTS, _rows_per_chunk
 

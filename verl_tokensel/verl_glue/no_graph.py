@@ -22,7 +22,10 @@ three names point at the no-graph versions; they are restored when the call retu
 ``use_remove_padding`` the engine's log-prob call (``logprobs_from_logits``, by name in
 ``verl.workers.engine.fsdp.transformer_impl``) follows the entropy call on the same logits, and reuses the
 row ``logsumexp`` the entropy pass measured (:func:`logprobs_from_lse`: same value and gradient, one pass over
-the logits fewer), so the entropy costs about one extra read of the logits instead of verl's graph. Forward-only passes
+the logits fewer), so the entropy costs about one extra read of the logits instead of verl's graph. verl asks its
+log-prob for ``inplace_backward=False`` whenever it computes entropy (its entropy graph reads the logits in the
+backward); with no such graph the log-prob's backward overwrites the logits in place again, as stock verl's
+flash-attn cross-entropy does without entropy, so the update holds no extra tokens x vocab gradient buffer. Forward-only passes
 (old log-prob, reference) are left to verl (they run without autograd anyway). The values equal verl's to
 float rounding (float32 arithmetic, returned in the dtype verl's function returns).
 
@@ -97,29 +100,36 @@ def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None, *,
 class _LogProbFromLse(torch.autograd.Function):
     """``log p(label) = x[label] - lse`` with ``lse`` measured already; backward ``(onehot - softmax(x)) * g``,
     recomputed per chunk from ``x`` and ``lse`` (what autograd of verl's ``logsumexp`` computes, minus its
-    forward pass)."""
+    forward pass). With ``inplace`` the gradient is written into the logits' own storage, chunk by chunk (each
+    chunk is read before it is overwritten), as flash-attn's cross-entropy does for verl's stock log-prob
+    (``inplace_backward=True``): no tokens x vocab gradient buffer is allocated. Only valid when nothing else
+    reads the logits in the backward (then: the no-graph entropy; autograd's version check would raise
+    otherwise)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, lse):
+    def forward(ctx, logits, labels, lse, inplace):
         ctx.save_for_backward(logits, labels, lse)
+        ctx.inplace = bool(inplace)
         picked = torch.gather(logits, -1, labels.unsqueeze(-1)).squeeze(-1)
         return picked.float() - lse if logits.dtype != torch.float64 else picked - lse.double()
 
     @staticmethod
     def backward(ctx, grad):
         logits, labels, lse = ctx.saved_tensors
-        g = torch.empty_like(logits)
+        g = logits if ctx.inplace else torch.empty_like(logits)
         rows = _rows_per_chunk(logits.shape[-1])
         for i in range(0, logits.shape[0], rows):
             p = torch.exp(logits[i:i + rows].float() - lse[i:i + rows].unsqueeze(-1))
             g[i:i + rows] = p.mul_(-grad[i:i + rows].float().unsqueeze(-1))
         g.scatter_add_(-1, labels.unsqueeze(-1), grad.unsqueeze(-1).to(g.dtype))
-        return g, None, None
+        return g, None, None, None
 
 
-def logprobs_from_lse(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """Differentiable ``log softmax(logits)[label]`` of 2-D ``logits`` given their (detached) row ``lse``."""
-    return _LogProbFromLse.apply(logits, labels, lse)
+def logprobs_from_lse(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+                      inplace: bool = False) -> torch.Tensor:
+    """Differentiable ``log softmax(logits)[label]`` of 2-D ``logits`` given their (detached) row ``lse``;
+    ``inplace``: the backward overwrites ``logits`` with their gradient (see :class:`_LogProbFromLse`)."""
+    return _LogProbFromLse.apply(logits, labels, lse, inplace)
 
 
 def sum_pi_squared_no_graph(logits: torch.Tensor) -> torch.Tensor:
@@ -152,7 +162,13 @@ def wants_no_graph(config: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _no_graph_functions(engine):
+def _no_graph_functions(engine, inplace_ok: bool = True):
+    """Swap the engine's entropy / sum p^2 / log-prob functions for the no-graph ones, for one call.
+
+    verl asks its log-prob for ``inplace_backward=False`` whenever it computes the entropy, because verl's
+    entropy graph reads the logits in the backward. With the entropy computed here nothing does, so the
+    log-prob's backward may overwrite the logits in place as in stock verl without entropy (``inplace_ok``;
+    False when another consumer of the logits may keep a graph, e.g. verl's top-k distillation)."""
     import verl.utils.torch_functional as verl_F
     from verl.workers.engine.fsdp import transformer_impl
 
@@ -163,11 +179,12 @@ def _no_graph_functions(engine):
         return entropy_no_graph(logits, chunk_size, cache=cache)
 
     def logprobs(logits, labels, inplace_backward=True):
+        inplace = inplace_ok or inplace_backward
         # the log-prob call right after the entropy call, on the same logits (use_remove_padding): reuse its lse
         if cache.logits is logits and logits.dim() == 2 and labels.shape == logits.shape[:1]:
             lse, cache.logits, cache.lse = cache.lse, None, None
-            return logprobs_from_lse(logits, labels, lse)
-        return stock_logprobs(logits=logits, labels=labels, inplace_backward=inplace_backward)
+            return logprobs_from_lse(logits, labels, lse, inplace=inplace)
+        return stock_logprobs(logits=logits, labels=labels, inplace_backward=inplace)
 
     saved = (verl_F.entropy_from_logits, verl_F.calculate_sum_pi_squared_from_logits,
              engine.__dict__.get("compute_entropy_from_logits"))
@@ -211,13 +228,20 @@ def install_no_graph_scores(worker) -> bool:
         loss_fn = getattr(worker, "loss_fn", None)
         if (torch.is_grad_enabled() and isinstance(loss_fn, SelectingLoss) and wants_no_graph(loss_fn.config)
                 and not _fused(micro_batch)):
-            with _no_graph_functions(engine):
+            with _no_graph_functions(engine, inplace_ok=not _distillation(micro_batch)):
                 return base(output, output_args, micro_batch, logits_processor_func)
         return base(output, output_args, micro_batch, logits_processor_func)
 
     setattr(engine, _WRAPPED, base)
     engine.prepare_model_outputs = prepare_model_outputs
     return True
+
+
+def _distillation(micro_batch) -> bool:
+    """verl's top-k distillation reads the student logits with a graph (``logits_processor_func``)."""
+    from verl.utils import tensordict_utils as tu
+
+    return bool(tu.get_non_tensor_data(data=micro_batch, key="distillation_use_topk", default=False))
 
 
 def _fused(micro_batch) -> bool:
