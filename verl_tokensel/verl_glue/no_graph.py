@@ -25,9 +25,9 @@ row ``logsumexp`` the entropy pass measured (:func:`logprobs_from_lse`: same val
 the logits fewer), so the entropy costs about one extra read of the logits instead of verl's graph. verl asks its
 log-prob for ``inplace_backward=False`` whenever it computes entropy (its entropy graph reads the logits in the
 backward); with no such graph the log-prob's backward overwrites the logits in place again, as stock verl's
-flash-attn cross-entropy does without entropy, so the update holds no extra tokens x vocab gradient buffer. Forward-only passes
-(old log-prob, reference) are left to verl (they run without autograd anyway). The values equal verl's to
-float rounding (float32 arithmetic, returned in the dtype verl's function returns).
+flash-attn cross-entropy does without entropy, so the update holds no extra tokens x vocab gradient buffer.
+Forward-only passes (old log-prob, reference) are left to verl (they run without autograd anyway). The values
+equal verl's to float rounding (float32 arithmetic, returned in the dtype verl's function returns).
 
 When the graph stays: ``entropy_coeff != 0`` (the bonus needs d H / d logits; with ``mask_entropy_bonus``
 still on the selected tokens), ``token_selection.no_grad_scores=false``, a stock loss, fused kernels
