@@ -183,21 +183,10 @@ def child_time(variants: list[str], model_dir: str, tokens: int, steps: int) -> 
 
 def _driver_select(config, batch) -> float:
     """What the driver does for ``score_source=rollout``; adds the mask fields to ``batch``; returns seconds."""
-    from verl.workers.utils.padding import response_to_nested
-
-    from verl_tokensel.core.batch import group_ids
-    from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
-    from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
+    from verl_tokensel.cpu.batches import add_driver_selection
 
     t0 = time.perf_counter()
-    padded = batch.select("response_mask", "old_log_probs", "advantages", "entropy").to_padded_tensor()
-    out = select_on_driver(config.selection, response_mask=padded["response_mask"],
-                           old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
-                           entropy=padded["entropy"], group_ids=group_ids(batch.get("uid").tolist()),
-                           params=score_params(config))
-    rm = batch["response_mask"]
-    batch[MASK_FIELD] = response_to_nested(out.mask.to(rm.dtype), rm)
-    batch[SCORE_FIELD] = response_to_nested(out.scores, rm)
+    add_driver_selection(config, batch)
     return time.perf_counter() - t0
 
 

@@ -58,24 +58,6 @@ def _tied_model_dir(root: Path) -> str:
     return str(dst)
 
 
-def _driver_fields(actor, config, batch) -> None:
-    """What the driver adds for ``score_source=rollout``: the mask from the old-log-prob pass's values."""
-    from verl.workers.utils.padding import response_to_nested
-
-    from verl_tokensel.core.batch import group_ids
-    from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
-    from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
-
-    padded = batch.select("response_mask", "old_log_probs", "advantages", "entropy").to_padded_tensor()
-    out = select_on_driver(config.selection, response_mask=padded["response_mask"],
-                           old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
-                           entropy=padded["entropy"], group_ids=group_ids(batch.get("uid").tolist()),
-                           params=score_params(config))
-    rm = batch["response_mask"]
-    batch[MASK_FIELD] = response_to_nested(out.mask.to(rm.dtype), rm)
-    batch[SCORE_FIELD] = response_to_nested(out.scores, rm)
-
-
 def _run(actor, preset: str) -> dict:
     """One real update of ``preset``: its gradients, old-pass entropy and selection metrics."""
     from verl.utils import tensordict_utils as tu
@@ -90,7 +72,7 @@ def _run(actor, preset: str) -> dict:
     old_entropy = batch["entropy"].values().clone()
     tu.assign_non_tensor(batch, calculate_entropy=entropy_in_update)
     if preset == "forking_paper":
-        _driver_fields(actor, config, batch)
+        B.add_driver_selection(config, batch)
     r = H.run_train_step(actor, batch, loss_fn=loss_fn, capture_grads=True, capture_params=False)
     picked = {k: v for k, v in r.metrics.items() if k.startswith("tokensel/") and "seconds" not in k}
     return {"grads": r.grads, "old_entropy": old_entropy, "metrics": picked, "loss": r.loss}

@@ -164,11 +164,8 @@ def ensure_selection_loaded() -> str | None:
         global LOAD_ERROR
         LOAD_ERROR = _report(SELECTION_FAILED)
         return LOAD_ERROR
-    if LOAD_ERROR is None and TRAINER_PACKAGE in sys.modules:
-        from verl.trainer.ppo.v1 import trainer_base
-
-        if "tokensel_sync" not in trainer_base.TRAINER_REGISTRY:
-            load_selection()
+    if LOAD_ERROR is None:
+        load_selection()  # idempotent: registers whatever the post-import hook has not
     return LOAD_ERROR
 
 

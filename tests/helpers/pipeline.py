@@ -145,4 +145,6 @@ def prepare_tiny_run(work_dir: Path, *, model_dir: Optional[str | Path] = None, 
     train, val = write_tiny_rl_dataset(work_dir / "data")
     reward = write_reward_file(work_dir)
     kwargs.setdefault("default_local_dir", work_dir / "checkpoints")
-    return tiny_pipeline_overrides(model_dir, train, val, reward, **kwargs)
+    # Hydra's run directory: by default ``outputs/<date>/<time>`` under the driver's cwd (the test's, or the Ray
+    # head's for a submitted job), which would litter the checkout
+    return tiny_pipeline_overrides(model_dir, train, val, reward, **kwargs) + [f"hydra.run.dir={work_dir / 'hydra'}"]

@@ -210,6 +210,31 @@ def add_driver_meta(
     return batch
 
 
+def add_driver_selection(config, batch):
+    """What verl's driver adds for ``score_source=rollout`` (``forking_paper``), in place: the mask and scores
+    that :func:`~verl_tokensel.verl_glue.driver_select.select_on_driver` computes from the batch's
+    old-log-prob values (``old_log_probs``, ``advantages``, ``entropy``, ``uid``), as nested fields.
+
+    ``config`` is the actor's :class:`~verl_tokensel.core.config.TokenSelectConfig`. Returns the driver's
+    selection output.
+    """
+    from verl.workers.utils.padding import response_to_nested
+
+    from verl_tokensel.core.batch import group_ids
+    from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
+    from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
+
+    padded = batch.select("response_mask", "old_log_probs", "advantages", "entropy").to_padded_tensor()
+    out = select_on_driver(config.selection, response_mask=padded["response_mask"],
+                           old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
+                           entropy=padded["entropy"], group_ids=group_ids(batch.get("uid").tolist()),
+                           params=score_params(config))
+    rm = batch["response_mask"]
+    batch[MASK_FIELD] = response_to_nested(out.mask.to(rm.dtype), rm)
+    batch[SCORE_FIELD] = response_to_nested(out.scores, rm)
+    return out
+
+
 def make_update_batch(
     actor: CpuActor,
     n: Optional[int] = None,
