@@ -9,33 +9,25 @@ stock ``FSDPActorConfig`` for the reference, ``TokenselFSDPActorConfig`` (``_tar
 
 from __future__ import annotations
 
-import copy
 import math
 import pickle
 from functools import partial
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf, open_dict
 
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
-from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.config import FSDPActorConfig
 from verl.workers.utils.losses import ppo_loss
-from verl.workers.utils.padding import no_padding_2_padding
 
 import verl_tokensel.verl_glue.loss as loss_mod
 from verl_tokensel.core.config import PRESETS
-from verl_tokensel.verl_glue.actor_config import StockLossGuard, TokenselFSDPActorConfig, TokenselMcoreActorConfig
+from verl_tokensel.verl_glue.actor_config import StockLossGuard, TokenselFSDPActorConfig
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
+from helpers.actor_configs import actor_config, micro_batch, padded
 from helpers.loss_inputs import make_micro_batch
 
-OUR_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
-OUR_MCORE_ACTOR = "verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig"
-SELECTION_TARGET = "verl_tokensel.core.config.TokenSelectionConfig"
 SELECTING_PRESETS = [p for p in PRESETS if p != "none"]
 # The in-loss twin of a preset whose scores are measured before the update (score_source prepass or
 # rollout): same score, ratio, direction and normaliser, ranked inside the micro-batch. The loss maths
@@ -49,73 +41,6 @@ def in_loss(preset, selection=None):
         extra = {**IN_LOSS, **extra}
     return extra
 SCORES = ["entropy", "gmts", "grad_norm", "random"]
-
-
-# --------------------------------------------------------------------------------------------
-# configs from verl's own Hydra tree
-# --------------------------------------------------------------------------------------------
-_TREES: dict[str, object] = {}
-_CONFIGS: dict[str, object] = {}
-
-
-def _tree(name: str):
-    if name not in _TREES:
-        with initialize_config_module("verl.trainer.config", version_base=None):
-            _TREES[name] = compose(name)
-    return _TREES[name]
-
-
-def actor_config(selector=None, selection=None, *, megatron=False, fresh=False, **actor):
-    """Stock actor config when ``selector`` is None, else ours with ``token_selector=selector``.
-
-    ``actor``: extra ``actor_rollout_ref.actor.*`` keys (use_kl_loss, entropy_coeff, ...).
-    """
-    key = repr((selector, sorted((selection or {}).items()), megatron, sorted(actor.items())))
-    if not fresh and key in _CONFIGS:
-        return _CONFIGS[key]
-    cfg = copy.deepcopy(_tree("ppo_megatron_trainer" if megatron else "ppo_trainer"))
-    node = cfg.actor_rollout_ref.actor
-    with open_dict(node):
-        if not megatron:
-            node.strategy = "fsdp2"
-        node.ppo_micro_batch_size_per_gpu = 2
-        for k, v in actor.items():  # dotted keys reach nested nodes (policy_loss.loss_mode)
-            OmegaConf.update(node, k, v, merge=True)
-        if selector is not None:
-            node._target_ = OUR_MCORE_ACTOR if megatron else OUR_ACTOR
-            node.token_selector = selector
-            node.token_selection = {"_target_": SELECTION_TARGET, **(selection or {})}
-    out = omega_conf_to_dataclass(node)
-    if selector is None:
-        assert type(out) is FSDPActorConfig or megatron
-    else:
-        assert type(out) is (TokenselMcoreActorConfig if megatron else TokenselFSDPActorConfig)
-    if not fresh:
-        _CONFIGS[key] = out
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# micro-batches and helpers
-# --------------------------------------------------------------------------------------------
-def micro_batch(seed=0, batch=6, resp_len=16, noise=0.15, with_ref=False, **kw):
-    """A micro-batch from tests/helpers/loss_inputs.py, made near on-policy: old_log_probs = log_prob + noise,
-    so that most tokens are unclipped (omega != 0) and some are clipped (omega == 0)."""
-    mo, data, lp = make_micro_batch(batch=batch, resp_len=resp_len, seed=seed, with_ref=with_ref, **kw)
-    # the drivers also send the global batch size (seq-mean-* modes need it when dp_size > 1)
-    tu.assign_non_tensor(data, global_batch_size=batch * data["dp_size"])
-    g = torch.Generator().manual_seed(1000 + seed)
-    lp_pad = no_padding_2_padding(mo["log_probs"], data).detach()
-    rm = data["response_mask"].to(lp_pad.dtype)
-    data["old_log_probs"] = (lp_pad + torch.randn(lp_pad.shape, generator=g) * noise) * rm
-    if with_ref:
-        data["ref_log_prob"] = (lp_pad + torch.randn(lp_pad.shape, generator=g) * 0.5) * rm
-    return mo, data, lp
-
-
-def padded(values: torch.Tensor, data) -> torch.Tensor:
-    """Per-token values over the full sequences (log-prob layout) -> (batch, response_len)."""
-    return no_padding_2_padding(values, data)
 
 
 def run(loss_fn, cfg, mo, data, lp):

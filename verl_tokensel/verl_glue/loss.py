@@ -149,6 +149,22 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
 
 
+def _finite_tokens(config, log_prob, entropy, padded: TensorDict, scores, response_mask) -> torch.Tensor:
+    """Bool ``(batch, response_len)``: the tokens whose loss inputs (log-prob, old log-prob, advantage, rollout IS
+    weight, reference log-prob when the KL loss is on, entropy when computed) are finite and whose score is not
+    NaN. True on padding."""
+    ok = ~torch.isnan(scores) & torch.isfinite(log_prob.detach())
+    for key in ("old_log_probs", "advantages", "rollout_is_weights"):
+        v = padded.get(key, None)
+        if v is not None:
+            ok &= torch.isfinite(v)
+    if config.use_kl_loss and padded.get("ref_log_prob", None) is not None:
+        ok &= torch.isfinite(padded["ref_log_prob"])
+    if entropy is not None:
+        ok &= torch.isfinite(entropy.detach())
+    return ok | ~response_mask
+
+
 def _global_responses(data: TensorDict) -> int:
     """The mini-batch's responses over all data-parallel ranks (``global_batch_size``, set by verl's drivers)."""
     g = tu.get_non_tensor_data(data=data, key="global_batch_size", default=None)
@@ -220,11 +236,18 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
 
     # ---- score and select (no gradient) ----
     if precomputed:
-        mask = padded[MASK_FIELD].to(torch.bool) & response_mask
         scores = padded[SCORE_FIELD].float() if SCORE_FIELD in padded.keys() else torch.zeros_like(log_prob)
     else:
         scores = mb.scores.score(sel.score)
-        mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
+    # a token whose loss inputs or score are not finite is dropped: out of the pool, no gradient, no loss term,
+    # counted in tokensel/nan_scores (its surrogate is undefined)
+    finite = _finite_tokens(config, log_prob, entropy, padded, scores, response_mask)
+    dropped = bool((response_mask & ~finite).any())
+    pool = response_mask & finite if dropped else response_mask
+    if precomputed:
+        mask = padded[MASK_FIELD].to(torch.bool) & pool
+    else:
+        mask = select_tokens(scores, pool, sel.ratio, scope=sel.scope, direction=sel.direction,
                              dp_group=dp_group, pool=sel.pool)
     if observer is not None:
         observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data,
@@ -232,10 +255,21 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
 
     # ---- policy loss, via verl's registered loss for loss_mode; only its inputs are ours ----
     gated_log_prob = torch.where(mask, log_prob, log_prob.detach())
+    inputs = {k: padded.get(k, None) for k in ("old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")}
+    if dropped:  # finite stand-ins where dropped (masked out below; verl's masked sums would turn NaN x 0 into NaN)
+        gated_log_prob = torch.where(finite, gated_log_prob, torch.zeros_like(gated_log_prob))
+        stand_in = {"old_log_probs": gated_log_prob.detach(), "advantages": 0.0, "rollout_is_weights": 1.0,
+                    "ref_log_prob": gated_log_prob.detach()}
+        for k, v in inputs.items():
+            if v is not None:
+                inputs[k] = torch.where(finite, v, stand_in[k] if torch.is_tensor(stand_in[k]) else
+                                        torch.full_like(v, stand_in[k]))
+        if entropy is not None:
+            entropy = torch.where(finite, entropy, torch.zeros_like(entropy))
 
     def policy_loss(info):
         policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
-        loss_mask = response_mask
+        loss_mask = pool
         saved = info["batch_num_tokens"]
         if sel.normaliser == "selected":
             n_sel = int(mask.sum())
@@ -245,13 +279,13 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
                 info["batch_num_tokens"] = n_sel * _global_responses(data) / int(response_mask.shape[0])
         try:
             return policy_loss_fn(
-                old_log_prob=padded["old_log_probs"],
+                old_log_prob=inputs["old_log_probs"],
                 log_prob=gated_log_prob,
-                advantages=padded["advantages"],
+                advantages=inputs["advantages"],
                 response_mask=loss_mask,
                 loss_agg_mode=config.loss_agg_mode,
                 config=config,
-                rollout_is_weights=padded.get("rollout_is_weights", None),
+                rollout_is_weights=inputs["rollout_is_weights"],
             )
         finally:
             info["batch_num_tokens"] = saved
@@ -260,12 +294,15 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     if entropy is not None and sel.mask_entropy_bonus:
         ent_term = torch.where(mask, entropy, entropy.detach())
     loss, metrics = verl_ppo_loss_body(
-        config, data, policy_loss, response_mask=response_mask, entropy=ent_term,
-        kl_log_prob=gated_log_prob if sel.mask_kl_loss else log_prob,
-        ref_log_prob=padded["ref_log_prob"] if config.use_kl_loss else None,
+        config, data, policy_loss, response_mask=pool, entropy=ent_term,
+        kl_log_prob=gated_log_prob if sel.mask_kl_loss else (
+            torch.where(finite, log_prob, gated_log_prob) if dropped else log_prob),
+        ref_log_prob=inputs["ref_log_prob"] if config.use_kl_loss else None,
     )
 
     # ---- selection metrics (per micro-batch, averaged over micro-batches and ranks) ----
+    if dropped:  # tokensel/nan_scores counts the dropped tokens
+        scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
     stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
     for key, value in stats.items():
         metrics[METRIC_PREFIX + key] = Metric(value=value, aggregation=AggregationType.MEAN)

@@ -18,7 +18,8 @@ The seam, with no verl file edited (verl 0.9.1, ``FSDPEngineWithLMHead.prepare_m
 :func:`install_no_graph_scores` wraps ONE engine's ``prepare_model_outputs`` (an instance attribute): for the
 duration of a call made with autograd on, and only while the worker's loss is a
 :class:`~verl_tokensel.verl_glue.loss.SelectingLoss` whose config asks for it (:func:`wants_no_graph`), the
-three names point at the no-graph versions; they are restored when the call returns. With
+three names point at the no-graph versions (for a forward-only call, with any selecting loss installed: the
+entropy and sum p^2 names); they are restored when the call returns. With
 ``use_remove_padding`` the engine's log-prob call (``logprobs_from_logits``, by name in
 ``verl.workers.engine.fsdp.transformer_impl``) follows the entropy call on the same logits, and reuses the
 row ``logsumexp`` the entropy pass measured (:func:`logprobs_from_lse`: same value and gradient, one pass over
@@ -26,8 +27,12 @@ the logits fewer), so the entropy costs about one extra read of the logits inste
 log-prob for ``inplace_backward=False`` whenever it computes entropy (its entropy graph reads the logits in the
 backward); with no such graph the log-prob's backward overwrites the logits in place again, as stock verl's
 flash-attn cross-entropy does without entropy, so the update holds no extra tokens x vocab gradient buffer.
-Forward-only passes (old log-prob, reference) are left to verl (they run without autograd anyway). The values
-equal verl's to float rounding (float32 arithmetic, returned in the dtype verl's function returns).
+Forward-only calls (the old-log-prob pass, the pre-pass) made while a selecting loss is installed get the same
+entropy / sum p^2 functions, and keep verl's own log-prob (bit for bit): they run without autograd anyway, and
+this way every entropy a selector ranks by comes from one function. The values equal verl's to float rounding
+(float32 arithmetic, returned in the dtype verl's function returns), except on ``-inf`` logits (a masked
+vocabulary), where verl's ``logsumexp(x) - sum softmax(x) x`` is NaN (``0 x -inf``) and this one drops the
+masked entries (``p log p -> 0``), so the entropy of the masked distribution is finite.
 
 When the graph stays: ``entropy_coeff != 0`` (the bonus needs d H / d logits; with ``mask_entropy_bonus``
 still on the selected tokens), ``token_selection.no_grad_scores=false``, a stock loss, fused kernels
@@ -88,13 +93,27 @@ def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None, *,
             sums = e.sum(-1)
             dot = torch.bmm(e.unsqueeze(1), x.unsqueeze(2)).view(-1)  # sum_j e_j x_j
             row_lse = torch.log(sums) + m.view(-1)
-            out[i:i + rows] = row_lse - dot / sums
+            h = row_lse - dot / sums
+            bad = torch.isnan(h)
+            if bad.any():  # -inf logits (a masked vocabulary): e_j x_j is 0 x -inf there; count it as 0
+                h[bad] = _entropy_masked_rows(x[bad], e[bad], sums[bad])
+            out[i:i + rows] = h
             if lse is not None:
                 lse[i:i + rows] = row_lse
     if cache is not None:
         cache.logits, cache.lse = logits, lse
     out = out.view(logits.shape[:-1])
     return out if chunk_size is not None else out.to(logits.dtype)
+
+
+def _entropy_masked_rows(x: torch.Tensor, e: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    """The entropy of rows whose logits hold ``-inf`` (masked vocabulary entries, probability 0): verl's formula
+    gives NaN there (``softmax(x) x`` is ``0 x -inf``); the limit ``p log p -> 0`` drops those entries. Rows that
+    are NaN for another reason (a NaN logit, every logit ``-inf``) stay NaN."""
+    finite_x = torch.where(e > 0, x, torch.zeros_like(x))
+    m = x.amax(dim=-1)
+    dot = (e * finite_x).sum(-1)
+    return torch.log(sums) + m - dot / sums
 
 
 class _LogProbFromLse(torch.autograd.Function):
@@ -162,13 +181,14 @@ def wants_no_graph(config: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _no_graph_functions(engine, inplace_ok: bool = True):
+def _no_graph_functions(engine, inplace_ok: bool = True, log_prob: bool = True):
     """Swap the engine's entropy / sum p^2 / log-prob functions for the no-graph ones, for one call.
 
     verl asks its log-prob for ``inplace_backward=False`` whenever it computes the entropy, because verl's
     entropy graph reads the logits in the backward. With the entropy computed here nothing does, so the
     log-prob's backward may overwrite the logits in place as in stock verl without entropy (``inplace_ok``;
-    False when another consumer of the logits may keep a graph, e.g. verl's top-k distillation)."""
+    False when another consumer of the logits may keep a graph, e.g. verl's top-k distillation). ``log_prob=False``
+    keeps verl's log-prob (forward-only passes: their log-probs stay verl's bit for bit)."""
     import verl.utils.torch_functional as verl_F
     from verl.workers.engine.fsdp import transformer_impl
 
@@ -190,8 +210,9 @@ def _no_graph_functions(engine, inplace_ok: bool = True):
              engine.__dict__.get("compute_entropy_from_logits"))
     verl_F.entropy_from_logits = entropy_no_graph
     verl_F.calculate_sum_pi_squared_from_logits = sum_pi_squared_no_graph
-    engine.compute_entropy_from_logits = compute_entropy
-    transformer_impl.logprobs_from_logits = logprobs
+    engine.compute_entropy_from_logits = compute_entropy if log_prob else entropy_no_graph
+    if log_prob:
+        transformer_impl.logprobs_from_logits = logprobs
     try:
         yield
     finally:
@@ -226,10 +247,13 @@ def install_no_graph_scores(worker) -> bool:
 
     def prepare_model_outputs(output, output_args, micro_batch, logits_processor_func):
         loss_fn = getattr(worker, "loss_fn", None)
-        if (torch.is_grad_enabled() and isinstance(loss_fn, SelectingLoss) and wants_no_graph(loss_fn.config)
-                and not _fused(micro_batch)):
-            with _no_graph_functions(engine, inplace_ok=not _distillation(micro_batch)):
-                return base(output, output_args, micro_batch, logits_processor_func)
+        if isinstance(loss_fn, SelectingLoss) and not _fused(micro_batch):
+            if not torch.is_grad_enabled():  # old-log-prob pass, pre-pass: the scores' entropy, finite on -inf
+                with _no_graph_functions(engine, log_prob=False):
+                    return base(output, output_args, micro_batch, logits_processor_func)
+            if wants_no_graph(loss_fn.config):
+                with _no_graph_functions(engine, inplace_ok=not _distillation(micro_batch)):
+                    return base(output, output_args, micro_batch, logits_processor_func)
         return base(output, output_args, micro_batch, logits_processor_func)
 
     setattr(engine, _WRAPPED, base)
