@@ -30,6 +30,10 @@ def _vocab_range(tokenizer_or_vocab) -> tuple[int, int]:
 def _lengths(spec, n: int, gen: torch.Generator) -> list[int]:
     if isinstance(spec, int):
         return [spec] * n
+    if isinstance(spec, list):  # one length per sample
+        if len(spec) != n:
+            raise ValueError(f"lengths {spec}: need one per sample ({n})")
+        return [int(x) for x in spec]
     lo, hi = spec
     return torch.randint(lo, hi + 1, (n,), generator=gen).tolist()
 
@@ -49,10 +53,10 @@ def make_ppo_batch(
     """A synthetic PPO update batch (tensor fields only; add driver meta with :func:`add_driver_meta`).
 
     ``tokenizer_or_vocab``: a tokenizer (ids sampled outside its special tokens) or a vocab size.
-    ``prompt_len``/``resp_len``: an int or an inclusive (lo, hi) range per sample (ranges make the
-    nested tensors genuinely jagged, like real rollouts). ``fmt``: "v1" (TransferQueue driver, all nested)
-    or "v0" (legacy driver: padded + ``left_right_2_no_padding``). ``old_log_probs``: per-sample response
-    log-probs (default: random in [-3, -0.1]; use :func:`compute_old_log_probs` for the real pass).
+    ``prompt_len``/``resp_len``: an int, a list (one per sample) or an inclusive (lo, hi) range per sample
+    (ranges make the nested tensors genuinely jagged, like real rollouts). ``fmt``: "v1" (TransferQueue
+    driver, all nested) or "v0" (legacy driver: padded + ``left_right_2_no_padding``). ``old_log_probs``:
+    per-sample response log-probs (default: random in [-3, -0.1]; use :func:`compute_old_log_probs` for the real pass).
     ``response_mask_holes``: zero a few response tokens (multi-turn tool tokens). ``extra_token_fields``:
     more per-response-token fields (one 1-D tensor per sample), e.g. a ``token_select_mask``; they are
     nested in v1 and right-padded with 0 in v0, as each driver would store them. ``group_size``: samples

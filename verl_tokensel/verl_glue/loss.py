@@ -149,7 +149,7 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
 
 
-def _finite_tokens(config, log_prob, entropy, padded: TensorDict, scores, response_mask) -> torch.Tensor:
+def finite_tokens(config, log_prob, entropy, padded: TensorDict, scores, response_mask) -> torch.Tensor:
     """Bool ``(batch, response_len)``: the tokens whose loss inputs (log-prob, old log-prob, advantage, rollout IS
     weight, reference log-prob when the KL loss is on, entropy when computed) are finite and whose score is not
     NaN. True on padding."""
@@ -241,7 +241,7 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         scores = mb.scores.score(sel.score)
     # a token whose loss inputs or score are not finite is dropped: out of the pool, no gradient, no loss term,
     # counted in tokensel/nan_scores (its surrogate is undefined)
-    finite = _finite_tokens(config, log_prob, entropy, padded, scores, response_mask)
+    finite = finite_tokens(config, log_prob, entropy, padded, scores, response_mask)
     dropped = bool((response_mask & ~finite).any())
     pool = response_mask & finite if dropped else response_mask
     if precomputed:

@@ -50,6 +50,7 @@ from verl_tokensel.verl_glue.loss import (
     MASK_FIELD,
     METRIC_PREFIX,
     OLD_ENTROPY_FIELD,
+    finite_tokens,
     SCORE_FIELD,
     SelectingLoss,
     unpack_micro_batch,
@@ -161,14 +162,17 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
     scores = mb.scores.score(sel.score)
     group_ids = mb.scores.group_ids
     dp_group = worker.engine.get_data_parallel_group()
-    mask = select_tokens(scores, response_mask, sel.ratio, scope=sel.scope, direction=sel.direction,
-                         dp_group=dp_group, group_ids=group_ids, pool=sel.pool) & response_mask
+    # tokens with a non-finite input or score: out of the pool, as in the loss (which counts them as dropped)
+    finite = finite_tokens(config, mb.log_prob, mb.entropy, mb.padded, scores, response_mask)
+    pool = response_mask & finite
+    mask = select_tokens(scores, pool, sel.ratio, scope=sel.scope, direction=sel.direction,
+                         dp_group=dp_group, group_ids=group_ids, pool=sel.pool) & pool
 
     rm = data["response_mask"]
     if data.is_locked:  # a chunk verl's dispatch produced; the fields must travel with the mini-batch
         data.unlock_()
     data[MASK_FIELD] = _as_response_field(mask.to(rm.dtype), rm)
-    data[SCORE_FIELD] = _as_response_field(scores.nan_to_num(nan=0.0), rm)
+    data[SCORE_FIELD] = _as_response_field(torch.where(finite, scores, torch.full_like(scores, float("nan"))), rm)
     seconds = time.perf_counter() - t0
 
     counts = torch.stack([mask.sum(), response_mask.sum()]).to(torch.float64)
@@ -193,9 +197,10 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
 
     At each call, with the worker's CURRENT loss: the update pass's entropy / sum p^2 without an autograd graph
     when the loss's config allows it (:func:`verl_tokensel.verl_glue.no_graph.install_no_graph_scores`, on
-    the worker's engine); and, when its selection has ``score_source=prepass``, :func:`prepass_select` on the
-    mini-batch before it trains, its ``tokensel/prepass/*`` metrics added to the mini-batch's metrics. Any
-    other loss passes through untouched.
+    the worker's engine, installed at the first ``train_batch`` or ``infer_batch`` under a selecting loss, so
+    the old-log-prob pass's entropy comes from the same function); and, when its selection has
+    ``score_source=prepass``, :func:`prepass_select` on the mini-batch before it trains, its
+    ``tokensel/prepass/*`` metrics added to the mini-batch's metrics. Any other loss passes through untouched.
     """
     if getattr(worker, _WRAPPED, None) is not None:
         return worker
@@ -220,6 +225,8 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
         return output
 
     def infer_batch(data: TensorDict, *args, **kwargs):
+        if isinstance(worker.loss_fn, SelectingLoss):  # the old-log-prob pass's entropy: the selectors' function
+            install_no_graph_scores(worker)
         with_adapter = not tu.get_non_tensor_data(data=data, key="no_lora_adapter", default=False)
         out = base_infer(data, *args, **kwargs)
         if with_adapter:  # the policy itself (verl's ref pass may run this worker with the adapter off)
