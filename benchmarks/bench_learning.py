@@ -7,12 +7,12 @@ Run (from the repository root; each run is one real verl pipeline, ~3-5 min on a
 
 A toy-scale version of the 80/20 paper's comparison (full tokens vs top-20% entropy vs bottom-80%) plus
 the random-20% control the paper lacks and GMTS: the demo's warm-started tiny Qwen2
-(:mod:`verl_tokensel.demo.warmup`: a templated trace with one uncertain decision), the demo's GRPO
+(:mod:`verl_tokensel.demo.warmup`: a templated trace whose route word decides the answer), the demo's GRPO
 settings (:func:`verl_tokensel.cli.demo.demo_overrides`), ``--steps`` steps per run. Per preset it prints
 the mean and spread (sample standard deviation over seeds) of the final reward and of the reward gain
 (mean of the last 3 steps minus mean of the first 3, as in the demo's table), side by side, plus the
-last step's entropy statistics (share < 0.01 nats, 80th percentile) and the share of selected tokens on
-the decision. Whatever it shows is reported as is.
+last step's share of answers on the ``think`` route, its entropy statistics (share < 0.01 nats, 80th
+percentile) and the share of selected tokens on the decisions. Whatever it shows is reported as is.
 
 Simplifications: the seed changes the data order, the rollout sampling and the trainer, not the warm
 start (one warmed model, seed 0, for every run: the comparison is between presets from the same start);
@@ -51,8 +51,8 @@ def _pm(mean, sd, digits=3):
 
 
 def table(runs: list[dict], presets) -> str:
-    head = ("preset", "seeds", "reward first", "reward last", "gain (last 3 - first 3)", "H<0.01", "H p80",
-            "sel on dec", "dec share")
+    head = ("preset", "seeds", "reward first", "reward last", "gain (last 3 - first 3)", "think last", "H<0.01",
+            "H p80", "sel on dec", "dec share")
     lines = [head]
     for preset in presets:
         rs = [r for r in runs if r["preset"] == preset]
@@ -60,7 +60,8 @@ def table(runs: list[dict], presets) -> str:
             continue
         col = lambda k: [r.get(k) for r in rs]  # noqa: E731
         lines.append((preset, str(len(rs)), _pm(*_stats(col("reward_first"))), _pm(*_stats(col("reward_last"))),
-                      _pm(*_stats(col("reward_gain"))), _pm(*_stats(col("entropy_below_0_01_share"))),
+                      _pm(*_stats(col("reward_gain"))), _pm(*_stats(col("think_share"))),
+                      _pm(*_stats(col("entropy_below_0_01_share"))),
                       _pm(*_stats(col("entropy_p80")), digits=4), _pm(*_stats(col("selected_on_decision_share"))),
                       _pm(*_stats(col("decision_token_share")))))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
@@ -169,7 +170,8 @@ def main(argv=None) -> int:
     record = json.loads(path.read_text()) if path and path.exists() else {"commands": [], "runs": []}
     record["commands"].append("python benchmarks/bench_learning.py " + " ".join(sys.argv[1:] if argv is None else argv))
     model_dir, warm = warm_model_dir(WarmupConfig(), cache_dir=args.cache_dir)
-    record["warm_start"] = {k: warm[k] for k in ("config", "accuracy", "problems")}
+    record["warm_start"] = {k: warm.get(k) for k in ("config", "accuracy", "think_share", "think_accuracy",
+                                                      "problems")}
     print(f"warm start {model_dir}: accuracy {warm['accuracy']:.3f} at temperature 1", file=sys.stderr)
     if args.null_steps:
         record["null"] = null_noise(model_dir, args.null_steps, seed=seeds[0])

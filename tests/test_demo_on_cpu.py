@@ -149,39 +149,49 @@ def test_reward_loads_through_verl_config_path():
 
 # ---------------------------------------------------------------- task and warm start
 
-def test_trace_template_and_decision_span():
-    from verl_tokensel.demo.task import decision_span, trace
+def test_trace_template_and_decision_spans():
+    from verl_tokensel.demo.task import decision_spans, route_of, trace
 
     text = trace("3 * 4", 12)
     assert text == "Compute 3 * 4. Let's think step by step. 3 * 4 = 12. So the answer is \\boxed{12}."
-    start, end = decision_span(text)
-    assert text[start:end] == "12" and text[:start].endswith("3 * 4 = ")
-    assert compute_score(DATA_SOURCE, text, "12") == 1.0 and compute_score(DATA_SOURCE, trace("3 * 4", 13), "12") == 0.0
-    assert decision_span("the answer is \\boxed{12}") is None
+    (r0, r1), (v0, v1) = decision_spans(text)
+    assert text[r0:r1] == "think" and text[v0:v1] == "12" and text[:v0].endswith("3 * 4 = ")
+    guess = trace("3 * 4", 13, "guess")
+    assert guess == "Compute 3 * 4. Let's guess. 3 * 4 = 13. So the answer is \\boxed{13}."
+    assert [guess[a:b] for a, b in decision_spans(guess)] == ["guess", "13"]
+    assert route_of(text) == "think" and route_of(guess) == "guess" and route_of("\\boxed{1}") is None
+    assert compute_score(DATA_SOURCE, text, "12") == 1.0 and compute_score(DATA_SOURCE, guess, "12") == 0.0
+    assert decision_spans("the answer is \\boxed{12}") == []
+    with pytest.raises(ValueError, match="route="):
+        trace("3 * 4", 12, "hope")
 
 
-def test_noisy_value_distribution():
-    from verl_tokensel.demo.task import NEAR_MISS_OFFSETS, noisy_value
+def test_warmup_route_and_value_distribution():
+    from verl_tokensel.demo.task import NEAR_MISS_OFFSETS, warmup_route, warmup_value
 
     rng = random.Random(0)
-    draws = [noisy_value(7, 0.4, rng) for _ in range(20000)]
-    assert abs(draws.count(7) / len(draws) - 0.4) < 0.015  # binomial SE 0.0035
-    assert set(draws) == {7 + d for d in NEAR_MISS_OFFSETS} | {7}
-    assert set(noisy_value(0, 0.0001, rng) for _ in range(200)) <= {0, 1, 2}  # no negative answers
+    routes = [warmup_route(0.4, rng) for _ in range(20000)]
+    assert abs(routes.count("think") / len(routes) - 0.4) < 0.015  # binomial SE 0.0035
+    assert set(routes) == {"think", "guess"}
+    assert {warmup_value(7, "think", rng) for _ in range(50)} == {7}
+    assert {warmup_value(7, "guess", rng) for _ in range(500)} == {7 + d for d in NEAR_MISS_OFFSETS}
+    assert {warmup_value(0, "guess", rng) for _ in range(200)} <= {1, 2}  # no negative answers, never right
 
 
 def test_decision_token_mask(tiny_tokenizer):
     from verl_tokensel.analysis.page import token_texts
     from verl_tokensel.demo.task import decision_token_mask, trace
 
-    text = trace("9 * 9", 81)
-    ids = tiny_tokenizer(text)["input_ids"]
-    texts = token_texts(tiny_tokenizer, tiny_tokenizer("x")["input_ids"], ids)
-    assert "".join(texts) == text
-    mask = decision_token_mask(texts, text)
-    # digits are single tokens in a Qwen2 tokenizer: "81" after "=" is two decision tokens
-    assert [t for t, m in zip(texts, mask) if m] == ["8", "1"]
-    assert not any(decision_token_mask(texts[:5], "".join(texts[:5])))
+    for route, word in (("think", "think"), ("guess", "guess")):
+        text = trace("9 * 9", 81, route)
+        ids = tiny_tokenizer(text)["input_ids"]
+        texts = token_texts(tiny_tokenizer, tiny_tokenizer("x")["input_ids"], ids)
+        assert "".join(texts) == text
+        mask = decision_token_mask(texts, text)
+        picked = [t for t, m in zip(texts, mask) if m]
+        # the route word's tokens, then "81" after "=" (digits are single tokens in a Qwen2 tokenizer)
+        assert "".join(picked).replace(" ", "") == word + "81" and picked[-2:] == ["8", "1"]
+        assert not any(decision_token_mask(texts[:5], "".join(texts[:5])))
 
 
 def test_warm_up_learns_the_template_and_is_cached(tmp_path):
@@ -474,8 +484,10 @@ def test_demo_end_to_end(tmp_path):
     assert (out / "demo.png").exists()
     for preset, row in rows.items():
         assert row["reward_first"] is not None and row["reward_last"] is not None
-        # the warm start's structure: most response tokens near-deterministic, the decision a few percent
-        assert row["entropy_below_0_01_share"] > 0.5 and 0 < row["decision_token_share"] < 0.1, row
+        # the warm start's structure: most response tokens near-deterministic, the decisions (route word and
+        # value) a small share (~0.1: a few of the ~20-30 tokens of an answer)
+        assert row["entropy_below_0_01_share"] > 0.5 and 0 < row["decision_token_share"] < 0.2, row
+        assert 0 < row["think_share"] < 1, row  # both routes still taken after 2 steps
         assert results["rollouts"][preset]["scored_with"] == "final policy"  # verl saved the HF checkpoint
         assert (out / f"view_{preset}.html").exists()
     # forking keeps the top 20% by entropy: the decision tokens are among them

@@ -3,9 +3,10 @@
 The embedded-default main job. With no network and no GPU it:
 
 1. builds a tiny Qwen2 and a byte-level BPE tokenizer locally, then warms it up with plain supervised
-   next-token loss on templated traces whose only uncertain token is the decided value
-   (:mod:`verl_tokensel.demo.task`, :mod:`verl_tokensel.demo.warmup`; about a minute, cached by its
-   settings under ``--cache-dir``), so the model is partly right and its forking tokens are real;
+   next-token loss on templated traces whose route word (``think``, then the correct value, or ``guess``,
+   then a near miss) is the one uncertain choice that decides the answer (:mod:`verl_tokensel.demo.task`,
+   :mod:`verl_tokensel.demo.warmup`; about two minutes, cached by its settings under ``--cache-dir``), so
+   the model is partly right and its forking tokens are real;
 2. writes the verifiable arithmetic dataset in verl's RL parquet format (``<out>/data``);
 3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor,
    GRPO advantages, math-verify reward from ``verl_tokensel.demo.reward``) for ``--steps`` steps once per
@@ -13,8 +14,9 @@ The embedded-default main job. With no network and no GPU it:
    final policy as a HF folder under ``<out>/checkpoints``);
 4. scores each run's last-step rollouts under its final policy (:mod:`verl_tokensel.demo.rollouts`) and
    prints a table per preset: reward at the first and last step and whether the rise exceeds its
-   sampling noise, the share of response tokens under 0.01 nats and the 80th-percentile entropy, the
-   share of selected tokens on the decision vs the decision's share of all tokens; writes
+   sampling noise, the last step's share of answers on the ``think`` route, the share of response tokens
+   under 0.01 nats and the 80th-percentile entropy, the share of selected tokens on the decisions (route
+   word, value) vs the decisions' share of all tokens; writes
    ``<out>/demo.png`` (reward curves), ``<out>/view_<preset>.html`` (``verl-tokensel view`` page of the
    last step's rollouts, selected tokens marked) and ``<out>/results.json``.
 
@@ -38,7 +40,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
+HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~16 min)"
 DEFAULT_PRESETS = ("none", "forking", "gmts")
 REWARD_FN = "pkg://verl_tokensel.demo.reward"
 
@@ -48,8 +50,9 @@ ROLLOUT_N = 8
 PPO_MINI_BATCH_SIZE = 8
 MAX_PROMPT_LENGTH = 64
 MAX_RESPONSE_LENGTH = 48
-# Actor learning rate, tuned on the warmed tiny model: at 1e-3 its reward fell (0.29 -> 0.12 in 12 forking
-# steps), at 1e-4..3e-4 it rose; 3e-4 moves the decision within a dozen steps.
+# Actor learning rate: on the single-decision warm start of WARMUP_VERSION 1 the reward fell at 1e-3 (0.29 -> 0.12
+# in 12 forking steps) and rose at 1e-4..3e-4; on the two-route task, 3e-4 raises it by 0.11-0.15 in 12 steps
+# (benchmarks/results/bench_learning_cpu.md).
 ACTOR_LR = 3e-4
 DEFAULT_STEPS = 12
 
@@ -96,7 +99,7 @@ def add_arguments(parser) -> None:
                         help=f"actor learning rate of the GRPO runs (default {ACTOR_LR:g})")
     parser.add_argument("--timeout", type=_positive(float), default=900.0,
                         help="seconds allowed per run, start-up and shutdown included (default 900; a run "
-                             "takes ~2.5 min on an idle 2-core machine)")
+                             "takes ~5.5 min on an idle 2-core machine)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, warm-up, data split and trainer "
                                                             "(default 0)")
     parser.add_argument("--cache-dir", default=None,
@@ -150,6 +153,13 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"trainer.default_local_dir={out / 'checkpoints' / preset}",
         f"trainer.rollout_data_dir={out / 'rollouts' / preset}",
     ]
+
+
+def _think(warm: dict) -> str:
+    share, acc = warm.get("think_share"), warm.get("think_accuracy")
+    if share is None:
+        return "think route not measured"
+    return f"think route {share:.3f} of answers" + (f" (right {acc:.3f} of those)" if acc is not None else "")
 
 
 def final_model_dir(out: Path, preset: str, steps: int) -> Path:
@@ -235,7 +245,7 @@ def run(args) -> int:
               "with verl. Fix: rerun with --cache-dir pointing at a writable folder.", file=sys.stderr)
         return 1
     progress(f"warm model {model_dir}: accuracy {warm['accuracy']:.3f} at temperature 1 on the "
-             f"{warm['problems']} training problems")
+             f"{warm['problems']} training problems, {_think(warm)}")
     train, val = write_dataset(out / "data", n_val=cfg.n_val, seed=args.seed)
     progress(f"wrote {train} and {val}")
 
@@ -287,7 +297,7 @@ def run(args) -> int:
          "summary": report.to_json(rows), "warm_start": {"model": model_dir, **warm}, "rollouts": analyses,
          "steps": runs}, indent=1))
     print()
-    print(f"warm start: accuracy {warm['accuracy']:.3f} at temperature 1 ({model_dir})")
+    print(f"warm start: accuracy {warm['accuracy']:.3f} at temperature 1, {_think(warm)} ({model_dir})")
     print(table)
     print()
     print(report.TABLE_NOTE)

@@ -59,8 +59,8 @@ class PresetSummary:
     stock loss, every valid token gets gradient). Entropies are in nats; ``entropy_all`` is verl's
     ``actor/entropy`` (all response tokens, old-policy pass). ``tokens_per_s`` is verl's
     ``perf/throughput`` averaged over the steps after the first (the first one warms up).
-    ``entropy_below_0_01_share``, ``entropy_p80``, ``decision_token_share`` and
-    ``selected_on_decision_share`` come from the last step's rollouts (:mod:`.rollouts`).
+    ``entropy_below_0_01_share``, ``entropy_p80``, ``decision_token_share``, ``selected_on_decision_share``
+    and ``think_share`` come from the last step's rollouts (:mod:`.rollouts`).
     ``reward_gain`` is the mean reward of the last ``k`` steps minus that of the first ``k``
     (``k = min(3, steps // 2)``: one step's reward carries ~0.04 of sampling noise); ``learned`` is True
     when it exceeds :func:`noise_margin`.
@@ -81,6 +81,7 @@ class PresetSummary:
     entropy_p80: Optional[float] = None
     decision_token_share: Optional[float] = None
     selected_on_decision_share: Optional[float] = None
+    think_share: Optional[float] = None
     reward_gain: Optional[float] = None
     noise_margin: Optional[float] = None
     learned: Optional[bool] = None
@@ -133,6 +134,7 @@ def summarise(preset: str, steps: Sequence[StepMetrics], wall_s: Optional[float]
         entropy_p80=roll.get("entropy_p80"),
         decision_token_share=roll.get("decision_token_share"),
         selected_on_decision_share=roll.get("selected_on_decision_share"),
+        think_share=roll.get("think_share"),
         reward_gain=gain,
         noise_margin=margin,
         learned=learned,
@@ -152,6 +154,7 @@ COLUMNS = (  # (header, attribute or function, format)
     ("reward last", "reward_last", "{:.3f}"),
     ("gain", "reward_gain", "{:+.3f}"),
     ("learned", _learned_cell, "{}"),
+    ("think", "think_share", "{:.3f}"),
     ("selected", "selected_fraction", "{:.3f}"),
     ("H<0.01", "entropy_below_0_01_share", "{:.3f}"),
     ("H p80", "entropy_p80", "{:.4f}"),
@@ -167,11 +170,12 @@ TABLE_NOTE = (
     "reward: verl's critic/score/mean (share of correct answers) at the first and last step; gain: mean of the\n"
     "  last 3 steps minus mean of the first 3; learned: yes when the gain exceeds 2 standard errors of the\n"
     "  answers' binomial sampling noise (no: the rise, if any, is within noise);\n"
+    "think: share of the last step's answers that take the think route (the forking decision);\n"
     "selected: fraction of response tokens that got gradient (none = stock verl, all tokens);\n"
     "H<0.01 / H p80: share of the last step's response tokens with entropy < 0.01 nats / 80th-percentile\n"
     "  entropy (nats), under the final policy (the 80/20 paper's two statistics);\n"
-    "sel on dec / dec share: share of the preset's selected tokens on the task's decision (the decided value)\n"
-    "  vs the decision's share of all response tokens (last step's rollouts, on-policy selection);\n"
+    "sel on dec / dec share: share of the preset's selected tokens on the task's decisions (the route word and\n"
+    "  the written value) vs their share of all response tokens (last step's rollouts, on-policy selection);\n"
     "H sel / H unsel: mean entropy (nats) of selected / unselected tokens in the updates (verl metrics);\n"
     "tokens/s: verl's perf/throughput, mean over steps after the first; wall s: whole run incl. start-up."
 )

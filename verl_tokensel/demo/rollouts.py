@@ -6,8 +6,9 @@ final policy when its checkpoint is there, else the warm start; the result says 
 
 * ``entropy_below_0_01_share`` and ``entropy_p80``: the 80/20 paper's two statistics over all
   response tokens (share with H < 0.01 nats; 80th percentile of H, nats);
-* ``decision_token_share``: share of response tokens on the task's decision (:mod:`.task`: the
-  decided value's tokens);
+* ``decision_token_share``: share of response tokens on the task's decisions (:mod:`.task`: the
+  route word's and the written value's tokens);
+* ``think_share``: share of the responses that take the ``think`` route (the forking decision RL acts on);
 * ``selected_on_decision_share``: share of the preset's selected tokens that sit on a decision
   (the same selector the loss uses, on-policy: r = 1; all responses form one pool, as
   ``verl-tokensel view`` does; ``none`` selects every token, so it equals ``decision_token_share``);
@@ -56,7 +57,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     from verl_tokensel.analysis.page import build_page, token_texts
     from verl_tokensel.analysis.selection import advantages_or_unit, scored_batch, select_preset
     from verl_tokensel.core.config import PRESETS
-    from verl_tokensel.demo.task import decision_token_mask
+    from verl_tokensel.demo.task import decision_token_mask, route_of
 
     sel = PRESETS[preset]
     records = io.load_records(data)
@@ -73,10 +74,12 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
                          seed=sel.seed if sel is not None else 0)
     valid, ent = batch.valid, batch.inputs.entropy
     decision = torch.zeros_like(valid)
+    think = 0
     for i, (s, (p_ids, r_ids)) in enumerate(zip(scored, pairs)):
         n = len(s.token_ids)
         texts = token_texts(tokenizer, p_ids, r_ids)
         decision[i, :n] = torch.tensor(decision_token_mask(texts, "".join(texts)), dtype=torch.bool)
+        think += route_of("".join(texts)) == "think"
     mask = valid.clone() if sel is None else select_preset(batch, sel).mask
 
     h = ent[valid]
@@ -102,6 +105,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
         "selected_on_decision_share": share(int((mask & decision).sum()), n_sel),
         "decision_selected_share": share(int((mask & decision).sum()), n_dec),
         "on_template_share": share(sum(1 for i in range(b) if decision[i].any()), b),
+        "think_share": share(think, b),
         "html": str(html_path),
         "data": str(data),
         "model": str(model_dir),

@@ -1,20 +1,29 @@
-"""The demo's reasoning trace: a fixed template around one decision, and where that decision sits.
+"""The demo's reasoning trace: a fixed template around two decisions, and where those decisions sit.
 
-Every answer to ``What is a op b?`` follows one template (:data:`TEMPLATE`)::
+Every answer to ``What is a op b?`` follows one template (:data:`TEMPLATE`) and takes one of two routes::
 
     Compute 3 + 4. Let's think step by step. 3 + 4 = 7. So the answer is \\boxed{7}.
+    Compute 3 + 4. Let's guess. 3 + 4 = 9. So the answer is \\boxed{9}.
 
-Everything but the first ``7`` is determined by the prompt or by that ``7``: the fixed wording, the
-restated operands, and the final answer copied from the decided value. The ``7`` after ``=`` is the
-decision: the only place where the trace can go one way or another, and the one that decides the
-reward. The supervised warm-up (:mod:`.warmup`) draws that value from a noisy label distribution
-(:func:`noisy_value`: the correct value with probability ``q``, else a near miss), so the warmed
-model is near-deterministic on the template and spread at the decision: the structure the 80/20
-paper measures in real chains of thought (most tokens < 0.01 nats, a few forking tokens).
+Everything but two places is determined by the prompt or by what came before: the fixed wording, the
+restated operands, and the final answer copied from the written value. The two decisions:
 
-:func:`decision_span` finds the decided value's characters in any response that follows the
-template, and :func:`decision_token_mask` maps them onto response tokens, so the demo can say which
-share of the selected tokens sits on decisions.
+- the **route** (``think`` or ``guess`` after ``Let's``): a forking token in the 80/20 paper's sense, a
+  high-entropy token that decides where the trace goes. It has the same context in every problem, so what
+  RL learns there carries over to every problem at once;
+- the **value** after ``=``: after ``think`` it is the computed result (near-deterministic once the
+  problems are learned), after ``guess`` a near miss (spread over a few values, and wrong).
+
+The supervised warm-up (:mod:`.warmup`) draws the route from :func:`warmup_route` (``think`` with
+probability ``q``) and writes the correct value after ``think`` and a near miss after ``guess``
+(:func:`warmup_value`), so the warmed model is near-deterministic on the template, spread at the route, and
+partly right (about ``q`` times the share of problems it has learned): the structure the 80/20 paper
+measures in real chains of thought (most tokens < 0.01 nats, a few forking tokens), with a reward that
+depends on the forking token.
+
+:func:`decision_spans` finds the route word's and the value's characters in any response that follows the
+template, and :func:`decision_token_mask` maps them onto response tokens, so the demo can say which share of
+the selected tokens sits on decisions.
 """
 
 from __future__ import annotations
@@ -23,47 +32,68 @@ import random
 import re
 from typing import Optional, Sequence
 
-TEMPLATE = "Compute {q}. Let's think step by step. {q} = {value}. So the answer is \\boxed{{{value}}}."
+TEMPLATE = "Compute {q}. {route} {q} = {value}. So the answer is \\boxed{{{value}}}."
 
-# the decided value: the number right after "step by step. <question> = "
-_DECISION = re.compile(r"step by step\. [^=]*= (-?\d+)")
+#: the two routes: the word after "Let's" decides the trace
+ROUTES = {"think": "Let's think step by step.", "guess": "Let's guess."}
 
-#: near misses the warm-up draws when it does not write the correct value (offsets from it)
+# the route word, right after "Compute <question>. Let's "
+_ROUTE = re.compile(r"Compute [^.]*\. Let's (think|guess)\b")
+# the written value: the number right after "<route>. <question> = "
+_VALUE = re.compile(r"Let's (?:think step by step|guess)\. [^=]*= (-?\d+)")
+
+#: near misses the guess route writes (offsets from the correct value)
 NEAR_MISS_OFFSETS = (-2, -1, 1, 2)
 
 
-def trace(question: str, value: int | str) -> str:
-    """The templated response to ``question`` with decided ``value`` (right or wrong)."""
-    return TEMPLATE.format(q=question, value=value)
+def trace(question: str, value: int | str, route: str = "think") -> str:
+    """The templated response to ``question`` along ``route`` with written ``value`` (right or wrong)."""
+    if route not in ROUTES:
+        raise ValueError(f"route={route!r}: must be one of {', '.join(ROUTES)}")
+    return TEMPLATE.format(q=question, route=ROUTES[route], value=value)
 
 
-def noisy_value(answer: int, q: float, rng: random.Random) -> int:
-    """``answer`` with probability ``q``, else a near miss ``answer + d`` (``d`` in
-    :data:`NEAR_MISS_OFFSETS`, kept non-negative: the problems' answers are 0..81)."""
-    if rng.random() < q:
+def warmup_route(q: float, rng: random.Random) -> str:
+    """``think`` with probability ``q``, else ``guess``."""
+    return "think" if rng.random() < q else "guess"
+
+
+def warmup_value(answer: int, route: str, rng: random.Random) -> int:
+    """The value a warm-up trace writes: ``answer`` after ``think``; after ``guess`` a near miss
+    ``answer + d`` (``d`` in :data:`NEAR_MISS_OFFSETS`, kept non-negative: the problems' answers are 0..81)."""
+    if route == "think":
         return answer
-    misses = [answer + d for d in NEAR_MISS_OFFSETS if answer + d >= 0]
-    return rng.choice(misses)
+    return rng.choice([answer + d for d in NEAR_MISS_OFFSETS if answer + d >= 0])
 
 
-def decision_span(response: str) -> Optional[tuple[int, int]]:
-    """Character span ``(start, end)`` of the decided value in ``response``, or None when the response
-    does not follow the template there."""
-    m = _DECISION.search(response)
-    return (m.start(1), m.end(1)) if m else None
+def decision_spans(response: str) -> list[tuple[int, int]]:
+    """Character spans ``(start, end)`` of the route word and of the written value in ``response`` (each only
+    where the response follows the template there; ``[]`` when it does not at all)."""
+    spans = []
+    for pattern in (_ROUTE, _VALUE):
+        m = pattern.search(response)
+        if m:
+            spans.append((m.start(1), m.end(1)))
+    return spans
+
+
+def route_of(response: str) -> Optional[str]:
+    """``think``, ``guess`` or None (off the template)."""
+    m = _ROUTE.search(response)
+    return m.group(1) if m else None
 
 
 def decision_token_mask(token_texts: Sequence[str], response: str) -> list[bool]:
-    """Per response token: does it overlap the decided value's characters?
+    """Per response token: does it overlap a decision's characters (the route word or the value)?
 
     ``token_texts`` are the tokens' texts, which concatenate to ``response`` (as
     :func:`verl_tokensel.analysis.page.token_texts` returns them). A response off the template has no
     decision tokens (all False).
     """
-    span = decision_span(response)
+    spans = decision_spans(response)
     out, pos = [], 0
     for text in token_texts:
         start, end = pos, pos + len(text)
         pos = end
-        out.append(span is not None and start < span[1] and end > span[0])
+        out.append(any(start < e and end > s for s, e in spans))
     return out

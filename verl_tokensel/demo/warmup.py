@@ -2,10 +2,11 @@
 
 The tiny Qwen2 and tokenizer come from :func:`verl_tokensel.cpu.tiny_model.build_tiny_model_dir`
 (random init, local BPE). Plain next-token loss on the response tokens of templated traces
-(:mod:`.task`) for the training problems, each trace's decided value drawn afresh per step from the
-noisy label distribution (:func:`.task.noisy_value`, correct with probability ``q``). After it the
-model copies the template almost surely (entropy << 0.01 nats) and is spread at the decision, where
-it is partly right: RL has something to sharpen, and the forking tokens are real.
+(:mod:`.task`) for the training problems, each trace's route drawn afresh per step (``think`` with
+probability ``q``, :func:`.task.warmup_route`) and its value written accordingly (correct after ``think``,
+a near miss after ``guess``, :func:`.task.warmup_value`). After it the model copies the template almost
+surely (entropy << 0.01 nats) and is spread at the route, where it is partly right: RL has something to
+sharpen, and the forking tokens are real.
 
 Simplifications: no validation split during training, a fixed step count, one constant-then-cosine
 learning-rate schedule; accuracy is measured once at the end by sampling (temperature 1) one answer
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 #: bump when the warm-up's code changes what it produces (invalidates caches)
-WARMUP_VERSION = 1
+WARMUP_VERSION = 2
 _INFO = "warmup.json"
 
 
@@ -43,8 +44,8 @@ _INFO = "warmup.json"
 class WarmupConfig:
     """Settings of the supervised warm-up (all of them key the cache)."""
 
-    #: probability that a warm-up trace writes the correct value at the decision (else a near miss);
-    #: the warmed model's accuracy at temperature 1 is about this when the problems are learned
+    #: probability that a warm-up trace takes the ``think`` route (correct value; else ``guess``, a near miss);
+    #: the warmed model's accuracy at temperature 1 is about this times the share of problems it learned
     q: float = 0.5
     #: optimizer steps
     steps: int = 1000
@@ -80,28 +81,29 @@ def train_problems(cfg: WarmupConfig) -> list[tuple[str, str]]:
     return split_problems(n_val=cfg.n_val, seed=cfg.seed)[0]
 
 
-def _encode(tokenizer, question: str, value) -> tuple[list[int], list[int]]:
+def _encode(tokenizer, question: str, value, route: str) -> tuple[list[int], list[int]]:
     from verl_tokensel.demo.dataset import prompt_text
     from verl_tokensel.demo.task import trace
 
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt_text(question)}],
                                            add_generation_prompt=True, tokenize=False)
     p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    r = tokenizer(trace(question, value), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    r = tokenizer(trace(question, value, route), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return p, r
 
 
 def _batch(tokenizer, problems, cfg: WarmupConfig, rng: random.Random, cache: dict):
     import torch
 
-    from verl_tokensel.demo.task import noisy_value
+    from verl_tokensel.demo.task import warmup_route, warmup_value
 
     rows = []
     for question, answer in (rng.choice(problems) for _ in range(cfg.batch_size)):
-        value = noisy_value(int(answer), cfg.q, rng)
-        if (question, value) not in cache:
-            cache[(question, value)] = _encode(tokenizer, question, value)
-        rows.append(cache[(question, value)])
+        route = warmup_route(cfg.q, rng)
+        value = warmup_value(int(answer), route, rng)
+        if (question, value, route) not in cache:
+            cache[(question, value, route)] = _encode(tokenizer, question, value, route)
+        rows.append(cache[(question, value, route)])
     width = max(len(p) + len(r) for p, r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)
@@ -115,7 +117,7 @@ def _batch(tokenizer, problems, cfg: WarmupConfig, rng: random.Random, cache: di
 
 
 def sft(model, tokenizer, cfg: WarmupConfig, progress: Optional[Callable[[str], None]] = None) -> list[float]:
-    """Train ``model`` in place with next-token loss on noisy-label traces; returns the loss per step."""
+    """Train ``model`` in place with next-token loss on two-route traces; returns the loss per step."""
     import math
 
     import torch
@@ -157,16 +159,18 @@ def _sft_step(model, opt, tokenizer, problems, cfg, rng, cache, lr, losses) -> N
     losses.append(loss.item())
 
 
-def sample_accuracy(model, tokenizer, problems, *, seed: int = 0, max_new_tokens: int = 48,
-                    batch_size: int = 32) -> float:
-    """Share of ``problems`` answered right by one sample each at temperature 1 (the demo's reward)."""
+def sample_stats(model, tokenizer, problems, *, seed: int = 0, max_new_tokens: int = 48,
+                 batch_size: int = 32) -> dict:
+    """One sample per problem at temperature 1: ``accuracy`` (the demo's reward), ``think_share`` (share of
+    answers on the ``think`` route) and ``think_accuracy`` (accuracy of those; None when there is none)."""
     import torch
 
     from verl_tokensel.demo.dataset import DATA_SOURCE, prompt_text
     from verl_tokensel.demo.reward import compute_score
+    from verl_tokensel.demo.task import route_of
 
     tokenizer.padding_side = "left"
-    right = 0
+    right = think = think_right = 0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for lo in range(0, len(problems), batch_size):
@@ -178,9 +182,20 @@ def sample_accuracy(model, tokenizer, problems, *, seed: int = 0, max_new_tokens
                                  max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
                                  pad_token_id=tokenizer.pad_token_id)
             texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-            right += sum(compute_score(DATA_SOURCE, t, a) for t, (_, a) in zip(texts, part))
+            for t, (_, a) in zip(texts, part):
+                ok = compute_score(DATA_SOURCE, t, a)
+                right += ok
+                if route_of(t) == "think":
+                    think += 1
+                    think_right += ok
     tokenizer.padding_side = "right"
-    return right / len(problems)
+    n = len(problems)
+    return {"accuracy": right / n, "think_share": think / n, "think_accuracy": think_right / think if think else None}
+
+
+def sample_accuracy(model, tokenizer, problems, **kwargs) -> float:
+    """Share of ``problems`` answered right by one sample each at temperature 1 (the demo's reward)."""
+    return sample_stats(model, tokenizer, problems, **kwargs)["accuracy"]
 
 
 def _is_complete(path: Path) -> bool:
@@ -215,11 +230,11 @@ def warm_model_dir(cfg: WarmupConfig = WarmupConfig(), cache_dir: str | os.PathL
         model = AutoModelForCausalLM.from_pretrained(str(tmp / "init"), torch_dtype=torch.float32)
         losses = sft(model, tokenizer, cfg, progress)
         sft_s = time.monotonic() - t0
-        accuracy = sample_accuracy(model, tokenizer, train_problems(cfg), seed=cfg.seed)
+        stats = sample_stats(model, tokenizer, train_problems(cfg), seed=cfg.seed)
         out = tmp / "model"
         model.save_pretrained(str(out), safe_serialization=True)
         tokenizer.save_pretrained(str(out))
-        info = {"config": dataclasses.asdict(cfg), "version": WARMUP_VERSION, "accuracy": accuracy,
+        info = {"config": dataclasses.asdict(cfg), "version": WARMUP_VERSION, **stats,
                 "final_loss": sum(losses[-50:]) / min(50, len(losses)), "sft_seconds": round(sft_s, 1),
                 "problems": len(train_problems(cfg))}
         (out / _INFO).write_text(json.dumps(info, indent=1))
