@@ -257,15 +257,12 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     gated_log_prob = torch.where(mask, log_prob, log_prob.detach())
     inputs = {k: padded.get(k, None) for k in ("old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")}
     if dropped:  # finite stand-ins where dropped (masked out below; verl's masked sums would turn NaN x 0 into NaN)
-        gated_log_prob = torch.where(finite, gated_log_prob, torch.zeros_like(gated_log_prob))
-        stand_in = {"old_log_probs": gated_log_prob.detach(), "advantages": 0.0, "rollout_is_weights": 1.0,
-                    "ref_log_prob": gated_log_prob.detach()}
-        for k, v in inputs.items():
-            if v is not None:
-                inputs[k] = torch.where(finite, v, stand_in[k] if torch.is_tensor(stand_in[k]) else
-                                        torch.full_like(v, stand_in[k]))
+        gated_log_prob = torch.where(finite, gated_log_prob, 0.0)
+        fill = {"old_log_probs": gated_log_prob.detach(), "advantages": 0.0, "rollout_is_weights": 1.0,
+                "ref_log_prob": gated_log_prob.detach()}
+        inputs = {k: None if v is None else torch.where(finite, v, fill[k]) for k, v in inputs.items()}
         if entropy is not None:
-            entropy = torch.where(finite, entropy, torch.zeros_like(entropy))
+            entropy = torch.where(finite, entropy, 0.0)
 
     def policy_loss(info):
         policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
@@ -296,7 +293,7 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     loss, metrics = verl_ppo_loss_body(
         config, data, policy_loss, response_mask=pool, entropy=ent_term,
         kl_log_prob=gated_log_prob if sel.mask_kl_loss else (
-            torch.where(finite, log_prob, gated_log_prob) if dropped else log_prob),
+            torch.where(finite, log_prob, 0.0) if dropped else log_prob),
         ref_log_prob=inputs["ref_log_prob"] if config.use_kl_loss else None,
     )
 

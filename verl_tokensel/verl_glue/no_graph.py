@@ -96,7 +96,7 @@ def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None, *,
             h = row_lse - dot / sums
             bad = torch.isnan(h)
             if bad.any():  # -inf logits (a masked vocabulary): e_j x_j is 0 x -inf there; count it as 0
-                h[bad] = _entropy_masked_rows(x[bad], e[bad], sums[bad])
+                h[bad] = _entropy_masked_rows(x[bad], e[bad], sums[bad], m.view(-1)[bad])
             out[i:i + rows] = h
             if lse is not None:
                 lse[i:i + rows] = row_lse
@@ -106,13 +106,11 @@ def entropy_no_graph(logits: torch.Tensor, chunk_size: Optional[int] = None, *,
     return out if chunk_size is not None else out.to(logits.dtype)
 
 
-def _entropy_masked_rows(x: torch.Tensor, e: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+def _entropy_masked_rows(x: torch.Tensor, e: torch.Tensor, sums: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """The entropy of rows whose logits hold ``-inf`` (masked vocabulary entries, probability 0): verl's formula
     gives NaN there (``softmax(x) x`` is ``0 x -inf``); the limit ``p log p -> 0`` drops those entries. Rows that
     are NaN for another reason (a NaN logit, every logit ``-inf``) stay NaN."""
-    finite_x = torch.where(e > 0, x, torch.zeros_like(x))
-    m = x.amax(dim=-1)
-    dot = (e * finite_x).sum(-1)
+    dot = (e * torch.where(e > 0, x, 0.0)).sum(-1)  # m: the rows' max, as the caller measured it
     return torch.log(sums) + m - dot / sums
 
 
