@@ -13,3 +13,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def built_wheel(tmp_path_factory):
+    """(wheel, sdist) built once per test session (``python -m build``, :mod:`helpers.wheel`)."""
+    from helpers.wheel import build_wheel
+
+    return build_wheel(tmp_path_factory.mktemp("dist"))

@@ -1,26 +1,32 @@
-"""verl's WHOLE ``main_ppo`` pipeline on CPU with a selector: driver -> Ray -> TaskRunner -> vLLM-CPU rollout ->
-reward -> old log-probs -> FSDP2 update -> weight sync, two GRPO steps on a tiny random Qwen2 (~2 min per run
-on 2 cores, ~6 GB RAM). Nothing is faked: the one switch ``trainer.device=cpu`` and the outer-timeout
-launcher (``verl_tokensel.launch``) are what a user would run.
+"""verl's WHOLE ``main_ppo`` pipeline on CPU with a selector, the V1 driver: driver -> Ray -> TaskRunner ->
+vLLM-CPU rollout -> reward -> old log-probs -> FSDP2 update -> weight sync, GRPO steps on a tiny random Qwen2
+(~2 min per run on 2 cores, ~6 GB RAM). Nothing is faked: the one switch ``trainer.device=cpu`` and the
+outer-timeout launcher (``verl_tokensel.launch``) are what a user would run. (The v0 driver runs as a Ray job
+on a two-node cluster in ``test_multi_node_on_cpu.py``.)
 
-- V1 driver (``trainer.use_v1=true``, verl's default), ``python -m verl_tokensel.main_ppo`` started locally,
-  ``forking`` (scores inside the loss, per micro-batch).
-- v0 driver (``trainer.use_v1=false``) submitted with ``ray job submit`` to a local Ray head that the test
-  starts (logical ``--num-gpus=1``) and stops (only its own processes), ``gmts`` (pre-pass scores at each
-  mini-batch start, top 20% of each prompt group: the swapped actor worker class and its collectives).
-
-Each run must: finish both steps (exit 0, within the timeout); log our ``actor/tokensel/*`` metrics with the
-preset's budget (selected fraction ceil(0.2 N)/N per pool: >= 0.2 and < 0.25 here); keep the rollout
-(vLLM) and actor log-probs equal after an update (``training/rollout_probs_diff_max`` tiny at step 2: the
-weight sync into vLLM-CPU works); and change the parameters (the HF checkpoint saved at step 2 differs
-from the initial weights).
+- ``test_v1_driver_forking_on_cpu``: ``python -m verl_tokensel.main_ppo`` started locally, ``forking`` (scores
+  inside the loss, per micro-batch), two steps, a full checkpoint at each. It must finish both steps (exit 0,
+  within the timeout); log our ``actor/tokensel/*`` metrics with the preset's budget (selected fraction
+  ceil(0.2 N)/N per pool: >= 0.2 and < 0.25 here); keep the rollout (vLLM) and actor log-probs equal after an
+  update (``training/rollout_probs_diff_max`` tiny at step 2: the weight sync into vLLM-CPU works); and change
+  the parameters (the HF checkpoint saved at step 2 differs from the initial weights).
+- ``test_v1_forking_resumes_from_its_checkpoint``: stopped after step 1 in effect, i.e. a second run resumes
+  from that run's step-1 checkpoint (``trainer.resume_mode=resume_path``, through our ``tokensel_sync`` trainer
+  mode): it logs step 2 only, with the same selection and budget.
+- ``test_random_draws_after_resume_equal_an_uninterrupted_run``: ``random`` with a fixed seed, rollouts made
+  deterministic (``top_k=1``: greedy, one response per prompt, REINFORCE++ advantages): an uninterrupted
+  two-step run and a run resumed from its step-1 checkpoint generate the same step-2 responses, and then
+  draw the same tokens: the step-2 selection metrics (the smallest and largest selected draw, the entropy of
+  the selected tokens, the counts, the policy loss) are equal. (The greedy random tiny model writes the
+  same digits for every prompt, so its rewards tie and the update is zero; the draws differ per prompt,
+  since they are keyed on the tokens.)
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import math
+import json
 from pathlib import Path
 
 import pytest
@@ -34,15 +40,22 @@ for _mod, _why in [
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(_why, allow_module_level=True)
 
-from verl_tokensel.launch import run_main_ppo, start_ray_head  # noqa: E402
-from helpers.pipeline import prepare_tiny_run  # noqa: E402
+from verl_tokensel.launch import run_main_ppo  # noqa: E402
+from helpers.pipeline import (  # noqa: E402
+    FULL_CHECKPOINT,
+    check_selecting_run,
+    loss_announcements,
+    prepare_tiny_run,
+)
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 
 #: outer limit per run; a healthy run takes ~2 min alone on 2 cores (more when the machine is shared)
 RUN_TIMEOUT_S = 600
 STEPS = 2
-RATIO = 0.2  # the forking preset's
-CHECKPOINT = ["trainer.save_freq=2", "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]"]
+#: greedy rollouts (vLLM-CPU fails with rollout.full_determinism's per-request seeds), one response per
+#: prompt (identical responses of a group would zero GRPO's advantages), REINFORCE++ advantages
+DETERMINISTIC = ["actor_rollout_ref.rollout.top_k=1", "algorithm.adv_estimator=reinforce_plus_plus",
+                 "actor_rollout_ref.actor.calculate_entropy=True"]
 
 
 @pytest.fixture(scope="module")
@@ -50,53 +63,77 @@ def model_dir(tmp_path_factory) -> Path:
     return Path(build_tiny_model_dir(tmp_path_factory.mktemp("e2e_model") / "tiny"))
 
 
-def _check_run(result, model_dir: Path, work: Path, prefix: str = "actor/tokensel/") -> None:
-    """``prefix``: where the realised selection is logged: the loss's per-micro-batch metrics for in-loss
-    presets, ``actor/tokensel/prepass/`` (exact over the mini-batch) for pre-pass presets."""
-    result.raise_for_status()
-    assert "has no attribute 'weight_loader'" not in result.log_path.read_text(errors="replace")
-    assert [s["step"] for s in result.steps] == list(range(1, STEPS + 1)), result.describe()
-    for s in result.steps:
-        frac, sel, valid = (s[prefix + "selected_fraction"], s[prefix + "selected_tokens"], s[prefix + "valid_tokens"])
-        assert RATIO <= frac < RATIO + 0.05, s
-        assert sel >= math.ceil(RATIO * valid) - 1e-6, s  # ceil per pool: never below the budget
-        assert s["actor/tokensel/nan_scores"] == 0
-        assert "critic/score/mean" in s and "actor/pg_loss" in s
-        # vLLM's and the actor's log-probs of the same tokens: equal when the synced weights are the actor's
-        assert s["training/rollout_probs_diff_max"] < 1e-4, s
-        print(f"{result.log_path.name} step {s['step']}: {prefix}selected_fraction={frac:.4f} ({sel:.0f}/{valid:.0f}) "
-              f"rollout_probs_diff_max={s['training/rollout_probs_diff_max']:.2e} "
-              f"critic/score/mean={s['critic/score/mean']:.4f} actor/pg_loss={s['actor/pg_loss']:.4f}")
-    _check_params_changed(model_dir, work / "checkpoints" / f"global_step_{STEPS}" / "actor" / "huggingface")
+def _with(overrides: list[str], extra: list[str]) -> list[str]:
+    """``overrides`` with the keys of ``extra`` replaced by ``extra``'s values."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + extra
 
 
-def _check_params_changed(model_dir: Path, hf_dir: Path) -> None:
-    from safetensors.torch import load_file
-
-    before = load_file(str(model_dir / "model.safetensors"))
-    after = load_file(str(hf_dir / "model.safetensors"))
-    assert set(after) == set(before)
-    diffs = {k: (after[k].float() - before[k].float()).abs().max().item() for k in before}
-    assert all(math.isfinite(d) for d in diffs.values())
-    assert max(diffs.values()) > 1e-5, diffs
-    assert diffs["lm_head.weight"] > 0, "the LM head did not move"
-    print(f"parameters changed: max |delta| {max(diffs.values()):.2e}, lm_head {diffs['lm_head.weight']:.2e}")
+def _resume(overrides: list[str], checkpoint: Path, work: Path) -> list[str]:
+    """The overrides of a run resumed from ``checkpoint``, writing into ``work``."""
+    return _with(overrides, [f"trainer.default_local_dir={work / 'checkpoints'}", f"hydra.run.dir={work / 'hydra'}",
+                             "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"])
 
 
-def test_v1_driver_forking_on_cpu(model_dir, tmp_path):
-    overrides = prepare_tiny_run(tmp_path, model_dir=model_dir, token_selector="forking", use_v1=True, steps=STEPS)
-    result = run_main_ppo(overrides + CHECKPOINT, timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "main_ppo.log")
-    _check_run(result, model_dir, tmp_path)
+@pytest.fixture(scope="module")
+def forking_run(model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("e2e_forking")
+    overrides = _with(prepare_tiny_run(work, model_dir=model_dir, token_selector="forking", use_v1=True, steps=STEPS),
+                      FULL_CHECKPOINT)
+    return run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=work / "main_ppo.log"), overrides, work
 
 
-def test_v0_driver_gmts_prepass_as_ray_job_on_cpu(model_dir, tmp_path):
-    # gmts: scores from the pre-pass at each mini-batch start, top 20% of each prompt group
-    overrides = prepare_tiny_run(tmp_path, model_dir=model_dir, token_selector="gmts", use_v1=False, steps=STEPS)
-    with start_ray_head(num_cpus=16, num_gpus=1) as head:
-        result = run_main_ppo(overrides + CHECKPOINT, timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "ray_job.log",
-                              ray_job_address=head.address, env=head.client_env)
-    log = result.log_path.read_text(errors="replace")
-    assert "succeeded" in log, result.describe()
-    # the job's driver joined the head instead of starting a private Ray
-    assert "Connecting to existing Ray cluster" in log or "set in the environment variable RAY_ADDRESS" in log
-    _check_run(result, model_dir, tmp_path, prefix="actor/tokensel/prepass/")
+def test_v1_driver_forking_on_cpu(forking_run, model_dir):
+    result, _, work = forking_run
+    check_selecting_run(result, model_dir, work / "checkpoints", steps=[1, 2])
+    said = loss_announcements(result.log_path.read_text(errors="replace"))
+    assert said and {a["selector"] for a in said} == {"forking"}, said
+
+
+def test_v1_forking_resumes_from_its_checkpoint(forking_run, model_dir, tmp_path):
+    first, overrides, work = forking_run
+    first.raise_for_status()
+    step1 = work / "checkpoints" / "global_step_1"
+    assert (step1 / "actor").is_dir() and (step1 / "data.pt").is_file(), sorted(p.name for p in step1.iterdir())
+    result = run_main_ppo(_resume(overrides, step1, tmp_path), timeout_s=RUN_TIMEOUT_S,
+                          log_path=tmp_path / "resume.log")
+    check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[2])
+    assert {a["selector"] for a in loss_announcements(result.log_path.read_text(errors="replace"))} == {"forking"}
+
+
+#: step-2 metrics that depend on WHICH tokens were drawn (the thresholds are the smallest and largest selected
+#: draw; the entropy is that of the drawn tokens) and on the responses: equal across a resume
+DRAW_METRICS = ("actor/tokensel/threshold_min_selected_score", "actor/tokensel/threshold_max_selected_score",
+                "actor/tokensel/entropy_selected", "actor/tokensel/selected_tokens", "actor/tokensel/valid_tokens",
+                "actor/pg_loss", "critic/score/mean", "response_length/mean")
+
+
+def _rollouts(path: Path) -> list[tuple]:
+    """(prompt, response, score) of each dumped rollout (the dump's ``uid`` is a fresh UUID per run)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    assert rows, path
+    return [(r["input"], r["output"], r["score"]) for r in rows]
+
+
+def test_random_draws_after_resume_equal_an_uninterrupted_run(model_dir, tmp_path):
+    work = tmp_path / "uninterrupted"
+    overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector="random", use_v1=True, steps=STEPS,
+                                 train_batch_size=8, rollout_n=1)
+    overrides = _with(overrides, FULL_CHECKPOINT + DETERMINISTIC + [f"trainer.rollout_data_dir={work / 'rollouts'}"])
+    whole = run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "uninterrupted.log")
+    whole.raise_for_status()
+    assert [s["step"] for s in whole.steps] == [1, 2], whole.describe()
+    resumed_work = tmp_path / "resumed"
+    resumed = run_main_ppo(_with(_resume(overrides, work / "checkpoints" / "global_step_1", resumed_work),
+                                 [f"trainer.rollout_data_dir={resumed_work / 'rollouts'}"]),
+                           timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "resumed.log")
+    resumed.raise_for_status()
+    assert [s["step"] for s in resumed.steps] == [2], resumed.describe()
+    # the same step-2 batch: prompts from the restored dataloader, responses from the restored weights
+    assert _rollouts(work / "rollouts" / "2.jsonl") == _rollouts(resumed_work / "rollouts" / "2.jsonl")
+    a, b = whole.steps[1], resumed.steps[0]
+    for key in DRAW_METRICS:
+        assert key in a and key in b, (key, sorted(a))
+        assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-7), (key, a[key], b[key])
+        print(f"step 2 {key}: uninterrupted {a[key]:.6g}, resumed {b[key]:.6g}")
+    assert 0.2 <= a["actor/tokensel/selected_fraction"] < 0.25, a

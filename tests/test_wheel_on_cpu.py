@@ -16,21 +16,15 @@ environment, and used from a directory outside the checkout.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
-import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 
-import verl_tokensel
-
-ROOT = Path(__file__).resolve().parents[1]
-WHEEL_NAME = f"verl_tokensel-{verl_tokensel.__version__}-py3-none-any.whl"
+from helpers.wheel import ROOT, WHEEL_NAME, make_venv
 RUNTIME_SUFFIXES = {".py", ".yaml"}  # what the package reads at run time
 
 
@@ -46,41 +40,14 @@ def _package_files() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
-    res = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    wheel = out / WHEEL_NAME
-    sdists = list(out.glob("verl_tokensel-*.tar.gz"))
-    assert wheel.is_file() and len(sdists) == 1, sorted(p.name for p in out.iterdir())
-    return wheel, sdists[0]
+def built(built_wheel):
+    return built_wheel
 
 
 @pytest.fixture(scope="module")
 def wheel_env(built, tmp_path_factory):
     """A venv with the wheel installed non-editable; returns (python, env vars, a cwd outside the checkout)."""
-    wheel, _ = built
-    base = tmp_path_factory.mktemp("wheel_venv")
-    venv = base / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())
-    # the pinned dependencies of this run, as a plain path entry after the venv's own site-packages
-    (site / "_tokensel_shared_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    res = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", str(wheel)],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    # the `ray` command of the shared dependencies, run by this venv's python (console scripts are not shared)
-    ray_cli = venv / "bin" / "ray"
-    ray_cli.write_text(f"#!{py}\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n")
-    ray_cli.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
-    cwd = base / "work"
-    cwd.mkdir()
-    return py, env, cwd, site
+    return make_venv(tmp_path_factory.mktemp("wheel_venv"), wheel=built[0])
 
 
 def _run(wheel_env, argv, timeout=300, extra_env=None):

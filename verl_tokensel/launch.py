@@ -47,6 +47,10 @@ API::
   ``runtime_env`` pip); the timeout then covers submission, the whole job and log tailing. Use with
   :func:`start_ray_head` for a local single-node cluster (tests). The job gets the submission id
   ``tokensel-<run id>``; on timeout or Ctrl-C it is stopped with ``ray job stop`` as well.
+* ``job_runtime_env`` / ``job_working_dir``: with ``ray_job_address``, the job's ``--runtime-env-json``
+  (e.g. ``{"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/verl_tokensel-<v>-py3-none-any.whl"]}``: every node
+  pip-installs the plugin into the job's environment; no ``env_vars``, which the job's driver sets itself) and
+  ``--working-dir``. The job then runs ``python -m <entry>`` with the runtime env's interpreter.
 * ``env``: extra environment variables for the run (str values).
 * ``echo``: also copy the run's output to this process's stdout as it arrives.
 
@@ -82,7 +86,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 __all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV",
-           "RayHead", "start_ray_head", "kill_marked"]
+           "RayHead", "RayNode", "start_ray_head", "kill_marked"]
 
 #: every process started by a run inherits this variable; the kill path finds them by it
 RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
@@ -232,7 +236,8 @@ def _ray_executable(python: str) -> str:
 
 def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_path: Path,
                    ray_address: Optional[str], python: str, ray_job_address: Optional[str] = None,
-                   submission_id: Optional[str] = None) -> list[str]:
+                   submission_id: Optional[str] = None, job_runtime_env: Optional[dict] = None,
+                   job_working_dir: Optional[Path] = None) -> list[str]:
     ov = list(overrides)
     if ray_job_address is not None:
         ray_address = None  # the job's driver joins the cluster it runs on (RAY_ADDRESS set by Ray)
@@ -243,13 +248,33 @@ def _build_command(entry: str, overrides: Sequence[str], *, cpu: bool, metrics_p
     if ray_address is not None and not _has_override(ov, "ray_kwargs.ray_init.address"):
         ov.append(f"++ray_kwargs.ray_init.address={ray_address}")
     if ray_job_address is not None:
-        # no job-level runtime env: Ray refuses to merge one that shares a variable with the driver's
-        # ray.init(runtime_env=...) (where the overrides above and the CPU switch put theirs)
+        # a job-level runtime env carries no env_vars (see _check_job_runtime_env)
         job = [_ray_executable(python), "job", "submit", "--address", ray_job_address]
         if submission_id:
             job += ["--submission-id", submission_id]
-        return [*job, "--", python, "-m", entry, *ov]
+        if job_working_dir is not None:
+            job += ["--working-dir", str(job_working_dir)]
+        if job_runtime_env:
+            job += ["--runtime-env-json", json.dumps(job_runtime_env)]
+        # the job's own interpreter (the runtime env's, when it installs packages), not this process's
+        return [*job, "--", "python" if job_runtime_env else python, "-m", entry, *ov]
     return [python, "-m", entry, *ov]
+
+
+def _check_job_runtime_env(job_runtime_env: Optional[dict], ray_job_address: Optional[str]) -> None:
+    """Refuse a job-level runtime env that Ray could not merge with the driver's, before anything starts."""
+    if not job_runtime_env:
+        return
+    if ray_job_address is None:
+        raise ValueError("run_main_ppo(job_runtime_env=...) needs ray_job_address: a runtime env is attached to a "
+                         "submitted Ray job only")
+    if "env_vars" in job_runtime_env:
+        raise ValueError(
+            "run_main_ppo(job_runtime_env=...) must not set 'env_vars': the job's driver calls "
+            "ray.init(runtime_env={'env_vars': ...}) itself (the CPU switch and the metrics path go there) and "
+            "Ray refuses to merge two runtime envs that both set a variable. Fix: pass them as overrides "
+            "++ray_kwargs.ray_init.runtime_env.env_vars.<NAME>=<value>, or through env=... for the submitting "
+            "process; keep pip, working_dir, py_modules etc. in job_runtime_env.")
 
 
 def _marked_pids(marker: str) -> list[int]:
@@ -313,6 +338,15 @@ def _free_port() -> int:
 
 
 @dataclass
+class RayNode:
+    """A node joined to a :class:`RayHead` by :meth:`RayHead.add_node`."""
+
+    node_ip: str
+    temp_dir: Path
+    resources: dict
+
+
+@dataclass
 class RayHead:
     """A Ray head started by :func:`start_ray_head`; ``address`` is its dashboard (job submission) URL."""
 
@@ -324,13 +358,47 @@ class RayHead:
     client_env: dict = field(default_factory=lambda: {"RAY_AUTH_MODE": "token"})
     #: remove ``temp_dir`` (Ray's session logs) on stop: True when start_ray_head created it
     owns_temp_dir: bool = False
+    #: the Python whose ``ray`` command started the head (and starts added nodes)
+    python: str = sys.executable
+    #: environment of ``ray start`` (the marker included), reused by :meth:`add_node`
+    start_env: dict = field(default_factory=dict, repr=False)
+    #: nodes added with :meth:`add_node`
+    nodes: list = field(default_factory=list)
+
+    def add_node(self, *, num_cpus: int, num_gpus: int = 0, resources: Optional[dict] = None,
+                 node_ip: str = "127.0.0.2", timeout_s: float = 120.0) -> "RayNode":
+        """Join a second Ray node to this head, on this host (``ray start --address``): its own loopback IP
+        (Linux routes all of 127.0.0.0/8 to ``lo``), ports and temp dir (so its runtime envs are built in
+        its own folder, as on a separate machine), and custom ``resources`` to pin work there. It carries
+        this head's marker: :meth:`stop` ends it too."""
+        import tempfile
+
+        temp_dir = Path(tempfile.mkdtemp(prefix="rayn", dir="/tmp"))
+        cmd = [_ray_executable(self.python), "start", "--address", self.gcs_address, "--node-ip-address", node_ip,
+               "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--temp-dir", str(temp_dir),
+               "--disable-usage-stats"]
+        if resources:
+            cmd += ["--resources", json.dumps(resources)]
+        for flag in ("--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
+                     "--metrics-export-port", "--node-manager-port", "--object-manager-port"):
+            cmd += [flag, str(_free_port())]
+        node = RayNode(node_ip=node_ip, temp_dir=temp_dir, resources=dict(resources or {}))
+        self.nodes.append(node)
+        out = subprocess.run(cmd, env=self.start_env or None, capture_output=True, text=True, timeout=timeout_s,
+                             stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise RuntimeError(f"`ray start --address {self.gcs_address}` (node {node_ip}) failed ({out.returncode}):"
+                               f"\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        return node
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """End every process this head started (Ray daemons and workers, jobs), nothing else."""
+        """End every process this head started (Ray daemons and workers, jobs, added nodes), nothing else."""
         kill_marked(self.marker, grace_s)
-        if self.owns_temp_dir:
-            import shutil
+        import shutil
 
+        for node in self.nodes:
+            shutil.rmtree(node.temp_dir, ignore_errors=True)
+        if self.owns_temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def __enter__(self) -> "RayHead":
@@ -369,7 +437,7 @@ def start_ray_head(*, num_cpus: int = 16, num_gpus: int = 1, timeout_s: float = 
     run_env = {**os.environ, "RAY_AUTH_MODE": "token", **(env or {}), RUN_MARKER_ENV: marker}
     run_env.pop("RAY_ADDRESS", None)
     head = RayHead(address=f"http://127.0.0.1:{dash_port}", gcs_address=f"127.0.0.1:{gcs_port}",
-                   temp_dir=temp_dir, marker=marker, owns_temp_dir=owns_temp_dir)
+                   temp_dir=temp_dir, marker=marker, owns_temp_dir=owns_temp_dir, python=python, start_env=run_env)
     try:
         out = subprocess.run(cmd, env=run_env, capture_output=True, text=True, timeout=timeout_s,
                              stdin=subprocess.DEVNULL)
@@ -437,8 +505,11 @@ def run_main_ppo(
     kill_grace_s: float = 10.0,
     python: str = sys.executable,
     cwd: Optional[Path] = None,
+    job_runtime_env: Optional[dict] = None,
+    job_working_dir: Optional[Path] = None,
 ) -> RunResult:
     """Run ``python -m <entry> <overrides>`` with a wall-clock timeout; see the module docstring."""
+    _check_job_runtime_env(job_runtime_env, ray_job_address)
     if cpu and entry == "verl.trainer.main_ppo":
         raise ValueError(
             "run_main_ppo(cpu=True, entry='verl.trainer.main_ppo'): the CPU switch trainer.device=cpu is applied "
@@ -455,7 +526,8 @@ def run_main_ppo(
     marker = uuid.uuid4().hex
     submission_id = f"tokensel-{marker[:12]}" if ray_job_address is not None else None
     cmd = _build_command(entry, overrides, cpu=cpu, metrics_path=metrics_path.resolve(), ray_address=ray_address,
-                         python=python, ray_job_address=ray_job_address, submission_id=submission_id)
+                         python=python, ray_job_address=ray_job_address, submission_id=submission_id,
+                         job_runtime_env=job_runtime_env, job_working_dir=job_working_dir)
     run_env = {**os.environ, **(env or {}), RUN_MARKER_ENV: marker, "PYTHONUNBUFFERED": "1",
                "VERL_FILE_LOGGER_PATH": str(metrics_path.resolve())}
     t0 = time.monotonic()

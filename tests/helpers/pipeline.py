@@ -22,15 +22,21 @@ Example (what ``tests/test_e2e_on_cpu.py`` does)::
 
 from __future__ import annotations
 
+import math
 import random
+import re
 from pathlib import Path
 from typing import Optional
 
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
-__all__ = ["write_tiny_rl_dataset", "write_reward_file", "tiny_pipeline_overrides", "prepare_tiny_run", "REWARD_SOURCE"]
+__all__ = ["write_tiny_rl_dataset", "write_reward_file", "tiny_pipeline_overrides", "prepare_tiny_run", "REWARD_SOURCE",
+           "check_selecting_run", "check_params_changed", "loss_announcements", "FULL_CHECKPOINT"]
 
 DATA_SOURCE = "tokensel_tiny_arith"
+#: overrides of a full checkpoint (what a resume loads) plus the HF weights (the parameter check) at every step
+FULL_CHECKPOINT = ["trainer.save_freq=1",
+                   "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]"]
 
 #: the reward file's source: digits share of the response, +1 when the answer appears in it
 REWARD_SOURCE = '''"""Dense toy reward for the tiny CPU pipeline (written by helpers.pipeline)."""
@@ -148,3 +154,51 @@ def prepare_tiny_run(work_dir: Path, *, model_dir: Optional[str | Path] = None, 
     # Hydra's run directory: by default ``outputs/<date>/<time>`` under the driver's cwd (the test's, or the Ray
     # head's for a submitted job), which would litter the checkout
     return tiny_pipeline_overrides(model_dir, train, val, reward, **kwargs) + [f"hydra.run.dir={work_dir / 'hydra'}"]
+
+
+def check_selecting_run(result, model_dir: Path, checkpoints: Path, *, steps: list[int], ratio: float = 0.2,
+                        prefix: str = "actor/tokensel/") -> None:
+    """A finished selecting run: exit 0; exactly ``steps`` logged; per step the preset's budget (selected
+    fraction ceil(ratio N)/N per pool: >= ratio and < ratio + 0.05 here), no dropped score, the rollout (vLLM)
+    and actor log-probs equal (the weight sync works); the parameters at the last step differ from the
+    initial ones. ``prefix``: where the selection is logged: the loss's per-micro-batch metrics for in-loss
+    presets, ``actor/tokensel/prepass/`` (exact over the mini-batch) for pre-pass presets."""
+    result.raise_for_status()
+    assert "has no attribute 'weight_loader'" not in result.log_path.read_text(errors="replace")
+    assert [s["step"] for s in result.steps] == steps, result.describe()
+    for s in result.steps:
+        frac, sel, valid = (s[prefix + "selected_fraction"], s[prefix + "selected_tokens"], s[prefix + "valid_tokens"])
+        assert ratio <= frac < ratio + 0.05, s
+        assert sel >= math.ceil(ratio * valid) - 1e-6, s  # ceil per pool: never below the budget
+        assert s["actor/tokensel/nan_scores"] == 0
+        assert "critic/score/mean" in s and "actor/pg_loss" in s
+        # vLLM's and the actor's log-probs of the same tokens: equal when the synced weights are the actor's
+        assert s["training/rollout_probs_diff_max"] < 1e-4, s
+        print(f"{result.log_path.name} step {s['step']}: {prefix}selected_fraction={frac:.4f} ({sel:.0f}/{valid:.0f}) "
+              f"rollout_probs_diff_max={s['training/rollout_probs_diff_max']:.2e} "
+              f"critic/score/mean={s['critic/score/mean']:.4f} actor/pg_loss={s['actor/pg_loss']:.4f}")
+    check_params_changed(model_dir, checkpoints / f"global_step_{steps[-1]}" / "actor" / "huggingface")
+
+
+def check_params_changed(model_dir: Path, hf_dir: Path) -> None:
+    """The HF weights saved in ``hf_dir`` differ from ``model_dir``'s (finite, the LM head moved)."""
+    from safetensors.torch import load_file
+
+    before = load_file(str(Path(model_dir) / "model.safetensors"))
+    after = load_file(str(Path(hf_dir) / "model.safetensors"))
+    assert set(after) == set(before)
+    diffs = {k: (after[k].float() - before[k].float()).abs().max().item() for k in before}
+    assert all(math.isfinite(d) for d in diffs.values())
+    assert max(diffs.values()) > 1e-5, diffs
+    assert diffs["lm_head.weight"] > 0, "the LM head did not move"
+    print(f"parameters changed: max |delta| {max(diffs.values()):.2e}, lm_head {diffs['lm_head.weight']:.2e}")
+
+
+_ANNOUNCEMENT = re.compile(r"verl_tokensel (\S+) \((\S+)\): token_selector=(\S+) loss installed in pid (\d+) "
+                           r"on node (\S+)")
+
+
+def loss_announcements(log_text: str) -> list[dict]:
+    """The workers' "selecting loss installed" lines of a run's log (``verl_glue.loss.announce_loss``)."""
+    return [{"version": m[1], "package": m[2], "selector": m[3], "pid": int(m[4]), "node": m[5]}
+            for m in _ANNOUNCEMENT.finditer(log_text)]

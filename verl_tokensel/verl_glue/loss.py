@@ -196,8 +196,48 @@ class SelectingLoss:
     def __call__(self, model_output, data: TensorDict, dp_group=None):
         return tokensel_ppo_loss(self.config, model_output, data, dp_group, observer=self.observer)
 
+    def __setstate__(self, state) -> None:
+        # unpickled = received by a worker (``set_loss_fn`` over Ray): say so once per process, so a
+        # multi-node run's log shows on which node, from which installed package, selection is active
+        self.__dict__.update(state)
+        announce_loss(self)
+
     def __repr__(self) -> str:
         return f"SelectingLoss(selection={self.selection!r})"
+
+
+_ANNOUNCED: set = set()
+
+
+def loss_announcement(loss: "SelectingLoss") -> str:
+    """The line a worker prints when it receives a selecting loss: version, package folder, selector, pid, node."""
+    import os
+    import socket
+    import sys
+
+    import verl_tokensel
+
+    node = None
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        node = ray.util.get_node_ip_address()
+    name = getattr(loss.config, "token_selector", None) or "custom"
+    return (f"verl_tokensel {verl_tokensel.__version__} ({os.path.dirname(verl_tokensel.__file__)}): "
+            f"token_selector={name} loss installed in pid {os.getpid()} on node {node or socket.gethostname()}")
+
+
+def announce_loss(loss: "SelectingLoss") -> None:
+    """Print :func:`loss_announcement` to stderr, once per process and selector."""
+    import sys
+
+    key = getattr(loss.config, "token_selector", None)
+    if key in _ANNOUNCED:
+        return
+    _ANNOUNCED.add(key)
+    try:
+        print(loss_announcement(loss), file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - a log line must never break the install
+        print(f"verl_tokensel: selecting loss installed (announcement failed: {e})", file=sys.stderr, flush=True)
 
 
 def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, observer=None):

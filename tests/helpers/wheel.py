@@ -1,0 +1,57 @@
+"""The release wheel and venvs that use it, shared by the wheel and multi-node tests (helper, not a test).
+
+* :func:`build_wheel`: ``python -m build`` (sdist, then the wheel from it) into a folder.
+* :func:`make_venv`: a venv with no pip and no packages of its own, whose third-party dependencies are
+  this test run's pinned stack through a plain path entry (not a site dir, so the checkout's editable
+  install is invisible there: ``import verl_tokensel`` fails unless ``wheel`` is installed into it), with
+  a ``ray`` command run by the venv's python.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import verl_tokensel
+
+ROOT = Path(__file__).resolve().parents[2]
+WHEEL_NAME = f"verl_tokensel-{verl_tokensel.__version__}-py3-none-any.whl"
+
+
+def build_wheel(out: Path) -> tuple[Path, Path]:
+    """Build the sdist and the wheel into ``out``; returns (wheel, sdist)."""
+    res = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    wheel = out / WHEEL_NAME
+    sdists = list(out.glob("verl_tokensel-*.tar.gz"))
+    assert wheel.is_file() and len(sdists) == 1, sorted(p.name for p in out.iterdir())
+    return wheel, sdists[0]
+
+
+def make_venv(base: Path, wheel: Path | None = None) -> tuple[Path, dict, Path, Path]:
+    """A venv under ``base`` (see module doc), with ``wheel`` installed non-editable if given; returns
+    (python, env vars for processes using it, a work dir outside the checkout, the venv's site-packages)."""
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    py = venv / "bin" / "python"
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    # the pinned dependencies of this run, as a plain path entry after the venv's own site-packages
+    (site / "_tokensel_shared_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    if wheel is not None:
+        res = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+    # the `ray` command of the shared dependencies, run by this venv's python (console scripts are not shared)
+    ray_cli = venv / "bin" / "ray"
+    ray_cli.write_text(f"#!{py}\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n")
+    ray_cli.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
+    cwd = base / "work"
+    cwd.mkdir()
+    return py, env, cwd, site

