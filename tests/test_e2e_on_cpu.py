@@ -109,10 +109,11 @@ DRAW_METRICS = ("actor/tokensel/threshold_min_selected_score", "actor/tokensel/t
 
 
 def _rollouts(path: Path) -> list[tuple]:
-    """(prompt, response, score) of each dumped rollout (the dump's ``uid`` is a fresh UUID per run)."""
+    """(prompt, response, score) of each dumped rollout, sorted (the dump's order is the order the rollouts
+    finished in, and its ``uid`` is a fresh UUID per run)."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     assert rows, path
-    return [(r["input"], r["output"], r["score"]) for r in rows]
+    return sorted((r["input"], r["output"], r["score"]) for r in rows)
 
 
 def test_random_draws_after_resume_equal_an_uninterrupted_run(model_dir, tmp_path):

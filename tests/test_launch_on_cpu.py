@@ -119,3 +119,55 @@ def test_job_submission_command(tmp_path):
     assert cmd[sep + 1:sep + 4] == [sys.executable, "-m", "verl_tokensel.main_ppo"]
     assert "--runtime-env-json" not in cmd  # Ray refuses to merge a job env with the driver's ray.init env
     assert not any("ray_init.address" in a for a in cmd)  # the job's driver joins its own cluster
+
+
+def test_job_runtime_env_travels_with_the_job_and_env_vars_are_refused(tmp_path):
+    from verl_tokensel.launch import _build_command
+
+    env = {"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/verl_tokensel-0.1.0-py3-none-any.whl"]}
+    cmd = _build_command("verl_tokensel.main_ppo", ["a=1"], cpu=True, metrics_path=tmp_path / "m.jsonl",
+                         ray_address="local", python=sys.executable, ray_job_address="http://127.0.0.1:8265",
+                         job_runtime_env=env, job_working_dir=tmp_path)
+    sep = cmd.index("--")
+    assert json.loads(cmd[cmd.index("--runtime-env-json") + 1]) == env
+    assert cmd[cmd.index("--working-dir") + 1] == str(tmp_path) and cmd.index("--working-dir") < sep
+    assert cmd[sep + 1:sep + 4] == ["python", "-m", "verl_tokensel.main_ppo"]  # the runtime env's interpreter
+    import pytest
+
+    with pytest.raises(ValueError, match="must not set 'env_vars'.*ray_kwargs.ray_init.runtime_env.env_vars"):
+        run_main_ppo(["a=1"], timeout_s=5, log_path=tmp_path / "x.log", ray_job_address="http://127.0.0.1:8265",
+                     job_runtime_env={"env_vars": {"A": "1"}})
+    with pytest.raises(ValueError, match="needs ray_job_address"):
+        run_main_ppo(["a=1"], timeout_s=5, log_path=tmp_path / "x.log", job_runtime_env=env)
+    assert not (tmp_path / "x.log").exists()  # refused before anything started
+
+
+#: excerpts of real logs of the fault tests (tests/test_faults_on_cpu.py), Ray 2.60 / vLLM 0.28
+ACTOR_DEATH = """\
+\x1b[33m(raylet)\x1b[0m A worker died or was killed while executing a task by an unexpected system error. \
+To troubleshoot the problem, check the logs for the dead worker. Lease ID: 03000000a1f0 Worker ID: 6644654f \
+Node ID: 33b61981 Worker IP address: 192.0.2.2 Worker port: 41107 Worker PID: 26701 Worker exit type: SYSTEM_ERROR
+ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.
+\tclass_name: create_colocated_worker_cls.<locals>.WorkerDict
+\tactor_id: 00aeb196bc41a5f1fa6758f601000000
+\tpid: 26701
+\tname: DrERjuWorkerDict_0:0
+\tnamespace: ff6aaaba-bc9a-462c-bb9a-477fd675c85f
+\tip: 192.0.2.2
+The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR
+"""
+ENGINE_DEATH = """\
+\x1b[36m(vLLMHttpServer pid=30626)\x1b[0m ERROR 12-01 22:22:22 [async_llm.py:744] \
+vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace (above) for the root cause.
+RuntimeError: Sync replay buffer selected terminal groups with no materializable trajectories.
+"""
+
+
+def test_what_died_names_the_process():
+    from verl_tokensel.launch import what_died
+
+    assert what_died(ACTOR_DEATH) == "the Ray actor WorkerDict DrERjuWorkerDict_0:0 (pid 26701, node 192.0.2.2) died"
+    assert what_died(ACTOR_DEATH.split("ray.exceptions")[0]) == (
+        "a Ray worker process (pid 26701) died while running a task")
+    assert what_died(ENGINE_DEATH) == "the vLLM engine process (EngineCore) died"
+    assert what_died("Training Progress: 100%|##| 2/2\nFinal validation metrics: None\n") is None

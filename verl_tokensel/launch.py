@@ -23,6 +23,7 @@ API::
     result.steps              # [{"step": 1, "actor/pg_loss": ..., "actor/tokensel/selected_fraction": ...}, ...]
     result.metric("critic/score/mean")   # one float per logged step (missing steps skipped)
     result.last_stage         # e.g. "waiting for the vLLM server": where a timed-out run was stuck
+    result.died               # e.g. "the Ray actor WorkerDict (pid 4242, node 10.0.0.7) died", or None
 
 :func:`run_main_ppo` arguments:
 
@@ -60,9 +61,16 @@ inherited by the Ray head, raylet and Ray workers it started even when they left
 nothing else on the host is touched. A timed-out run returns ``timed_out=True`` and
 ``returncode=124``; Ctrl-C (or any exception raised while waiting) kills, then re-raises.
 
+A failed run's :attr:`RunResult.died` (also in :meth:`RunResult.describe`) names the first process death its
+log reports (:data:`DEATHS`: a Ray actor with class, pid and node; vLLM's engine process; a Ray node; Ray's
+OOM killer), since verl's own final error is often a consequence (e.g. "no materializable trajectories" after
+the vLLM engine died).
+
 :func:`start_ray_head` starts a private single-node Ray head (free ports, own temp dir, logical
 ``--num-gpus`` for the CPU platform) and returns a :class:`RayHead` whose ``stop()`` ends exactly the
 processes it started (by marker; never ``ray stop``, which would stop every Ray instance on the host).
+:meth:`RayHead.add_node` joins a second node on the same host (its own loopback IP such as 127.0.0.2, ports
+and temp dir, custom resources): a multi-node cluster on one machine, for tests and rehearsals.
 
 Command line (same thing, exit code 124 on timeout)::
 
@@ -86,7 +94,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 __all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV",
-           "RayHead", "RayNode", "start_ray_head", "kill_marked"]
+           "RayHead", "RayNode", "start_ray_head", "kill_marked", "marked_pids", "what_died", "DEATHS"]
 
 #: every process started by a run inherits this variable; the kill path finds them by it
 RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
@@ -134,6 +142,10 @@ class RunResult:
     steps: list[dict] = field(default_factory=list)
     #: the last pipeline stage recognised in the log (see PIPELINE_STAGES), None if none
     last_stage: Optional[str] = None
+    #: what died, when the log says a process of the run died (see :func:`what_died`), else None
+    died: Optional[str] = None
+    #: the run's marker (value of ``RUN_MARKER_ENV`` in every process it started; :func:`marked_pids`)
+    run_id: Optional[str] = None
 
     @property
     def ok(self) -> bool:
@@ -154,7 +166,8 @@ class RunResult:
             return (f"main_ppo timed out after {self.wall_s:.0f} s, while {self.last_stage or 'starting up'} "
                     f"(log: {self.log_path})")
         if self.returncode != 0:
-            return (f"main_ppo exited with code {self.returncode} after {self.wall_s:.0f} s "
+            died = f"; {self.died}" if self.died else ""
+            return (f"main_ppo exited with code {self.returncode} after {self.wall_s:.0f} s{died} "
                     f"(last stage: {self.last_stage or 'unknown'}; log: {self.log_path})")
         return f"main_ppo finished in {self.wall_s:.0f} s, {len(self.steps)} steps logged"
 
@@ -205,6 +218,36 @@ def last_stage(log_text: str) -> Optional[str]:
             if m:
                 found = stage.format(None, *m.groups())
     return found
+
+
+#: (regex on the log, what died) for the process deaths :func:`what_died` recognises, most specific first;
+#: ``{name}`` fields are the regex's named groups. Ray 2.60 / vLLM 0.28 messages.
+DEATHS: tuple[tuple[str, str], ...] = (
+    (r"Task was killed due to the node running low on memory|OutOfMemoryError",
+     "a process was killed for lack of memory (Ray's OOM killer)"),
+    (r"The actor died unexpectedly before finishing this task\.\s+class_name: (?:\S+\.)?(?P<cls>[^.\s]+)\s+"
+     r"actor_id: \S+\s+pid: (?P<pid>\d+)(?:\s+name: (?P<name>\S+))?(?:\s+namespace: \S+)?(?:\s+ip: (?P<ip>\S+))?",
+     "the Ray actor {cls} {name} (pid {pid}, node {ip}) died"),
+    (r"Engine core proc (?P<name>\S+) died unexpectedly|EngineDeadError",
+     "the vLLM engine process (EngineCore) died"),
+    (r"A worker died or was killed while executing a task[^\n]*?Worker PID: (?P<pid>\d+)",
+     "a Ray worker process (pid {pid}) died while running a task"),
+    (r"ActorDiedError|The actor is dead because", "a Ray actor died"),
+    (r"NodeDiedError|node \S+ has been marked dead", "a Ray node died"),
+)
+
+
+def what_died(log_text: str) -> Optional[str]:
+    """The most specific process death a run's log reports (:data:`DEATHS`), in words, or None."""
+    text = _ANSI.sub("", log_text)
+    # Ray prefixes each forwarded line with "(Actor pid=N) "; drop it so multi-line messages stay contiguous
+    text = re.sub(r"^\(\S+ pid=\d+(?:, ip=[\d.]+)?\)\s?", "", text, flags=re.M)
+    for pattern, words in DEATHS:
+        m = re.search(pattern, text)
+        if m:
+            fields = {k: v or "?" for k, v in m.groupdict().items()}
+            return re.sub(r"\s+", " ", words.format(**fields)).replace(" ? (", " (").replace(", node ?)", ")")
+    return None
 
 
 def _has_override(overrides: Sequence[str], key: str) -> bool:
@@ -277,8 +320,9 @@ def _check_job_runtime_env(job_runtime_env: Optional[dict], ray_job_address: Opt
             "process; keep pip, working_dir, py_modules etc. in job_runtime_env.")
 
 
-def _marked_pids(marker: str) -> list[int]:
-    """PIDs of this user's processes whose environment carries ``RUN_MARKER_ENV=marker``."""
+def marked_pids(marker: str) -> list[int]:
+    """PIDs of this user's processes whose environment carries ``RUN_MARKER_ENV=marker`` (a run's
+    :attr:`RunResult.run_id`, a head's :attr:`RayHead.marker`)."""
     needle = f"{RUN_MARKER_ENV}={marker}".encode()
     pids = []
     for d in Path("/proc").iterdir():
@@ -304,7 +348,7 @@ def _escalate(send, done, grace_s: float) -> None:
 
 
 def _signal_marked(marker: str, sig: int) -> None:
-    for pid in _marked_pids(marker):
+    for pid in marked_pids(marker):
         try:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -321,12 +365,12 @@ def _kill_run(proc: subprocess.Popen, marker: str, grace_s: float) -> None:
             pass
         _signal_marked(marker, sig)
 
-    _escalate(send, lambda: proc.poll() is not None and not _marked_pids(marker), grace_s)
+    _escalate(send, lambda: proc.poll() is not None and not marked_pids(marker), grace_s)
 
 
 def kill_marked(marker: str, grace_s: float = 10.0) -> None:
     """SIGTERM, then SIGKILL after ``grace_s``, every process carrying ``RUN_MARKER_ENV=marker``."""
-    _escalate(lambda sig: _signal_marked(marker, sig), lambda: not _marked_pids(marker), grace_s)
+    _escalate(lambda sig: _signal_marked(marker, sig), lambda: not marked_pids(marker), grace_s)
 
 
 def _free_port() -> int:
@@ -548,7 +592,7 @@ def run_main_ppo(
                 returncode = TIMEOUT_RETURNCODE
             else:
                 # the driver exited; Ray's processes of a local instance may linger a moment: stop them
-                if _marked_pids(marker):
+                if marked_pids(marker):
                     _kill_run(proc, marker, kill_grace_s)
         except BaseException:  # Ctrl-C, or an exception raised into this thread (e.g. pytest-timeout)
             _kill_run(proc, marker, kill_grace_s)
@@ -562,7 +606,8 @@ def run_main_ppo(
     log_text = log_path.read_text(errors="replace")
     return RunResult(returncode=returncode, timed_out=timed_out, wall_s=wall_s, log_path=log_path,
                      metrics_path=metrics_path, command=cmd, steps=read_metrics(metrics_path),
-                     last_stage=last_stage(log_text))
+                     last_stage=last_stage(log_text), died=what_died(log_text) if returncode != 0 else None,
+                     run_id=marker)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -65,6 +65,21 @@ class _ScoreWorker:
         ]
 
 
+def _died(ref) -> bool:
+    """True when the task behind ``ref`` has ended with its actor's death."""
+    from ray.exceptions import RayActorError
+
+    if not ray.wait([ref], timeout=0)[0]:
+        return False
+    try:
+        ray.get(ref, timeout=0)
+    except RayActorError:
+        return True
+    except Exception:  # noqa: BLE001 - another failure, not a death
+        return False
+    return False
+
+
 def balanced_shards(lengths: Sequence[int], n: int) -> list[range]:
     """Split indices 0..len-1 into ``n`` contiguous ranges of about equal total length."""
     total = sum(lengths)
@@ -126,7 +141,8 @@ class RayScorerGroup:
                     placement_group=placement_group, placement_group_bundle_index=i)
             self.workers.append(actor_cls.options(**options).remote(
                 model_path, dtype, device, chunk_size, temperature, dict(env or {})))
-        self._get([w.ping.remote() for w in self.workers], "start-up")
+        #: each worker's process id (from its start-up answer), for messages and fault handling
+        self.pids = [int(a.split()[1]) for a in self._get([w.ping.remote() for w in self.workers], "start-up")]
 
     def _get(self, refs, what: str, owners: Optional[list[str]] = None):
         from ray.exceptions import GetTimeoutError, RayActorError
@@ -134,7 +150,11 @@ class RayScorerGroup:
         try:
             return ray.get(refs, timeout=self.timeout_s)
         except RayActorError as e:
-            raise ScoreWorkerError(f"a score worker died during {what}: {e}") from e
+            dead = [o for o, r in zip(owners or [], refs) if _died(r)]
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ScoreWorkerError(
+                f"score {', '.join(dead) if dead else 'worker'} died during {what} ({first}); the other workers "
+                "are left running: call shutdown()") from e
         except GetTimeoutError as e:
             pending = [o for o, r in zip(owners or [], refs) if not ray.wait([r], timeout=0)[0]]
             raise ScoreWorkerError(
@@ -149,7 +169,7 @@ class RayScorerGroup:
         for j, (worker, shard) in enumerate(zip(self.workers, shards)):
             if len(shard):
                 refs.append(worker.score.remote([pairs[i] for i in shard]))
-                owners.append(f"worker {j} (pairs {shard.start}..{shard.stop - 1})")
+                owners.append(f"worker {j} (pid {self.pids[j]}, pairs {shard.start}..{shard.stop - 1})")
         results = self._get(refs, f"scoring {len(pairs)} responses", owners)
         out = []
         for chunk in results:
@@ -157,6 +177,8 @@ class RayScorerGroup:
         return out
 
     def shutdown(self) -> None:
+        """Kill every worker (dead ones included; idempotent)."""
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+        self.pids = []
