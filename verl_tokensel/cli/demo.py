@@ -40,7 +40,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~16 min)"
+HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
 DEFAULT_PRESETS = ("none", "forking", "gmts")
 REWARD_FN = "pkg://verl_tokensel.demo.reward"
 
@@ -99,7 +99,7 @@ def add_arguments(parser) -> None:
                         help=f"actor learning rate of the GRPO runs (default {ACTOR_LR:g})")
     parser.add_argument("--timeout", type=_positive(float), default=900.0,
                         help="seconds allowed per run, start-up and shutdown included (default 900; a run "
-                             "takes ~5.5 min on an idle 2-core machine)")
+                             "takes 3-6 min on an idle 2-core machine)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, warm-up, data split and trainer "
                                                             "(default 0)")
     parser.add_argument("--cache-dir", default=None,
