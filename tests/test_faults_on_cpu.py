@@ -103,6 +103,8 @@ def test_actor_worker_killed_during_the_update(model_dir, tmp_path):
     result, pid = _run_with_kill(tmp_path, model_dir, _actor_pid, busy_s=1.5,
                                  extra=["actor_rollout_ref.actor.ppo_epochs=40"])
     assert result.steps == [], "the update of step 1 cannot have finished"
+    # the trainer's call that failed: verl 0.9.1's update (our trainer mode's _update_actor, then verl's)
+    assert "in _update_actor" in result.log_path.read_text(errors="replace"), result.log_tail()
     assert result.died and "actor" in result.died.lower() and str(pid) in result.died, result.died
     assert result.died in result.describe()
 

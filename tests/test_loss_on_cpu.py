@@ -343,8 +343,8 @@ def test_extra_padding_changes_nothing(preset, masks):
         mask0, mask1 = masks[-2], masks[-1]
         assert mask1.shape[1] == mask0.shape[1] + extra
         assert torch.equal(mask1[:, :-extra], mask0) and not mask1[:, -extra:].any()
-        torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
-        torch.testing.assert_close(g1, g0, rtol=1e-6, atol=0)
+        torch.testing.assert_close(l1, l0, rtol=1e-5, atol=0)  # fp32 sums in another order: a few ulps, by CPU
+        torch.testing.assert_close(g1, g0, rtol=1e-5, atol=0)
         assert torch.equal(g1 != 0, g0 != 0)
         assert _metric(m1, "tokensel/selected_fraction") == _metric(m0, "tokensel/selected_fraction")
 

@@ -29,7 +29,8 @@ def alive(pid: int) -> bool:
 def wait_until_busy(pid: int, busy_s: float, stop=None, deadline_s: float = 600.0) -> bool:
     """Block until ``pid`` has used a CPU core for ``busy_s`` seconds without a pause (sampled every 0.1 s,
     busy = at least a quarter of a core: a process that computes on a shared 2-core machine gets less than a
-    whole one, an idle one almost nothing); False if it vanished, ``stop`` (an Event) was set, or the deadline passed."""
+    whole one, an idle one almost nothing); False if it vanished, ``stop`` (an Event) was set, or the deadline
+    passed."""
     end = time.monotonic() + deadline_s
     busy, last = 0.0, cpu_ticks(pid)
     while time.monotonic() < end and not (stop is not None and stop.is_set()):

@@ -214,15 +214,19 @@ def loss_announcement(loss: "SelectingLoss") -> str:
     import os
     import socket
     import sys
+    from importlib.metadata import PackageNotFoundError, version
 
-    import verl_tokensel
-
+    try:
+        ours = version("verl-tokensel")
+    except PackageNotFoundError:  # a source tree on sys.path, not installed
+        ours = "unknown"
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../verl_tokensel
     node = None
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         node = ray.util.get_node_ip_address()
     name = getattr(loss.config, "token_selector", None) or "custom"
-    return (f"verl_tokensel {verl_tokensel.__version__} ({os.path.dirname(verl_tokensel.__file__)}): "
+    return (f"verl_tokensel {ours} ({package}): "
             f"token_selector={name} loss installed in pid {os.getpid()} on node {node or socket.gethostname()}")
 
 
