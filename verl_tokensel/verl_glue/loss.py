@@ -55,6 +55,7 @@ from verl_tokensel.core.batch import ScoreBatch, score_batch
 from verl_tokensel.core.config import Selection
 from verl_tokensel.core.scores import grad_mass, score_params
 from verl_tokensel.core.select import select_tokens, selection_stats
+from verl_tokensel.verl_glue.announce import announce_loss
 
 METRIC_PREFIX = "tokensel/"
 # Per-token fields a driver-side (score_source=rollout) or pre-pass (score_source=prepass) selection
@@ -204,44 +205,6 @@ class SelectingLoss:
 
     def __repr__(self) -> str:
         return f"SelectingLoss(selection={self.selection!r})"
-
-
-_ANNOUNCED: set = set()
-
-
-def loss_announcement(loss: "SelectingLoss") -> str:
-    """The line a worker prints when it receives a selecting loss: version, package folder, selector, pid, node."""
-    import os
-    import socket
-    import sys
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        ours = version("verl-tokensel")
-    except PackageNotFoundError:  # a source tree on sys.path, not installed
-        ours = "unknown"
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../verl_tokensel
-    node = None
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        node = ray.util.get_node_ip_address()
-    name = getattr(loss.config, "token_selector", None) or "custom"
-    return (f"verl_tokensel {ours} ({package}): "
-            f"token_selector={name} loss installed in pid {os.getpid()} on node {node or socket.gethostname()}")
-
-
-def announce_loss(loss: "SelectingLoss") -> None:
-    """Print :func:`loss_announcement` to stderr, once per process and selector."""
-    import sys
-
-    key = getattr(loss.config, "token_selector", None)
-    if key in _ANNOUNCED:
-        return
-    _ANNOUNCED.add(key)
-    try:
-        print(loss_announcement(loss), file=sys.stderr, flush=True)
-    except Exception as e:  # noqa: BLE001 - a log line must never break the install
-        print(f"verl_tokensel: selecting loss installed (announcement failed: {e})", file=sys.stderr, flush=True)
 
 
 def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, observer=None):
