@@ -49,7 +49,7 @@ def test_gain_statistic():
 # ~8 min on a slower machine of the same kind), which does not fit CI's time budget next to the demo's three runs.
 # Measured once on the two-route task (2026-12-01): rewards per step 0.570 0.539 0.570 0.547 ... 0.695 0.773 0.844
 # 0.758, gain 0.211 (6.1 null standard deviations) against the threshold 0.139. Its pass rate over seeds is not
-# measured; benchmarks/bench_learning.py's forking runs (12 steps, 3 seeds) gained 0.09-0.14.
+# measured; benchmarks/bench_learning.py's forking runs (12 steps, 3 seeds) gained 0.086-0.122.
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_forking_grpo_raises_reward(tmp_path):
