@@ -46,6 +46,8 @@ from helpers.pipeline import (  # noqa: E402
     check_selecting_run,
     loss_announcements,
     prepare_tiny_run,
+    resume_overrides,
+    with_overrides,
 )
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 
@@ -63,23 +65,11 @@ def model_dir(tmp_path_factory) -> Path:
     return Path(build_tiny_model_dir(tmp_path_factory.mktemp("e2e_model") / "tiny"))
 
 
-def _with(overrides: list[str], extra: list[str]) -> list[str]:
-    """``overrides`` with the keys of ``extra`` replaced by ``extra``'s values."""
-    keys = {e.split("=", 1)[0] for e in extra}
-    return [o for o in overrides if o.split("=", 1)[0] not in keys] + extra
-
-
-def _resume(overrides: list[str], checkpoint: Path, work: Path) -> list[str]:
-    """The overrides of a run resumed from ``checkpoint``, writing into ``work``."""
-    return _with(overrides, [f"trainer.default_local_dir={work / 'checkpoints'}", f"hydra.run.dir={work / 'hydra'}",
-                             "trainer.resume_mode=resume_path", f"trainer.resume_from_path={checkpoint}"])
-
-
 @pytest.fixture(scope="module")
 def forking_run(model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("e2e_forking")
-    overrides = _with(prepare_tiny_run(work, model_dir=model_dir, token_selector="forking", use_v1=True, steps=STEPS),
-                      FULL_CHECKPOINT)
+    overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector="forking", use_v1=True, steps=STEPS)
+    overrides = with_overrides(overrides, FULL_CHECKPOINT)
     return run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=work / "main_ppo.log"), overrides, work
 
 
@@ -93,10 +83,8 @@ def test_v1_driver_forking_on_cpu(forking_run, model_dir):
 def test_v1_forking_resumes_from_its_checkpoint(forking_run, model_dir, tmp_path):
     first, overrides, work = forking_run
     first.raise_for_status()
-    step1 = work / "checkpoints" / "global_step_1"
-    assert (step1 / "actor").is_dir() and (step1 / "data.pt").is_file(), sorted(p.name for p in step1.iterdir())
-    result = run_main_ppo(_resume(overrides, step1, tmp_path), timeout_s=RUN_TIMEOUT_S,
-                          log_path=tmp_path / "resume.log")
+    result = run_main_ppo(resume_overrides(overrides, work / "checkpoints" / "global_step_1", tmp_path),
+                          timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "resume.log")
     check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[2])
     assert {a["selector"] for a in loss_announcements(result.log_path.read_text(errors="replace"))} == {"forking"}
 
@@ -120,13 +108,15 @@ def test_random_draws_after_resume_equal_an_uninterrupted_run(model_dir, tmp_pat
     work = tmp_path / "uninterrupted"
     overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector="random", use_v1=True, steps=STEPS,
                                  train_batch_size=8, rollout_n=1)
-    overrides = _with(overrides, FULL_CHECKPOINT + DETERMINISTIC + [f"trainer.rollout_data_dir={work / 'rollouts'}"])
+    overrides = with_overrides(overrides,
+                               FULL_CHECKPOINT + DETERMINISTIC + [f"trainer.rollout_data_dir={work / 'rollouts'}"])
     whole = run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "uninterrupted.log")
     whole.raise_for_status()
     assert [s["step"] for s in whole.steps] == [1, 2], whole.describe()
     resumed_work = tmp_path / "resumed"
-    resumed = run_main_ppo(_with(_resume(overrides, work / "checkpoints" / "global_step_1", resumed_work),
-                                 [f"trainer.rollout_data_dir={resumed_work / 'rollouts'}"]),
+    resumed = run_main_ppo(with_overrides(resume_overrides(overrides, work / "checkpoints" / "global_step_1",
+                                                           resumed_work),
+                                          [f"trainer.rollout_data_dir={resumed_work / 'rollouts'}"]),
                            timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "resumed.log")
     resumed.raise_for_status()
     assert [s["step"] for s in resumed.steps] == [2], resumed.describe()

@@ -42,6 +42,8 @@ from helpers.pipeline import (  # noqa: E402
     check_selecting_run,
     loss_announcements,
     prepare_tiny_run,
+    resume_overrides,
+    with_overrides,
 )
 from helpers.wheel import ROOT, make_venv  # noqa: E402
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
@@ -82,7 +84,7 @@ def _submit(cluster, overrides, log_path):
 def gmts_run(cluster, model_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("mn_gmts")
     overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector="gmts", use_v1=False, steps=2)
-    overrides = [o for o in overrides if not o.startswith("trainer.save_freq=")] + FULL_CHECKPOINT
+    overrides = with_overrides(overrides, FULL_CHECKPOINT)
     return _submit(cluster, overrides, work / "ray_job.log"), overrides, work
 
 
@@ -109,12 +111,8 @@ def test_v0_gmts_job_from_the_wheel_on_two_nodes(cluster, gmts_run, model_dir):
 def test_v0_gmts_resumes_from_its_checkpoint(cluster, gmts_run, model_dir, tmp_path):
     first, overrides, work = gmts_run
     first.raise_for_status()
-    step1 = work / "checkpoints" / "global_step_1"
-    assert (step1 / "actor").is_dir() and (step1 / "data.pt").is_file(), sorted(p.name for p in step1.iterdir())
     resumed_dir = tmp_path / "checkpoints"
-    overrides = [o for o in overrides if not o.startswith(("trainer.default_local_dir=", "hydra.run.dir="))] + [
-        f"trainer.default_local_dir={resumed_dir}", f"hydra.run.dir={tmp_path / 'hydra'}",
-        "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step1}"]
+    overrides = resume_overrides(overrides, work / "checkpoints" / "global_step_1", tmp_path)
     result = _submit(cluster, overrides, tmp_path / "resume.log")
     log = result.log_path.read_text(errors="replace")
     # continues at step 2 only, with the same selection: the pre-pass budget of gmts

@@ -23,7 +23,7 @@ API::
     result.steps              # [{"step": 1, "actor/pg_loss": ..., "actor/tokensel/selected_fraction": ...}, ...]
     result.metric("critic/score/mean")   # one float per logged step (missing steps skipped)
     result.last_stage         # e.g. "waiting for the vLLM server": where a timed-out run was stuck
-    result.died               # e.g. "the Ray actor WorkerDict (pid 4242, node 10.0.0.7) died", or None
+    result.died               # e.g. "the Ray actor WorkerDict x_0:0 (pid 4242, node 10.0.0.7) died", or None
 
 :func:`run_main_ppo` arguments:
 
@@ -61,10 +61,10 @@ inherited by the Ray head, raylet and Ray workers it started even when they left
 nothing else on the host is touched. A timed-out run returns ``timed_out=True`` and
 ``returncode=124``; Ctrl-C (or any exception raised while waiting) kills, then re-raises.
 
-A failed run's :attr:`RunResult.died` (also in :meth:`RunResult.describe`) names the first process death its
-log reports (:data:`DEATHS`: a Ray actor with class, pid and node; vLLM's engine process; a Ray node; Ray's
-OOM killer), since verl's own final error is often a consequence (e.g. "no materializable trajectories" after
-the vLLM engine died).
+A failed run's :attr:`RunResult.died` (also in :meth:`RunResult.describe`) names the most specific process death
+its log reports (:data:`DEATHS`: Ray's OOM killer; a Ray actor with class, name, pid and node; vLLM's engine
+process; a Ray worker with its pid; a Ray node), since verl's own final error is often a consequence
+(e.g. "no materializable trajectories" after the vLLM engine died).
 
 :func:`start_ray_head` starts a private single-node Ray head (free ports, own temp dir, logical
 ``--num-gpus`` for the CPU platform) and returns a :class:`RayHead` whose ``stop()`` ends exactly the

@@ -31,7 +31,8 @@ from typing import Optional
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
 __all__ = ["write_tiny_rl_dataset", "write_reward_file", "tiny_pipeline_overrides", "prepare_tiny_run", "REWARD_SOURCE",
-           "check_selecting_run", "check_params_changed", "loss_announcements", "FULL_CHECKPOINT"]
+           "check_selecting_run", "check_params_changed", "loss_announcements", "FULL_CHECKPOINT", "with_overrides",
+           "resume_overrides"]
 
 DATA_SOURCE = "tokensel_tiny_arith"
 #: overrides of a full checkpoint (what a resume loads) plus the HF weights (the parameter check) at every step
@@ -154,6 +155,23 @@ def prepare_tiny_run(work_dir: Path, *, model_dir: Optional[str | Path] = None, 
     # Hydra's run directory: by default ``outputs/<date>/<time>`` under the driver's cwd (the test's, or the Ray
     # head's for a submitted job), which would litter the checkout
     return tiny_pipeline_overrides(model_dir, train, val, reward, **kwargs) + [f"hydra.run.dir={work_dir / 'hydra'}"]
+
+
+def with_overrides(overrides: list[str], extra: list[str]) -> list[str]:
+    """``overrides`` with the keys of ``extra`` replaced by ``extra``'s values."""
+    keys = {e.split("=", 1)[0] for e in extra}
+    return [o for o in overrides if o.split("=", 1)[0] not in keys] + extra
+
+
+def resume_overrides(overrides: list[str], checkpoint: Path, work: Path) -> list[str]:
+    """The overrides of a run resumed from ``checkpoint`` (a full one: actor state and ``data.pt``, checked
+    here), writing its checkpoints and Hydra folder into ``work``."""
+    checkpoint = Path(checkpoint)
+    assert (checkpoint / "actor").is_dir() and (checkpoint / "data.pt").is_file(), \
+        sorted(p.name for p in checkpoint.iterdir())
+    return with_overrides(overrides, [f"trainer.default_local_dir={work / 'checkpoints'}",
+                                      f"hydra.run.dir={work / 'hydra'}", "trainer.resume_mode=resume_path",
+                                      f"trainer.resume_from_path={checkpoint}"])
 
 
 def check_selecting_run(result, model_dir: Path, checkpoints: Path, *, steps: list[int], ratio: float = 0.2,

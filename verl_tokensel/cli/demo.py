@@ -5,8 +5,8 @@ The embedded-default main job. With no network and no GPU it:
 1. builds a tiny Qwen2 and a byte-level BPE tokenizer locally, then warms it up with plain supervised
    next-token loss on templated traces whose route word (``think``, then the correct value, or ``guess``,
    then a near miss) is the one uncertain choice that decides the answer (:mod:`verl_tokensel.demo.task`,
-   :mod:`verl_tokensel.demo.warmup`; about two minutes, cached by its settings under ``--cache-dir``), so
-   the model is partly right and its forking tokens are real;
+   :mod:`verl_tokensel.demo.warmup`; under a minute on an idle 2-core machine, cached by its settings under
+   ``--cache-dir``), so the model is partly right and its forking tokens are real;
 2. writes the verifiable arithmetic dataset in verl's RL parquet format (``<out>/data``);
 3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor,
    GRPO advantages, math-verify reward from ``verl_tokensel.demo.reward``) for ``--steps`` steps once per

@@ -78,8 +78,9 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     for i, (s, (p_ids, r_ids)) in enumerate(zip(scored, pairs)):
         n = len(s.token_ids)
         texts = token_texts(tokenizer, p_ids, r_ids)
-        decision[i, :n] = torch.tensor(decision_token_mask(texts, "".join(texts)), dtype=torch.bool)
-        think += route_of("".join(texts)) == "think"
+        response = "".join(texts)
+        decision[i, :n] = torch.tensor(decision_token_mask(texts, response), dtype=torch.bool)
+        think += route_of(response) == "think"
     mask = valid.clone() if sel is None else select_preset(batch, sel).mask
 
     h = ent[valid]
