@@ -159,17 +159,22 @@ def setup_cpu_process(
 _COMPOSE_CACHE: dict[tuple, Any] = {}
 
 
-def compose_ppo_config(overrides: Sequence[str] = ()) -> Any:
-    """verl's ``ppo_trainer`` config (OmegaConf) composed with Hydra, plus ``overrides``. Cached."""
+ENGINES = ("fsdp", "megatron")
+_CONFIG_NAMES = {"fsdp": "ppo_trainer", "megatron": "ppo_megatron_trainer"}
+
+
+def compose_ppo_config(overrides: Sequence[str] = (), engine: str = "fsdp") -> Any:
+    """verl's ``ppo_trainer`` (``engine="megatron"``: ``ppo_megatron_trainer``) config (OmegaConf) composed with
+    Hydra, plus ``overrides``. Cached."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
-    key = tuple(overrides)
+    key = (engine, tuple(overrides))
     if key not in _COMPOSE_CACHE:
         if GlobalHydra.instance().is_initialized():
             GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-            _COMPOSE_CACHE[key] = compose(config_name="ppo_trainer", overrides=list(overrides))
+            _COMPOSE_CACHE[key] = compose(config_name=_CONFIG_NAMES[engine], overrides=list(overrides))
     return copy.deepcopy(_COMPOSE_CACHE[key])
 
 
@@ -191,17 +196,25 @@ def cpu_actor_overrides(
     dtype: str = "fp32",
     attn_implementation: str = "eager",
     gradient_checkpointing: bool = False,
+    engine: str = "fsdp",
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
 ) -> list[str]:
-    """Hydra overrides of ``ppo_trainer`` that make the actor run on CPU with the tiny model.
+    """Hydra overrides of ``ppo_trainer`` (``engine="megatron"``: ``ppo_megatron_trainer``) that make the actor
+    run on CPU with the tiny model.
 
     ``dtype`` is FSDP's compute (``mixed_precision.param_dtype``): ``fp32`` for CPU, ``bf16`` as verl
     runs on GPU; master weights, gradient reduction and buffers stay fp32 either way (verl's defaults).
+    Megatron: ``dtype`` is the engine's (see :func:`verl_tokensel.cpu.megatron.megatron_cpu_overrides`),
+    ``tensor_parallel`` / ``pipeline_parallel`` its TP / PP sizes (the rest of the world is DP).
     """
     if dtype not in ("fp32", "bf16"):
         raise ValueError(f"dtype={dtype!r}: the harness supports fp32 and bf16")
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r}: the harness supports {', '.join(ENGINES)}")
     a = "actor_rollout_ref.actor"
     m = "actor_rollout_ref.model"
-    return [
+    common = [
         f"{m}.path={model_dir}",
         f"{m}.use_remove_padding={use_remove_padding}",
         f"{m}.enable_gradient_checkpointing={gradient_checkpointing}",
@@ -211,7 +224,6 @@ def cpu_actor_overrides(
         f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz={use_dynamic_bsz}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={ppo_micro_batch_size_per_gpu}",
         f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={ppo_max_token_len_per_gpu}",
-        f"{a}.strategy=fsdp2",
         f"{a}.use_dynamic_bsz={use_dynamic_bsz}",
         f"{a}.ppo_mini_batch_size={ppo_mini_batch_size}",
         f"{a}.ppo_micro_batch_size_per_gpu={ppo_micro_batch_size_per_gpu}",
@@ -223,6 +235,14 @@ def cpu_actor_overrides(
         f"{a}.optim.lr={lr}",
         f"{a}.optim.clip_grad={clip_grad}",
         f"{a}.optim.total_training_steps=100",
+    ]
+    if engine == "megatron":
+        from verl_tokensel.cpu.megatron import megatron_cpu_overrides
+
+        return [*common, *megatron_cpu_overrides(tensor_parallel, pipeline_parallel, dtype=dtype)]
+    return [
+        *common,
+        f"{a}.strategy=fsdp2",
         f"{a}.fsdp_config.model_dtype=fp32",
         f"{a}.fsdp_config.use_torch_compile=False",
         f"+{a}.fsdp_config.mixed_precision.param_dtype={dtype}",
@@ -231,18 +251,22 @@ def cpu_actor_overrides(
     ]
 
 
-def make_actor_config(model_dir: str, overrides: Sequence[str] = (), **kwargs):
-    """(FSDPActorConfig, HFModelConfig, composed OmegaConf) for the tiny model on CPU.
+def make_actor_config(model_dir: str, overrides: Sequence[str] = (), engine: str = "fsdp", **kwargs):
+    """(FSDPActorConfig or McoreActorConfig, HFModelConfig, composed OmegaConf) for the tiny model on CPU.
 
     ``kwargs`` go to :func:`cpu_actor_overrides`; ``overrides`` (Hydra syntax) are applied after them, e.g.
     ``["actor_rollout_ref.actor.policy_loss.loss_mode=my_loss"]`` or a plugin ``_target_``.
     """
     from verl.utils.config import omega_conf_to_dataclass
 
-    cfg = compose_ppo_config([*cpu_actor_overrides(model_dir, **kwargs), *overrides])
+    cfg = compose_ppo_config([*cpu_actor_overrides(model_dir, engine=engine, **kwargs), *overrides], engine=engine)
     model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     actor_config.model_config = model_config  # as ActorRolloutRefWorker.init_model does
+    if engine == "megatron":
+        from verl_tokensel.cpu.megatron import apply_engine_dtype
+
+        apply_engine_dtype(actor_config, kwargs.get("dtype", "fp32"))
     return actor_config, model_config, cfg
 
 
@@ -262,6 +286,7 @@ class CpuActor:
     use_dynamic_bsz: bool
     use_remove_padding: bool
     init_seconds: float = 0.0
+    engine_name: str = "fsdp"  # "fsdp" (FSDP2) or "megatron"
 
     @property
     def engine(self):
@@ -273,6 +298,7 @@ class CpuActor:
 
     @property
     def module(self):
+        """The engine's model: an FSDP2 module, or Megatron's list of (DDP-wrapped) model chunks."""
         return self.worker.engine.module
 
     def set_loss_fn(self, loss_fn: Callable) -> None:
@@ -299,11 +325,17 @@ def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Op
         calculate_entropy = sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
     node = actor.cfg.actor_rollout_ref.actor.copy()
     OmegaConf.set_struct(node, False)
-    node._target_ = "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig"
+    node._target_ = ("verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig" if actor.engine_name == "megatron"
+                     else "verl_tokensel.verl_glue.actor_config.TokenselFSDPActorConfig")
     node.token_selector = preset
     node.calculate_entropy = calculate_entropy
     node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig", **knobs}
-    return omega_conf_to_dataclass(node)
+    out = omega_conf_to_dataclass(node)
+    if actor.engine_name == "megatron":
+        from verl_tokensel.cpu.megatron import apply_engine_dtype
+
+        apply_engine_dtype(out, actor.actor_config.engine.dtype)
+    return out
 
 
 def default_loss_fn(actor_config) -> Callable:
@@ -325,9 +357,14 @@ def make_training_worker(
     master_port: Optional[int] = None,
     seed: int = 0,
     num_threads: Optional[int] = 1,
+    engine: str = "fsdp",
     **config_kwargs,
 ) -> CpuActor:
     """Build verl's real ``TrainingWorker`` (FSDP2, CPU) for ``model_dir`` (default: the tiny model).
+
+    ``engine="megatron"``: verl's Megatron engine instead (megatron-core + mbridge, the CPU shims of
+    :mod:`verl_tokensel.cpu.megatron`), with ``tensor_parallel`` / ``pipeline_parallel`` in ``config_kwargs``
+    (their product must divide ``world_size``; the rest is data parallelism).
 
     ``config_kwargs`` go to :func:`cpu_actor_overrides` (``ppo_mini_batch_size``,
     ``ppo_micro_batch_size_per_gpu``, ``ppo_max_token_len_per_gpu``, ``lr``, ``clip_grad``,
@@ -339,6 +376,10 @@ def make_training_worker(
     robust when other jobs share the cores; None leaves it alone).
     """
     setup_cpu_process(rank=rank, world_size=world_size, master_port=master_port, num_threads=num_threads)
+    if engine == "megatron":
+        from verl_tokensel.cpu.megatron import install_megatron_cpu_shims
+
+        install_megatron_cpu_shims()
     if model_dir is None:
         model_dir = tiny_model.build_tiny_model_dir()
 
@@ -348,7 +389,7 @@ def make_training_worker(
     t0 = time.time()
     actor_config, model_config, cfg = make_actor_config(
         model_dir, use_dynamic_bsz=use_dynamic_bsz, use_remove_padding=use_remove_padding, overrides=overrides,
-        **config_kwargs,
+        engine=engine, **config_kwargs,
     )
     training_config = TrainingWorkerConfig(
         model_type=model_config.get("model_type", "language_model"),
@@ -384,6 +425,7 @@ def make_training_worker(
         use_dynamic_bsz=use_dynamic_bsz,
         use_remove_padding=use_remove_padding,
         init_seconds=time.time() - t0,
+        engine_name=engine,
     )
 
 
@@ -438,9 +480,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True).float()
 
 
+def _named_parameters(actor: CpuActor):
+    """``(name, parameter)`` of the engine's model; Megatron: every chunk's, names prefixed by its index."""
+    module = actor.module
+    if isinstance(module, (list, tuple)):
+        return [(f"{i}.{n}", p) for i, chunk in enumerate(module) for n, p in chunk.named_parameters()]
+    return list(module.named_parameters())
+
+
 def full_params(actor: CpuActor) -> dict[str, torch.Tensor]:
-    """Full (unsharded) fp32 copies of all trainable parameters, by HF name. Collective under DP>1."""
-    return {n: _full(p) for n, p in actor.module.named_parameters() if p.requires_grad}
+    """fp32 copies of all trainable parameters: full (unsharded) ones by HF name for FSDP (collective under
+    DP>1); for Megatron, this rank's tensor-/pipeline-parallel shards by Megatron name (chunk index first)."""
+    return {n: _full(p) for n, p in _named_parameters(actor) if p.requires_grad}
 
 
 @dataclass
@@ -491,7 +542,8 @@ def run_train_step(
     ``loss_fn`` (if given) is installed with ``set_loss_fn`` first (it stays installed). With
     ``capture_grads`` an optimizer step pre-hook copies every parameter's full gradient right before
     ``optimizer.step()``; that is AFTER verl's gradient clipping (``optim.clip_grad``), so build the worker
-    with a large ``clip_grad`` to read raw gradients. ``params_before``/``params_after`` are full copies.
+    with a large ``clip_grad`` to read raw gradients. Megatron: each parameter's ``main_grad`` (this rank's
+    shard, DP-reduced) when ``step()`` starts, before Megatron's own clipping inside ``step``. ``params_before``/``params_after`` are full copies.
     The batch is consumed (verl pops keys from it): build a new one or pass ``batch.copy()``.
     """
     if loss_fn is not None:
@@ -499,9 +551,25 @@ def run_train_step(
     result = StepResult(metrics={}, loss=float("nan"), grad_norm=None, seconds=0.0)
     if capture_params:
         result.params_before = full_params(actor)
-    handle = None
-    if capture_grads:
-        names = {id(p): n for n, p in actor.module.named_parameters()}
+    restore = None
+    if capture_grads and actor.engine_name == "megatron":
+        # Megatron's optimizer (Chained/Distributed) has no step hooks; its model parameters carry the
+        # DP-reduced gradient in ``main_grad`` when ``step()`` starts (clipping happens inside ``step``)
+        optimizer = actor.engine.optimizer
+        named = _named_parameters(actor)
+        base_step = optimizer.step
+
+        def step(*args, **kwargs):
+            result.grads_per_step.append({n: _full(p.main_grad) for n, p in named
+                                          if getattr(p, "main_grad", None) is not None})
+            return base_step(*args, **kwargs)
+
+        optimizer.step = step
+
+        def restore():
+            del optimizer.step
+    elif capture_grads:
+        names = {id(p): n for n, p in _named_parameters(actor)}
         optimizer = actor.engine.optimizer
 
         def _pre_hook(opt, args, kwargs):
@@ -512,13 +580,13 @@ def run_train_step(
                         grads[names[id(p)]] = _full(p.grad)
             result.grads_per_step.append(grads)
 
-        handle = optimizer.register_step_pre_hook(_pre_hook)
+        restore = optimizer.register_step_pre_hook(_pre_hook).remove
     t0 = time.time()
     try:
         out = actor.worker.train_mini_batch(batch)
     finally:
-        if handle is not None:
-            handle.remove()
+        if restore is not None:
+            restore()
     result.seconds = time.time() - t0
     if out is not None:
         from verl.utils import tensordict_utils as tu
