@@ -47,6 +47,9 @@ TINY_MODEL_CONFIG = dict(
     use_sliding_window=False,
 )
 
+#: the Megatron test bed's variant: two key/value heads, so tensor parallelism of 2 divides them
+MEGATRON_TINY_CONFIG = dict(num_key_value_heads=2)
+
 _COMPLETE_MARKER = ".tiny_assets_complete"
 
 
@@ -112,7 +115,7 @@ def build_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = DEFAULT_VOCA
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def _write_model(path: Path, vocab_size: int, eos_id: int, pad_id: int, seed: int) -> None:
+def _write_model(path: Path, vocab_size: int, eos_id: int, pad_id: int, seed: int, overrides: dict | None = None) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -123,7 +126,7 @@ def _write_model(path: Path, vocab_size: int, eos_id: int, pad_id: int, seed: in
         pad_token_id=pad_id,
         torch_dtype="float32",
         attn_implementation="eager",
-        **TINY_MODEL_CONFIG,
+        **{**TINY_MODEL_CONFIG, **(overrides or {})},
     )
     config._attn_implementation = "eager"
     with torch.random.fork_rng(devices=[]):
@@ -141,8 +144,11 @@ def _is_complete(path: Path) -> bool:
     return (path / _COMPLETE_MARKER).exists() and (path / "config.json").exists()
 
 
-def build_tiny_model_dir(path: str | os.PathLike | None = None, seed: int = 0) -> str:
+def build_tiny_model_dir(path: str | os.PathLike | None = None, seed: int = 0, **config) -> str:
     """Build (once) a folder with the tiny tokenizer + random Qwen2 model; returns its path as str.
+
+    ``config`` overrides :data:`TINY_MODEL_CONFIG` (e.g. :data:`MEGATRON_TINY_CONFIG`); a cached folder built
+    with other overrides is refused (ValueError), not silently reused.
 
     Cached by path: if ``path`` already holds a complete build it is returned untouched. The build goes
     to a temporary sibling folder first and is renamed into place, so a crashed/concurrent build never
@@ -150,6 +156,10 @@ def build_tiny_model_dir(path: str | os.PathLike | None = None, seed: int = 0) -
     """
     path = Path(path) if path is not None else Path(tempfile.gettempdir()) / "verl_tokensel_tiny_qwen2"
     if _is_complete(path):
+        built = json.loads((path / _COMPLETE_MARKER).read_text()).get("config", {})
+        if built != config:
+            raise ValueError(f"{path} holds a tiny model built with config overrides {built}, not {config}: "
+                             "use another folder")
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".build-", dir=str(path.parent)))
@@ -157,8 +167,8 @@ def build_tiny_model_dir(path: str | os.PathLike | None = None, seed: int = 0) -
         tokenizer = build_tiny_tokenizer(tmp)
         vocab_size = len(tokenizer)
         _write_model(tmp, vocab_size, tokenizer.convert_tokens_to_ids(EOS_TOKEN),
-                     tokenizer.convert_tokens_to_ids(PAD_TOKEN), seed)
-        (tmp / _COMPLETE_MARKER).write_text(json.dumps({"vocab_size": vocab_size, "seed": seed}))
+                     tokenizer.convert_tokens_to_ids(PAD_TOKEN), seed, config)
+        (tmp / _COMPLETE_MARKER).write_text(json.dumps({"vocab_size": vocab_size, "seed": seed, "config": config}))
         try:
             os.replace(tmp, path)  # atomic when path does not exist (or is an empty dir)
         except OSError:

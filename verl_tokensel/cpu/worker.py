@@ -430,6 +430,21 @@ def make_training_worker(
 
 
 
+def _from_output_rank(out):
+    """Megatron: ``infer_batch`` returns the outputs on the model-parallel source rank only (TP rank 0 of the
+    last pipeline stage); verl's driver collects them there and sends them with the next call to every rank.
+    Here every rank of the model-parallel group gets them from that rank."""
+    from megatron.core import parallel_state as mpu
+
+    group = mpu.get_model_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return out
+    mine = None if out is None else {k: out[k] for k in ("log_probs", "entropy")}
+    gathered = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(gathered, mine, group=group)
+    return next(o for o in gathered if o is not None)
+
+
 def compute_old_log_probs(actor: CpuActor, batch, write: bool = True):
     """Run the real old-log-prob pass (``TrainingWorker.infer_batch``, as ``compute_log_prob`` does) and,
     like the v1 driver, store ``old_log_probs`` and ``entropy`` (response part, nested) into ``batch``.
@@ -452,6 +467,8 @@ def compute_old_log_probs(actor: CpuActor, batch, write: bool = True):
         global_token_num=probe["input_ids"].offsets().diff().tolist(),
     )
     out = actor.worker.infer_batch(probe)
+    if actor.engine_name == "megatron":
+        out = _from_output_rank(out)
     log_probs, entropy = out["log_probs"], out["entropy"]
     if batch["responses"].is_nested:
         olp = response_from_nested(log_probs, batch["response_mask"])
