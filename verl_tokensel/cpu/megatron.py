@@ -394,6 +394,7 @@ def apply_engine_dtype(actor_config, dtype: str) -> None:
     ``fp32`` is the test bed's default: the Megatron-vs-FSDP comparison then measures the engines, not
     bf16 rounding (the FSDP harness runs in fp32 too). ``bf16`` leaves verl's value as it is.
     """
+    dtype = {v: k for k, v in _ENGINE_DTYPES.items()}.get(dtype, dtype)  # "float32" -> "fp32"
     if dtype not in _ENGINE_DTYPES:
         raise ValueError(f"dtype={dtype!r}: the Megatron test bed supports {', '.join(_ENGINE_DTYPES)}")
     object.__setattr__(actor_config.engine, "dtype", _ENGINE_DTYPES[dtype])

@@ -130,18 +130,6 @@ class TokenselMcoreActorConfig(_TokenSelectMixin, McoreActorConfig):
     def __post_init__(self):
         super().__post_init__()
         self._tokensel_post_init()
-        sel = self.selection
-        if sel is not None and sel.score_source == "prepass":
-            # the pre-pass runs the engine's forward-only path inside the update; with Megatron that path
-            # also drives pipeline schedules, dynamic context parallelism and router-replay recording,
-            # none of which has been checked with an extra forward per mini-batch
-            raise TokenSelectionConfigError(
-                "actor_rollout_ref.actor.token_selection.score_source='prepass' is invalid with "
-                "model_engine=megatron; valid values there: current, rollout. The per-mini-batch pre-pass is "
-                "only implemented and tested for the FSDP/FSDP2 engine (model_engine=dp). Fix: set "
-                "token_selection.score_source=rollout (e.g. token_selector=gmts with scope=group keeps GMTS' "
-                "per-prompt pools, scored by verl's old-log-prob pass) or use model_engine=dp."
-            )
 
 
 # Names the YAML's `_target_: ...${model_engine}_actor_config` resolves to.
