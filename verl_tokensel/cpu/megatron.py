@@ -388,6 +388,26 @@ def megatron_cpu_overrides(tensor_parallel: int = 1, pipeline_parallel: int = 1,
     ]
 
 
+def megatron_gpu_overrides(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> list[str]:
+    """The harness's Megatron overrides on a GPU (``VERL_TOKENSEL_HARNESS_DEVICE=cuda``): verl's own engine
+    defaults (bf16, flash attention, megatron-bridge unless only mbridge imports), no shim, the given
+    TP / PP sizes and no sequence parallelism at TP 1 (verl's default turns it on)."""
+    import importlib.util
+
+    g = "actor_rollout_ref.actor.megatron"
+    try:
+        bridge = importlib.util.find_spec("megatron.bridge") is not None
+    except ModuleNotFoundError:
+        bridge = False
+    return [
+        "actor_rollout_ref.actor.strategy=megatron",
+        f"{g}.tensor_model_parallel_size={tensor_parallel}",
+        f"{g}.pipeline_model_parallel_size={pipeline_parallel}",
+        f"{g}.sequence_parallel={tensor_parallel > 1}",
+        f"{g}.vanilla_mbridge={not bridge}",
+    ]
+
+
 def apply_engine_dtype(actor_config, dtype: str) -> None:
     """Set the Megatron engine's ``dtype`` after verl's validation (which admits only bf16/fp16).
 
@@ -468,4 +488,4 @@ def install_megatron_cpu_shims() -> None:
 
 
 __all__ = ["MegatronCpuError", "apply_engine_dtype", "install_megatron_cpu_shims", "megatron_available",
-           "megatron_cpu_overrides"]
+           "megatron_cpu_overrides", "megatron_gpu_overrides"]

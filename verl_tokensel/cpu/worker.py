@@ -237,9 +237,11 @@ def cpu_actor_overrides(
         f"{a}.optim.total_training_steps=100",
     ]
     if engine == "megatron":
-        from verl_tokensel.cpu.megatron import megatron_cpu_overrides
+        from verl_tokensel.cpu.megatron import megatron_cpu_overrides, megatron_gpu_overrides
 
-        return [*common, *megatron_cpu_overrides(tensor_parallel, pipeline_parallel, dtype=dtype)]
+        if harness_device() == "cpu":
+            return [*common, *megatron_cpu_overrides(tensor_parallel, pipeline_parallel, dtype=dtype)]
+        return [*common, *megatron_gpu_overrides(tensor_parallel, pipeline_parallel)]
     return [
         *common,
         f"{a}.strategy=fsdp2",
@@ -263,7 +265,7 @@ def make_actor_config(model_dir: str, overrides: Sequence[str] = (), engine: str
     model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     actor_config.model_config = model_config  # as ActorRolloutRefWorker.init_model does
-    if engine == "megatron":
+    if engine == "megatron" and harness_device() == "cpu":
         from verl_tokensel.cpu.megatron import apply_engine_dtype
 
         apply_engine_dtype(actor_config, kwargs.get("dtype", "fp32"))
@@ -376,7 +378,7 @@ def make_training_worker(
     robust when other jobs share the cores; None leaves it alone).
     """
     setup_cpu_process(rank=rank, world_size=world_size, master_port=master_port, num_threads=num_threads)
-    if engine == "megatron":
+    if engine == "megatron" and harness_device() == "cpu":
         from verl_tokensel.cpu.megatron import install_megatron_cpu_shims
 
         install_megatron_cpu_shims()
