@@ -199,6 +199,10 @@ def selection_ranks(scores: torch.Tensor, valid: torch.Tensor, direction: str, s
     return ranks
 
 
+#: the :func:`selection_stats` keys present for every selection (the others only where defined)
+EVERY_MICRO_BATCH_STATS = ("selected_fraction", "selected_tokens", "valid_tokens", "nan_scores")
+
+
 def selection_stats(
     mask: torch.Tensor,
     valid_mask: torch.Tensor,

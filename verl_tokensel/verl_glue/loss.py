@@ -54,7 +54,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 from verl_tokensel.core.batch import ScoreBatch, score_batch
 from verl_tokensel.core.config import Selection
 from verl_tokensel.core.scores import grad_mass, score_params
-from verl_tokensel.core.select import select_tokens, selection_stats
+from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS, select_tokens, selection_stats
 from verl_tokensel.verl_glue.announce import announce_loss
 
 METRIC_PREFIX = "tokensel/"
@@ -309,7 +309,12 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
     stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
     for key, value in stats.items():
-        metrics[METRIC_PREFIX + key] = Metric(value=value, aggregation=AggregationType.MEAN)
+        # A stat that exists only where it is defined (no selected token in this micro-batch: no threshold, no
+        # selected entropy) is a plain value: verl concatenates those over data-parallel ranks, while its
+        # Metric.aggregate_dp needs the same count on every rank and fails the update otherwise. The driver
+        # reduces plain values by name (np.min for *_min_*, np.max for *_max_*, else the mean).
+        metrics[METRIC_PREFIX + key] = (Metric(value=value, aggregation=AggregationType.MEAN)
+                                        if key in EVERY_MICRO_BATCH_STATS else value)
     return loss, metrics
 
 
