@@ -7,7 +7,7 @@
 - the V1 trainers' ``_init_resource_pool_mgr`` (all three tokensel modes, hybrid replicas on and off) and
   the v0 TaskRunner's ``add_actor_rollout_worker`` put that class in ``role_worker_mapping`` exactly when
   the selection uses the pre-pass, after verl's own (or separate-async's) choice;
-- Megatron with ``score_source=prepass`` is refused on the driver; group ids from ``uid`` are stable.
+- Megatron with ``score_source=prepass`` composes and gets the pre-pass workers; group ids from ``uid`` are stable.
 """
 
 from __future__ import annotations
@@ -108,25 +108,23 @@ def test_v0_task_runner_builds_the_tokensel_worker_for_selectors(selector):
     assert actor_cls is expected and _base(remote_cls) is expected
 
 
-def test_megatron_refuses_prepass_on_the_driver():
+def test_megatron_takes_the_prepass_on_the_driver():
+    """``gmts`` (pre-pass) composes on Megatron and its actor workers are the pre-pass twins, as on FSDP (the
+    pre-pass itself through the real Megatron engine: ``test_megatron_engine_on_cpu.py``)."""
     from hydra import compose, initialize_config_module
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_tokensel.core.config import TokenSelectionConfigError
+    from verl_tokensel.verl_glue.actor_config import TokenselMcoreActorConfig
+    from verl_tokensel.verl_glue.prepass import selection_uses_tokensel_workers
 
-    def actor(*overrides):
-        with initialize_config_module("verl_tokensel.config", version_base=None):
-            cfg = compose("tokensel_megatron_trainer",
-                          overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                                     "actor_rollout_ref.actor.token_selector=gmts",
-                                     *overrides])
-        return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-
-    with pytest.raises(Exception, match=r"score_source='prepass'.*model_engine=megatron.*Fix") as err:
-        actor()
-    assert (isinstance(err.value, TokenSelectionConfigError)
-            or isinstance(err.value.__cause__, TokenSelectionConfigError))
-    assert actor("actor_rollout_ref.actor.token_selection.score_source=rollout").selection.score_source == "rollout"
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        cfg = compose("tokensel_megatron_trainer",
+                      overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                                 "actor_rollout_ref.actor.token_selector=gmts"])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert type(actor) is TokenselMcoreActorConfig and actor.selection.score_source == "prepass"
+    assert selection_uses_tokensel_workers(cfg)
+    assert tokensel_worker_class(ActorRolloutRefWorker).actor_worker_cls is TokenselTrainingWorker
 
 
 def test_group_ids_are_stable_and_shared_by_equal_uids():

@@ -35,26 +35,51 @@ def prompt_lengths(data) -> list[int]:
     return data["attention_mask"][:, : prompts.shape[1]].sum(1).tolist()
 
 
+def _lm_head(actor):
+    """The module whose output is the logits: HF's ``lm_head``, or Megatron's ``output_layer`` on the last
+    pipeline stage (None on an earlier stage, which computes no logits)."""
+    module = actor.module
+    if not isinstance(module, (list, tuple)):
+        return module.lm_head
+    from megatron.core.utils import unwrap_model
+
+    return getattr(unwrap_model(module[-1]), "output_layer", None)
+
+
 @contextlib.contextmanager
 def capture_logit_grads(actor) -> Iterator[list]:
-    """Record the gradient reaching the LM head's output at every backward of a training forward."""
+    """Record the gradient reaching the LM head's output at every backward of a training forward.
+
+    Megatron's ``output_layer`` returns ``(logits, bias)`` laid out ``[seq, batch, vocab / TP]``: its gradient
+    is stored as ``[batch, seq, vocab / TP]`` (this rank's vocabulary shard), like the HF head's."""
     grads: list = []
+    head = _lm_head(actor)
 
     def fwd_hook(module, inputs, output):
-        if torch.is_grad_enabled() and output.requires_grad:
+        megatron = isinstance(output, tuple)
+        logits = output[0] if megatron else output
+        if torch.is_grad_enabled() and logits.requires_grad:
             slot = len(grads)
             grads.append(None)
-            output.register_hook(lambda g, slot=slot: grads.__setitem__(slot, g.detach().clone()))
 
-    handle = actor.module.lm_head.register_forward_hook(fwd_hook)
+            def keep(g, slot=slot):
+                grads[slot] = (g.transpose(0, 1) if megatron else g).detach().clone()
+
+            logits.register_hook(keep)
+
+    handle = head.register_forward_hook(fwd_hook) if head is not None else None
     try:
         yield grads
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
 
 
-def token_grad_norms(logit_grads: list, micro: list[dict], rmpad: bool) -> list[torch.Tensor]:
-    """Per micro-batch: ``(batch, max_resp)`` float64 norms of the logits' gradient at each response token."""
+def token_grad_norms(logit_grads: list, micro: list[dict], rmpad: bool, align: int = 1) -> list[torch.Tensor]:
+    """Per micro-batch: ``(batch, max_resp)`` float64 norms of the logits' gradient at each response token.
+
+    ``align``: packed (``rmpad``) sequences start at multiples of it (Megatron pads each packed sequence to a
+    multiple of the tensor-parallel size)."""
     assert len(logit_grads) == len(micro), (len(logit_grads), len(micro))
     out = []
     for grad, m in zip(logit_grads, micro):
@@ -64,7 +89,7 @@ def token_grad_norms(logit_grads: list, micro: list[dict], rmpad: bool) -> list[
             for j in range(rl):
                 pos = pl + j - 1  # logits at position t predict token t + 1
                 norms[i, j] = (grad[0, offset + pos] if rmpad else grad[i, pos]).double().norm()
-            offset += pl + rl
+            offset += -(-(pl + rl) // align) * align
         out.append(norms)
     return out
 

@@ -1,5 +1,8 @@
 """verl's Megatron engine on CPU: the runtime shims of the CPU test bed (gloo, tiny models, no GPU).
 
+Why one file over 400 lines: the six shims are installed together, in order, by one call, and each is
+short; about 45 lines are this docstring (the test bed's manual).
+
 What it is for: running verl 0.9's REAL ``MegatronEngineWithLMHead`` (``TrainingWorker`` with
 ``model_engine=megatron``, megatron-core + mbridge) on a CPU host, with tensor, pipeline and data
 parallelism over gloo, so that the token-selection loss, the pre-pass and the driver-side mask are tested
@@ -57,7 +60,7 @@ import inspect
 import os
 import sys
 import types
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 

@@ -115,7 +115,8 @@ def build_tiny_tokenizer(path: str | os.PathLike, vocab_size: int = DEFAULT_VOCA
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def _write_model(path: Path, vocab_size: int, eos_id: int, pad_id: int, seed: int, overrides: dict | None = None) -> None:
+def _write_model(path: Path, vocab_size: int, eos_id: int, pad_id: int, seed: int,
+                 overrides: dict | None = None) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

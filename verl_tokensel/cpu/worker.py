@@ -562,7 +562,8 @@ def run_train_step(
     ``capture_grads`` an optimizer step pre-hook copies every parameter's full gradient right before
     ``optimizer.step()``; that is AFTER verl's gradient clipping (``optim.clip_grad``), so build the worker
     with a large ``clip_grad`` to read raw gradients. Megatron: each parameter's ``main_grad`` (this rank's
-    shard, DP-reduced) when ``step()`` starts, before Megatron's own clipping inside ``step``. ``params_before``/``params_after`` are full copies.
+    shard, DP-reduced) when ``step()`` starts, before Megatron's own clipping inside ``step``.
+    ``params_before``/``params_after`` are full copies.
     The batch is consumed (verl pops keys from it): build a new one or pass ``batch.copy()``.
     """
     if loss_fn is not None:

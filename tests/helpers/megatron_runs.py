@@ -1,0 +1,122 @@
+"""One rank of a Megatron-engine run on the CPU test bed: every preset through one real ``TrainingWorker``.
+
+Use with :func:`helpers.distributed.run_distributed` (spawned gloo ranks; Megatron's parallel state is
+per process, so each layout gets its own processes)::
+
+    run = run_distributed(megatron_rank_run, world_size=2, args=(model_dir, tp, pp, dyn, rmpad))
+
+Each rank returns, per preset, what the loss saw per micro-batch (mask, rows, the log-prob gradient),
+the logits' gradient norms per response token, what the pre-pass wrote per mini-batch, the driver's mask
+per row (``forking_paper``) and, for ``none``, the loss and every parameter gradient next to stock verl's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_tokensel.cpu import batches as B, worker as H
+
+from helpers import distributed as D
+from helpers.grad_probe import capture_logit_grads, prompt_lengths, response_lengths, row_ids, token_grad_norms
+
+PRESETS = ["none", "forking", "forking_bottom", "random", "grad_norm", "forking_paper", "gmts", "gmts_mini_batch"]
+#: runs that are a preset with knobs: name -> (preset, token_selection knobs)
+VARIANTS = {"gmts_mini_batch": ("gmts", {"scope": "mini_batch"})}
+N = 12  # responses per update: 3 prompts x 4 responses, two mini-batches of 6 (DP 2: the middle prompt split 2 + 2)
+BATCH_KW = dict(n=N, seed=5, resp_len=(3, 10), group_size=4)
+WORKER_KW = dict(ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=48,
+                 lr=0.0, clip_grad=1e9)
+#: gmts at group scope runs the whole batch as one mini-batch, so that a prompt group straddles the DP ranks
+ONE_MINI_BATCH = ("gmts",)
+
+
+def pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+
+
+def _padded(field, resp_lens) -> torch.Tensor:
+    rows = field.unbind(0) if field.is_nested else [field[i, :n] for i, n in enumerate(resp_lens)]
+    out = torch.zeros(len(rows), max(resp_lens), dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
+def _plain_metrics(metrics: dict) -> dict:
+    out = {}
+    for k, v in metrics.items():
+        if k.startswith("tokensel/") or k in ("loss", "grad_norm"):
+            vals = v if isinstance(v, list) else [v]
+            out[k] = [float(getattr(x, "value", x)) for x in vals]
+    return out
+
+
+def _one_preset(actor, preset: str, tp: int, stock: bool = False) -> dict:
+    from megatron.core import parallel_state as mpu
+
+    from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, SelectingLoss
+
+    from verl.utils import tensordict_utils as tu
+
+    name, knobs = VARIANTS.get(preset, (preset, {}))
+    cfg = H.selecting_actor_config(actor, name, **knobs)
+    full = B.make_update_batch(actor, calculate_entropy=bool(cfg.calculate_entropy), **BATCH_KW)
+    if preset in ONE_MINI_BATCH:
+        tu.assign_non_tensor(full, mini_batch_size=N, global_batch_size=N)
+    H.compute_old_log_probs(actor, full)  # every rank, the whole batch: what the driver holds
+    out: dict = {"micro": [], "minibatches": [], "logit_norms": []}
+    if preset == "forking_paper":
+        B.add_driver_selection(cfg, full)
+        out["driver_mask_by_row"] = {row: m.bool().clone() for row, m in
+                                     zip(row_ids(full), full[MASK_FIELD].unbind(0))}
+    shard = D.split_for_dp(full, mpu.get_data_parallel_world_size())[mpu.get_data_parallel_rank()]
+    out["rows_on_rank"] = int(shard.batch_size[0])
+
+    def observe(rec):
+        d = rec["data"]
+        slot = dict(mask=rec["mask"].clone(), response_mask=rec["response_mask"].clone(), rows=row_ids(d),
+                    prompt_lens=prompt_lengths(d), resp_lens=response_lengths(d))
+        rec["log_prob"].register_hook(lambda g, slot=slot: slot.__setitem__("log_prob_grad", g.detach().clone()))
+        out["micro"].append(slot)
+
+    inner = actor.worker.train_batch  # the pre-pass wrap (install_prepass) around verl's train_batch
+
+    def spy(data, *args, **kwargs):
+        result = inner(data, *args, **kwargs)
+        if MASK_FIELD in data.keys() and name == "gmts":
+            lens = response_lengths(data)
+            out["minibatches"].append(dict(uids=[str(u) for u in data.get("uid").tolist()], resp_lens=lens,
+                                           mask=_padded(data[MASK_FIELD], lens).bool(),
+                                           scores=_padded(data[SCORE_FIELD], lens)))
+        return result
+
+    actor.worker.train_batch = spy
+    try:
+        with capture_logit_grads(actor) as logit_grads:
+            r = H.run_train_step(actor, shard.copy(), loss_fn=SelectingLoss(cfg, observer=observe),
+                                 capture_grads=stock, capture_params=False)
+    finally:
+        actor.worker.train_batch = inner
+    if out["micro"]:
+        out["logit_norms"] = token_grad_norms(logit_grads, out["micro"], actor.use_remove_padding, align=tp)
+    out["metrics"] = _plain_metrics(r.metrics)
+    out["loss"] = r.loss
+    if stock:  # the same shard through stock verl's ppo_loss, weights unchanged (lr 0)
+        s = H.run_train_step(actor, shard.copy(), loss_fn=H.default_loss_fn(actor.actor_config),
+                             capture_grads=True, capture_params=False)
+        out["stock_loss"] = s.loss
+        out["grads"] = {f"{i}:{k}": v for i, g in enumerate(r.grads_per_step) for k, v in g.items()}
+        out["stock_grads"] = {f"{i}:{k}": v for i, g in enumerate(s.grads_per_step) for k, v in g.items()}
+    return out
+
+
+def megatron_rank_run(rank: int, world: int, model_dir: str, tp: int, pp: int, dyn: bool, rmpad: bool) -> dict:
+    """Every preset of :data:`PRESETS` through this rank's Megatron ``TrainingWorker`` (lr 0)."""
+    from megatron.core import parallel_state as mpu
+
+    actor = H.make_training_worker(model_dir, engine="megatron", rank=rank, world_size=world, tensor_parallel=tp,
+                                   pipeline_parallel=pp, use_dynamic_bsz=dyn, use_remove_padding=rmpad, **WORKER_KW)
+    presets = {p: _one_preset(actor, p, tp, stock=(p == "none")) for p in PRESETS}
+    # verl's TrainingWorker returns the step's metrics on the model-parallel source rank only
+    return {"rank": rank, "runs_loss": mpu.is_pipeline_last_stage(), "presets": presets,
+            "returns_metrics": actor.engine.is_mp_src_rank_with_outputs()}
