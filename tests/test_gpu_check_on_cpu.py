@@ -1,13 +1,16 @@
 """benchmarks/gpu_check.py and its shell scripts, exercised on CPU.
 
 The script's real job needs a GPU (a Qwen3-0.6B-shaped model, 4k-token responses); here it runs in
-its ``--tiny --device cpu`` mode end to end (verl's real TrainingWorker, FSDP2, fp32) and the JSON it
-writes is checked. The sanity checker (the part that must catch a leaking mask on the GPU) is also
-fed hand-made micro-batches, one correct and one with a leak, and the watchdog is made to fire.
+its ``--tiny --device cpu`` mode end to end (verl's real TrainingWorker: FSDP2, then the Megatron engine
+on the CPU test bed of ``verl_tokensel.cpu.megatron``, fp32) and the JSON it writes is checked; a second
+run puts the GPU fallback's attention (torch SDPA per packed sequence) on the Megatron test bed. The
+sanity checker (the part that must catch a leaking mask on the GPU) is also fed hand-made micro-batches,
+one correct and one with a leak, and the watchdog is made to fire. About 60 s on two idle cores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -37,7 +40,7 @@ def _run(args, timeout):
                           timeout=timeout, cwd=str(ROOT), env=env)
 
 
-@pytest.mark.parametrize("script", ["gpu_check.sh", "pack_wheels.sh", "pack_gpu_site.sh"])
+@pytest.mark.parametrize("script", ["gpu_check.sh", "pack_wheels.sh", "pack_gpu_site.sh", "pack_megatron_wheels.sh"])
 def test_shell_scripts_parse(script):
     r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -53,10 +56,16 @@ def test_gpu_check_sh_refuses_a_machine_without_gpu_torch():
     assert "ERROR: torch" in r.stderr and "--tiny --device cpu" in r.stderr
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
+def _needs_verl_and_megatron():
     if importlib.util.find_spec("verl") is None:  # pragma: no cover
         pytest.skip("verl is not installed")
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:
+        pytest.skip("megatron-core / mbridge are not installed (the Megatron phase's CPU test bed needs them)")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    _needs_verl_and_megatron()
     tmp = tmp_path_factory.mktemp("gpu_check")
     out = tmp / "gpu_check.json"
     r = _run(["--tiny", "--device", "cpu", "--out", str(out), "--workdir", str(tmp), "--warmup", "0",
@@ -69,9 +78,10 @@ def test_tiny_cpu_run_passes_and_prints_the_table(tiny_run):
     r, res = tiny_run
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert res["status"] == "ok" and res["failures"] == []
-    assert "FSDP2:" in r.stdout and "gpu_check: ok" in r.stdout
-    for name in ("none", "forking", "gmts"):
-        assert any(line.startswith(name + " ") for line in r.stdout.splitlines()), r.stdout
+    assert "FSDP2:" in r.stdout and "Megatron:" in r.stdout and "gpu_check: ok" in r.stdout
+    assert "stack: " in r.stdout and "FSDP2 vs Megatron" in r.stdout
+    for name in ("none", "forking", "gmts"):  # one row per variant in each table
+        assert sum(line.startswith(name + " ") for line in r.stdout.splitlines()) == 2, r.stdout
 
 
 def test_tiny_cpu_json_fields_and_values(tiny_run):
@@ -101,7 +111,71 @@ def test_tiny_cpu_json_fields_and_values(tiny_run):
         assert v[name]["calculate_entropy"] is True
         assert v[name]["selection"]["scope"] == "micro_batch"
         assert v[name]["selection"]["ratio"] == 0.2
-    assert res["megatron"]["status"] == "skipped" and res["megatron"]["reason"]
+    assert fsdp["old_log_prob_mean"] < 0 and fsdp["old_entropy_mean"] > 0
+
+
+def test_tiny_cpu_megatron_phase_on_the_test_bed(tiny_run):
+    """The Megatron phase on the CPU test bed: same variants and checks as FSDP, gmts with its real pre-pass,
+    the logit-gradient check through output_layer's hook, and the same numbers as FSDP on the same weights."""
+    _, res = tiny_run
+    assert set(res["phases"]) >= {"megatron"} and res["phases"]["megatron"]["status"] in ("ok", "over_budget")
+    mega, fsdp = res["megatron"], res["fsdp"]
+    assert mega["status"] == "ok" and mega["failures"] == [] and mega["engine"] == "megatron", mega.get("error")
+    assert mega["rounds_done"] >= 1 and mega["tokens_per_step"] == fsdp["tokens_per_step"]
+    stack = mega["stack"]
+    assert stack["platform"].startswith("cpu test bed") and stack["layers"] == "local"
+    assert stack["bridge"].startswith("mbridge") and stack["vanilla_mbridge"] is True
+    assert stack["megatron_core"] and stack["engine_dtype"] == "float32" and stack["tensor_parallel"] == 1
+    assert stack["core_attention_class"] == "DotProductAttention"
+    v = mega["variants"]
+    assert list(v) == ["none", "forking", "gmts"] and mega["baseline"] == "none"
+    assert v["none"]["step_ratio_vs_none"] == 1.0
+    for name, p in v.items():
+        assert p["step_s_median"] > 0 and p["peak_mem_bytes"] is None, (name, p)
+        s = p["sanity"]
+        assert s["failures"] == [] and s["micro_batches"] >= 2, s
+        # output_layer's forward hook saw every micro-batch; no unselected token got logit gradient
+        assert s["grad_checked"] == s["micro_batches"] and s["unselected_with_grad"] == 0, s
+        assert s["selected_without_grad"] == 0 and "grad_check_skipped" not in s
+    assert v["none"]["sanity"]["selected_fraction"] == 1.0
+    f = v["forking"]
+    assert f["selection"]["score_source"] == "current" and f["selection"]["scope"] == "micro_batch"
+    assert f["sanity"]["count_checked"] == f["sanity"]["micro_batches"] and f["calculate_entropy"] is True
+    assert 0.2 <= f["sanity"]["selected_fraction"] < 0.3
+    g = v["gmts"]  # the real pre-pass: group scope, one selection for the mini-batch before the update
+    assert g["selection"]["score_source"] == "prepass" and g["selection"]["scope"] == "group"
+    assert g["calculate_entropy"] is False  # the pre-pass scored; the update pass needs no entropy
+    gs = g["sanity"]
+    assert gs["expected_selected_tokens"] == gs["selected_tokens"] == round(gs["prepass_selected_tokens"])
+    assert 0.2 <= gs["prepass_selected_fraction"] < 0.3 and gs["prepass_reused_old_pass"] == 0.0
+    # same weights, same batch, fp32: the engines agree
+    cmp = res["fsdp_vs_megatron"]
+    assert abs(mega["old_log_prob_mean"] - fsdp["old_log_prob_mean"]) < 1e-4, cmp
+    for name in ("none", "forking"):
+        loss_f, loss_m = cmp["variants"][name]["loss"]
+        gn_f, gn_m = cmp["variants"][name]["grad_norm"]
+        assert abs(loss_f - loss_m) < 1e-5 and abs(gn_f - gn_m) < 1e-4 * gn_f, cmp
+    assert "gmts" not in cmp["variants"]  # FSDP measured gmts in the loss, Megatron with its pre-pass
+
+
+def test_tiny_cpu_megatron_with_the_gpu_fallback_attention(tiny_run, tmp_path):
+    """--megatron-attention sdpa: the attention gpu_check.py puts into megatron-core's local layers on a GPU
+    without TransformerEngine, here on the CPU test bed: same log-probs as the test bed's own attention."""
+    _, first = tiny_run
+    out = tmp_path / "sdpa.json"
+    r = _run(["--tiny", "--device", "cpu", "--out", str(out), "--workdir", str(tmp_path), "--no-fsdp",
+              "--megatron-attention", "sdpa", "--warmup", "0", "--steps", "1", "--variants", "none", "forking",
+              "--deadline", "300"], timeout=400)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["fsdp"]["status"] == "skipped" and "FSDP2: skipped: --no-fsdp" in r.stdout
+    mega = res["megatron"]
+    assert mega["status"] == "ok" and mega["stack"]["attention"] == "torch sdpa per packed sequence"
+    assert abs(mega["old_log_prob_mean"] - first["megatron"]["old_log_prob_mean"]) < 1e-5
+    assert abs(mega["old_entropy_mean"] - first["megatron"]["old_entropy_mean"]) < 1e-5
+    for name in ("none", "forking"):
+        s = mega["variants"][name]["sanity"]
+        assert s["failures"] == [] and s["grad_checked"] == s["micro_batches"] and s["unselected_with_grad"] == 0
 
 
 def test_sanity_checker_catches_a_leak_and_a_wrong_count():
@@ -132,6 +206,46 @@ def test_sanity_checker_catches_a_leak_and_a_wrong_count():
     assert any("ceil(0.2 N) = 2" in f for f in wrong["failures"]), wrong["failures"]
 
 
+def test_sanity_checker_megatron_layout_and_step_totals():
+    """Megatron's output_layer gives logits [tokens, 1, vocab] (flags [tokens, 1]); with align > 1 every packed
+    sequence is padded to a multiple of it. A pre-pass selection is checked by its total over the step."""
+    from verl_tokensel.core.config import Selection
+
+    gc = _load_script()
+    rec = gc.SanityRecorder(type("FakeActor", (), {"module": object()})(), align=4)
+    rec.handle = object()
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    mask = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    # sample 0: 2 + 4 = 6 tokens, padded to 8; sample 1 starts at 8
+    rows = torch.zeros(13, 1, dtype=torch.bool)
+    rows[[2, 3], 0] = True  # sample 0, j = 1, 2 (position 2 - 1 + j)
+    rows[8 + 3 - 1, 0] = True  # sample 1, j = 0
+    rec.calls = [{"prompt_lens": [2, 3], "resp_lens": [4, 2], "mask": mask, "valid": valid}]
+    rec.grad_rows = [rows]
+    group = Selection(score="gmts", ratio=0.5, direction="top", scope="group", normaliser="all",
+                      score_source="prepass")
+    ok = rec.check(group, rmpad=True, expected_selected=3)
+    assert ok["failures"] == [] and ok["grad_checked"] == 1 and ok["count_checked"] == 0, ok
+    short = rec.check(group, rmpad=True, expected_selected=4)
+    assert any("3 tokens selected over the step, 4 expected" in f for f in short["failures"]), short["failures"]
+    # what the step must select: ceil(ratio n) per pool
+    assert gc.expected_selected(group, [4, 2, 3, 5], ["a", "a", "b", "b"]) == 3 + 4
+    assert gc.expected_selected(dataclasses.replace(group, scope="sequence"), [4, 2, 3, 5], ["a"] * 4) == 2 + 1 + 2 + 3
+    assert gc.expected_selected(dataclasses.replace(group, scope="mini_batch"), [4, 2, 3, 5], ["a"] * 4) == 7
+    assert gc.expected_selected(dataclasses.replace(group, scope="micro_batch"), [4], ["a"]) is None
+
+
+def test_recording_loss_stays_a_selecting_loss():
+    """The sanity step's loss must still be a SelectingLoss: the pre-pass and the no-graph scores look for one."""
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+
+    gc = _load_script()
+    rec = gc.SanityRecorder(type("FakeActor", (), {"module": object()})())
+    loss = rec.wrap(SelectingLoss(config=None))
+    assert isinstance(loss, SelectingLoss) and type(loss).__name__ == "RecordingSelectingLoss"
+    assert loss.selection is None
+
+
 def test_variant_spec_parsing():
     from verl_tokensel.core.config import PRESETS
 
@@ -143,6 +257,10 @@ def test_variant_spec_parsing():
     for name, sel in PRESETS.items():  # presets scored outside the loss are measured inside it
         if sel is not None and getattr(sel, "score_source", "current") != "current":
             assert gc.parse_variant(name)[2] == {"score_source": "current", "scope": "micro_batch"}
+    # the Megatron phase runs the worker's real pre-pass; the driver's rollout selection is still converted
+    assert gc.parse_variant("gmts", run_prepass=True) == ("gmts", False, {})
+    assert gc.parse_variant("forking_paper", run_prepass=True)[2] == {"score_source": "current",
+                                                                     "scope": "micro_batch"}
     with pytest.raises(ValueError, match="PRESET"):
         gc.parse_variant("no_such_preset")
 

@@ -63,8 +63,10 @@ def _one_preset(actor, preset: str, tp: int, stock: bool = False) -> dict:
     full = B.make_update_batch(actor, calculate_entropy=bool(cfg.calculate_entropy), **BATCH_KW)
     if preset in ONE_MINI_BATCH:
         tu.assign_non_tensor(full, mini_batch_size=N, global_batch_size=N)
-    H.compute_old_log_probs(actor, full)  # every rank, the whole batch: what the driver holds
+    olp, ent = H.compute_old_log_probs(actor, full)  # every rank, the whole batch: what the driver holds
     out: dict = {"micro": [], "minibatches": [], "logit_norms": []}
+    if stock:
+        out["old"] = {row: (lp.clone(), e.clone()) for row, lp, e in zip(row_ids(full), olp.unbind(0), ent.unbind(0))}
     if preset == "forking_paper":
         B.add_driver_selection(cfg, full)
         out["driver_mask_by_row"] = {row: m.bool().clone() for row, m in
