@@ -35,7 +35,8 @@ The shims (all installed together, idempotently):
    (literal in Megatron's optimizer, grad scaler, clip_grads) to the CPU. Modules imported later get it
    too (an import hook).
 2. ``megatron/core/tensor_parallel/random.py`` ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` read and
-   write the CPU generator (upstream: ``torch.cuda.default_generators[idx]``).
+   write the CPU generator (upstream: ``torch.cuda.default_generators[idx]``); the tracker's warning that the
+   CPU generator moved inside a fork (it always does, being the "GPU" one) is filtered out.
 3. ``Tensor.cuda()`` / ``Module.cuda()`` return the CPU object (Megatron moves parameters with
    ``.cuda()`` in ``optimizer.py`` and the distributed optimizer's buffers).
 4. ``param.type()`` reports CUDA type names inside Megatron's optimizer builders and ``clip_grads``, which
@@ -57,6 +58,7 @@ import contextlib
 import functools
 import importlib.abc
 import inspect
+import logging
 import os
 import sys
 import types
@@ -230,6 +232,17 @@ def _get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool =
 def _set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
     """megatron/core/tensor_parallel/random.py ``_set_cuda_rng_state``: set the CPU generator's state."""
     torch.set_rng_state(new_state)
+
+
+class _OneGenerator(logging.Filter):
+    """``CudaRNGStatesTracker.fork`` warns when the CPU generator moved inside a fork; here the "GPU" generator IS
+    the CPU one, so it moves in every fork by design (the tracker's streams stay separate: it saves and restores
+    them around each fork)."""
+
+    MESSAGE = "CPU RNG state changed within GPU RNG context"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.MESSAGE
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -470,6 +483,7 @@ def install_megatron_cpu_shims() -> None:
 
     mc_random._get_cuda_rng_state = _get_rng_state  # shim 2
     mc_random._set_cuda_rng_state = _set_rng_state
+    logging.getLogger(mc_random.__name__).addFilter(_OneGenerator())
     torch.Tensor.cuda = _tensor_cuda  # shim 3
     torch.nn.Module.cuda = _module_cuda
 
