@@ -1,20 +1,24 @@
-"""GPU check: verl's real FSDP2 actor update on a Qwen3-0.6B-shaped model, token_selector none vs forking vs gmts.
+"""GPU check: verl's actor update on a Qwen3-0.6B-shaped model, token_selector none/forking/gmts, FSDP2 and Megatron.
 
 Run on the GPU machine from the repository root (``scripts/gpu_check.sh`` installs the carried wheels
 offline first, then runs this under ``timeout``)::
 
-    python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"     # one GPU; deadline 6 min (estimate 3-5)
+    python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"     # both phases; deadline 8 min
+    python benchmarks/gpu_check.py --no-fsdp --variants none forking gmts --steps 3 \
+        --budget-megatron 330 --deadline 420 --out "$OUT/gpu_check.json"   # the Megatron phase alone
 
-Here, on a CPU (tiny model, fp32, eager attention; the test suite runs this, < 60 s)::
+Here, on a CPU (tiny model, fp32; the Megatron phase on the CPU test bed; the test suite runs this; ~25 s)::
 
     python benchmarks/gpu_check.py --tiny --device cpu --out /tmp/gpu_check.json
 
-What it does, in one process, through verl's own ``TrainingWorker`` (``verl_tokensel.cpu.worker``
-with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
+What it does, in one process, through verl's own ``TrainingWorker`` built by the in-process harness
+(``verl_tokensel.cpu.worker.make_training_worker``; ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
 
 1. model: writes a random-init Qwen3 shaped like Qwen3-0.6B (hidden 1024, 28 layers, 16 heads, 8 KV
    heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings) and a locally trained
-   byte-level BPE tokenizer (``verl_tokensel.cpu.tiny_model``). Nothing is downloaded.
+   byte-level BPE tokenizer (``verl_tokensel.cpu.tiny_model``). Nothing is downloaded. ``--tiny``: hidden
+   64, 2 layers, 2 heads, 2 KV heads (``tiny_model.MEGATRON_TINY_CONFIG``: TP=2 would divide them too).
+   Both phases train the same folder.
 2. fsdp: FSDP2 engine, bf16 compute (fp32 master weights), ``flash_attention_2`` if ``flash_attn``
    imports, else ``sdpa``; ``use_remove_padding`` and ``use_dynamic_bsz``, gradient checkpointing
    (verl's defaults); one mini-batch of 16 responses of 3584..4096 tokens (4 GRPO groups of 4)
@@ -24,7 +28,7 @@ with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
    ``grad_norm``, ``forking_paper``, as ``benchmarks/bench_memory.py`` on CPU; ``none+entropy`` is stock
    verl with the entropy pass on, and ``forking:no_grad_scores=false`` is ``forking`` with verl's entropy
    graph kept, two references for what the no-graph entropy saves; a preset scored outside the loss, like
-   ``gmts`` with its pre-pass at group scope or ``forking_paper`` on the driver, is run with
+   ``gmts`` with its pre-pass at group scope or ``forking_paper`` on the driver, is run here with
    ``score_source=current, scope=micro_batch``: same score and ratio, computed in the loss, see
    ``parse_variant``): a sanity step, warm-up steps, then timed steps interleaved across the
    variants (none, none+entropy, forking, ..., none, ...). Targets: ``forking`` peak memory <= 1.05x
@@ -34,13 +38,46 @@ with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
    ``ceil(0.2 N)`` of its ``N`` valid response tokens (micro_batch scope), the logits' gradient is
    exactly zero at every unselected response token and non-zero at the selected ones, the loss and
    gradient norm are finite, and the ``tokensel/*`` metrics reached the step's metrics.
-3. megatron: the same variants through verl's Megatron engine if ``megatron.core`` and ``mbridge``
-   import (TP=PP=1); otherwise skipped with the reason printed. This path has not run anywhere yet
-   (no Megatron install on CPU nor in the GPU image): an exception there is reported as
-   ``megatron.status = "error"`` with its traceback, and counts as a failure.
+3. megatron: verl's Megatron engine (``MegatronEngineWithLMHead``) built by the same harness
+   (``make_training_worker(engine="megatron")``, TP=PP=1, one data-parallel rank), same model folder, batch
+   and measurements; variants ``--megatron-variants`` (default: ``--variants`` if given, else ``none``,
+   ``forking``, ``gmts``; the table's ratios are vs the first). ``gmts`` runs with its
+   real pre-pass here (``score_source=prepass``, group scope): one no-grad forward over the mini-batch
+   before its update, installed on the worker by the harness as the tokensel actor workers install it;
+   the timed steps never follow an old-log-prob pass, so each includes that forward (in training, the
+   first mini-batch of a step reuses the old-log-prob pass instead: ``prepass_reuse``). ``forking_paper``
+   (scored on the driver) is measured in the loss as in the FSDP phase. The stack it ran on is recorded
+   under ``megatron.stack`` and printed under its table:
 
-Output: a table on stdout and a JSON (``--out``, default ``$OUT/gpu_check.json`` when ``$OUT`` is set).
-Time: every phase has a budget (timed rounds stop early when theirs is spent, recorded as
+   * GPU, production: megatron-core + mbridge (``vanilla_mbridge=True``; carried by
+     ``scripts/pack_megatron_wheels.sh``: megatron-core 0.16.1, mbridge 0.15.1, which fails on
+     megatron-core >= 0.17), or megatron-bridge (verl's default) where it imports, bf16 (verl's engine
+     default), TransformerEngine layers, attention backend ``flash`` if flash-attn imports, else ``auto``
+     (TransformerEngine's cuDNN fused attention).
+   * GPU without TransformerEngine's torch extension (PyPI publishes ``transformer_engine_torch`` as a
+     source archive only, so the carried default set has none; see ``scripts/pack_megatron_wheels.sh``):
+     megatron-core's local layers (mbridge's layer spec with ``use_transformer_engine=False``, the
+     layer-spec shim of ``verl_tokensel.cpu.megatron``) with ``torch.nn.functional.scaled_dot_product_attention``
+     per packed sequence in place of the local ``DotProductAttention`` (which rejects packed sequences),
+     no fused kernels: ``stack.layers = "local"``. The ratios then measure the selection on an unfused
+     Megatron model, not on the production one.
+   * CPU (``--device cpu``, the dry run): the CPU test bed of ``verl_tokensel.cpu.megatron`` (gloo, local
+     layers and attention, fp32). ``--megatron-attention sdpa`` runs the GPU fallback's attention there.
+
+   Sanity as for FSDP, plus for a pre-pass variant the group-scope count: the masks the loss applied
+   hold exactly the sum over the GRPO groups of ``ceil(0.2 n_g)`` tokens, as the pre-pass's
+   ``tokensel/prepass/*`` metrics report. The logit-gradient check hooks the last stage's
+   ``output_layer`` (logits ``[tokens, 1, vocab]`` in the packed layout; at TP=1 no sequence is padded,
+   so the positions map as in FSDP). Recompute: ``--megatron-recompute`` (default ``none``, verl's
+   Megatron default; FSDP's gradient checkpointing does not apply to this engine).
+   Both phases train the same weights on the same batch: ``fsdp_vs_megatron`` (printed under the tables)
+   puts their old-log-prob means and sanity-step losses side by side (fp32 on CPU: equal; bf16: close).
+   Not run on a GPU yet: the Megatron phase has run only on the CPU test bed (megatron-core 0.16.1,
+   mbridge 0.15.1, verl 0.9.1, Python 3.11); neither GPU stack above has run. An exception there is
+   reported as ``megatron.status = "error"`` with its traceback, and counts as a failure.
+
+Output: a table per phase on stdout and a JSON (``--out``, default ``$OUT/gpu_check.json`` when ``$OUT``
+is set). Time: every phase has a budget (timed rounds stop early when theirs is spent, recorded as
 ``rounds_done``); the whole run has a deadline (``--deadline``), past which a watchdog writes the
 partial JSON and exits 3. Exit codes: 0 ok, 1 a sanity check failed, 2 usage or environment error,
 3 deadline exceeded.
@@ -70,10 +107,14 @@ TINY_QWEN3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, nu
                   head_dim=32, intermediate_size=128, vocab_size=1024, tie_word_embeddings=True,
                   max_position_embeddings=1024, rms_norm_eps=1e-6)
 # Both vocabularies exceed the tokenizer's 384 tokens (as Qwen3's 151936 exceeds its 151669): the
-# batches draw ids from the whole model vocabulary.
+# batches draw ids from the whole model vocabulary. The tiny shape takes its KV heads from
+# verl_tokensel.cpu.tiny_model.MEGATRON_TINY_CONFIG (see build_model_dir): one folder serves both engines.
 
 DEFAULT_VARIANTS = ("none", "none+entropy", "forking", "forking:no_grad_scores=false", "gmts", "grad_norm",
                     "forking_paper")
+# the Megatron phase's default when --variants is not given either: the comparison the phase is for, in a
+# budget that leaves the FSDP phase its own (every preset on Megatron: tests/test_megatron_engine_on_cpu.py)
+DEFAULT_MEGATRON_VARIANTS = ("none", "forking", "gmts")
 EXIT_OK, EXIT_FAILED, EXIT_ENV, EXIT_DEADLINE = 0, 1, 2, 3
 
 
@@ -183,7 +224,9 @@ def check_env(args) -> dict:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         **{k: _version(k) for k in ("verl", "transformers", "tensordict", "verl-tokensel", "flash-attn",
-                                    "megatron-core", "mbridge", "ray")},
+                                    "megatron-core", "mbridge", "megatron-bridge", "transformer-engine",
+                                    "transformer-engine-cu13", "transformer-engine-cu12",
+                                    "transformer-engine-torch", "ray")},
         "device": args.device,
     }
     if args.device == "cuda":
@@ -216,6 +259,8 @@ def build_model_dir(path: Path, tiny: bool, device: str, seed: int = 0) -> tuple
     path.mkdir(parents=True, exist_ok=True)
     tok = tiny_model.build_tiny_tokenizer(path)
     shape = dict(TINY_QWEN3 if tiny else QWEN3_0_6B)
+    if tiny:  # Megatron needs num_key_value_heads divisible by TP: the test bed's tiny variant
+        shape.update(tiny_model.MEGATRON_TINY_CONFIG)
     eos, pad = tok.convert_tokens_to_ids(tiny_model.EOS_TOKEN), tok.convert_tokens_to_ids(tiny_model.PAD_TOKEN)
     dtype = torch.float32 if tiny else torch.bfloat16
     config = Qwen3Config(**shape, bos_token_id=None, eos_token_id=eos, pad_token_id=pad, use_sliding_window=False)
@@ -237,27 +282,53 @@ def build_model_dir(path: Path, tiny: bool, device: str, seed: int = 0) -> tuple
 # ------------------------------------------------------------------------------------------------
 # per-step instruments: sanity hooks, timing, memory
 # ------------------------------------------------------------------------------------------------
+def lm_head_module(actor):
+    """(module, None) for the module whose output is the logits, or (None, why there is none).
+
+    HF models (FSDP): ``lm_head``. Megatron: ``actor.module`` is the list of model chunks; the logits come
+    from ``output_layer`` of the last chunk on the last pipeline stage (with tied embeddings too: the
+    layer is called with the embedding's weight).
+    """
+    module = actor.module
+    if isinstance(module, (list, tuple)):
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            return None, "this pipeline stage has no output_layer"
+        for name, sub in module[-1].named_modules():
+            if name.rsplit(".", 1)[-1] == "output_layer":
+                return sub, None
+        return None, "no output_layer in the last Megatron model chunk"
+    head = getattr(module, "lm_head", None)
+    return (head, None) if head is not None else (None, "the model has no lm_head module")
+
+
 class SanityRecorder:
     """Per micro-batch: the mask the loss used, the response/prompt lengths, and which logit rows got gradient.
 
     The loss wrapper records lengths for every variant (``none`` included: its "mask" is all valid
     tokens); the selecting loss's observer adds the mask. The LM head's forward hook stores, in the
     same order, a per-position flag "the logits' gradient is not all zero" (``amax != 0 or amin != 0``
-    over the vocabulary: no copy of the (tokens, vocab) gradient).
+    over the vocabulary: no copy of the (tokens, vocab) gradient). HF's ``lm_head`` returns logits
+    ``(1, tokens, vocab)``, Megatron's ``output_layer`` ``(logits [tokens, 1, vocab], bias)``; both
+    flatten to one flag per packed position. Forwards without gradient (the old-log-prob pass, a
+    pre-pass) are not recorded.
     """
 
-    def __init__(self, actor):
+    def __init__(self, actor, align: int = 1):
         import torch
 
         self.calls: list[dict] = []
         self.grad_rows: list = []
         self.handle = None
-        head = getattr(actor.module, "lm_head", None)  # HF models; Megatron's output layer is elsewhere
+        self.align = align  # per-sequence padding of the packed layout (Megatron: TP size; FSDP: 1)
+        head, self.no_head_reason = lm_head_module(actor)
         if head is None:
             return
 
         def fwd_hook(module, inputs, output):
-            if torch.is_grad_enabled() and output.requires_grad:
+            logits = output[0] if isinstance(output, tuple) else output
+            if torch.is_grad_enabled() and logits.requires_grad:
                 slot = len(self.grad_rows)
                 self.grad_rows.append(None)
 
@@ -265,22 +336,31 @@ class SanityRecorder:
                     g = g.detach()
                     self.grad_rows[slot] = ((g.amax(-1) != 0) | (g.amin(-1) != 0)).cpu()
 
-                output.register_hook(on_grad)
+                logits.register_hook(on_grad)
 
         self.handle = head.register_forward_hook(fwd_hook)
 
     def wrap(self, loss_fn):
-        """``loss_fn`` as the engine calls it, recording the micro-batch's prompt and response lengths first."""
+        """``loss_fn`` as the engine calls it, recording the micro-batch's prompt and response lengths first.
 
-        def call(model_output, data, dp_group=None):
-            self.calls.append({
-                "prompt_lens": data["prompts"].offsets().diff().tolist(),
-                "resp_lens": data["responses"].offsets().diff().tolist(),
-                "mask": None,
-            })
-            return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+        The same object comes back, its class swapped for a subclass: the worker-side pre-pass and the
+        no-graph scores look for a ``SelectingLoss`` as the worker's loss, so a plain wrapper would turn
+        them off.
+        """
+        recorder, base = self, type(loss_fn)
 
-        return call
+        class Recording(base):
+            def __call__(self, model_output, data, dp_group=None):
+                recorder.calls.append({
+                    "prompt_lens": data["prompts"].offsets().diff().tolist(),
+                    "resp_lens": data["responses"].offsets().diff().tolist(),
+                    "mask": None,
+                })
+                return base.__call__(self, model_output=model_output, data=data, dp_group=dp_group)
+
+        Recording.__name__ = Recording.__qualname__ = f"Recording{base.__name__}"
+        loss_fn.__class__ = Recording
+        return loss_fn
 
     def observe(self, rec) -> None:
         self.calls[-1]["mask"] = rec["mask"].detach().cpu()
@@ -290,8 +370,13 @@ class SanityRecorder:
         if self.handle is not None:
             self.handle.remove()
 
-    def check(self, selection, rmpad: bool) -> dict:
-        """Counts per micro-batch and the gradient-zero checks; ``failures`` lists what did not hold."""
+    def check(self, selection, rmpad: bool, expected_selected: int | None = None) -> dict:
+        """Counts per micro-batch and the gradient-zero checks; ``failures`` lists what did not hold.
+
+        ``expected_selected``: the number of tokens the whole step must select, for a selection made over
+        a pool wider than one micro-batch (the pre-pass's group scope: the sum over the groups of
+        ``ceil(ratio n_g)``); checked against the masks the loss applied over all micro-batches.
+        """
         import torch
 
         from verl_tokensel.core.pools import budget
@@ -328,8 +413,10 @@ class SanityRecorder:
             if not grad_check:
                 continue
             rows = self.grad_rows[k]
-            # packed layout (1, total): the logits at position t predict token t + 1
-            offsets = torch.tensor([0, *[p + r for p, r in zip(pl, rl)]]).cumsum(0)
+            # packed layout (one row of all sequences, each padded to a multiple of ``align``): the logits
+            # at position t predict token t + 1
+            a = self.align
+            offsets = torch.tensor([0, *[-(-(p + r) // a) * a for p, r in zip(pl, rl)]]).cumsum(0)
             got = torch.zeros_like(valid)
             flat = rows.reshape(-1)
             for i, (p, r) in enumerate(zip(pl, rl)):
@@ -338,6 +425,12 @@ class SanityRecorder:
             out["grad_checked"] += 1
             leaked += int((got & valid & ~mask).sum())
             starved += int((~got & mask).sum())
+        if expected_selected is not None:
+            out["expected_selected_tokens"] = expected_selected
+            if sel_total != expected_selected:
+                out["failures"].append(f"{sel_total} tokens selected over the step, {expected_selected} expected "
+                                       f"(sum over the {selection.scope if selection else '?'} pools of "
+                                       f"ceil({selection.ratio if selection else '?'} n))")
         out.update(selected_tokens=sel_total, valid_tokens=valid_total,
                    selected_fraction=sel_total / max(valid_total, 1),
                    selected_fraction_per_micro_batch=[round(f, 6) for f in fractions],
@@ -350,7 +443,7 @@ class SanityRecorder:
             out["grad_check_skipped"] = ("use_remove_padding=False: the position map is only written for the "
                                          "packed layout")
         elif self.handle is None:
-            out["grad_check_skipped"] = "the model has no lm_head module (Megatron): selected counts and metrics only"
+            out["grad_check_skipped"] = f"{self.no_head_reason}: selected counts and metrics only"
         return out
 
 
@@ -386,13 +479,15 @@ class Variant:
         return SelectingLoss(self.config, observer=observer)
 
 
-def parse_variant(spec: str) -> tuple[str, bool, dict]:
+def parse_variant(spec: str, run_prepass: bool = False) -> tuple[str, bool, dict]:
     """``PRESET[+entropy][:knob=value,...]`` -> (preset, entropy forced on, token_selection knobs).
 
     A preset whose scores come from outside the loss (``score_source`` prepass / rollout: a pre-pass
-    or the driver fills ``token_select_mask``, which this in-process harness does not run) is
-    measured with ``score_source=current`` and ``scope=micro_batch``: the same score and ratio,
-    computed inside the loss.
+    or the driver fills ``token_select_mask``) is measured with ``score_source=current`` and
+    ``scope=micro_batch``: the same score and ratio, computed inside the loss. With ``run_prepass``
+    (the Megatron phase) a ``prepass`` preset keeps its own source and scope: the harness's worker runs
+    the real pre-pass (``verl_tokensel.verl_glue.prepass``); the driver's ``rollout`` selection still
+    has no place in one process and is converted. An explicit knob overrides either.
     """
     from verl_tokensel.core.config import PRESETS
 
@@ -403,7 +498,8 @@ def parse_variant(spec: str) -> tuple[str, bool, dict]:
                          f"{', '.join(PRESETS)}")
     knobs = {}
     sel = PRESETS[preset]
-    if sel is not None and getattr(sel, "score_source", "current") != "current":
+    source = getattr(sel, "score_source", "current") if sel is not None else "current"
+    if source != "current" and not (run_prepass and source == "prepass"):
         knobs.update(score_source="current", scope="micro_batch")
     for item in filter(None, knob_text.split(",")):
         k, _, v = item.partition("=")
@@ -415,21 +511,45 @@ def parse_variant(spec: str) -> tuple[str, bool, dict]:
     return preset, extra == "entropy", knobs
 
 
-def make_variants(H, actor, names, selecting_config) -> list[Variant]:
+def make_variants(H, actor, names, run_prepass: bool = False) -> list[Variant]:
+    """The actor configs (``H.selecting_actor_config``: ``TokenselFSDPActorConfig`` or, for a Megatron
+    worker, ``TokenselMcoreActorConfig``) of the variants, with ``calculate_entropy`` as the tokensel
+    trainers set it: on when the loss scores by entropy itself (``score_source=current``), off when a
+    pre-pass scored before the update, unless forced with ``+entropy``."""
     from verl_tokensel.core.scores import SCORE_REGISTRY
 
     out = []
     for name in names:
-        preset, force_entropy, knobs = parse_variant(name)
-        probe = selecting_config(actor, preset, calculate_entropy=force_entropy, **knobs)
+        preset, force_entropy, knobs = parse_variant(name, run_prepass=run_prepass)
+        probe = H.selecting_actor_config(actor, preset, calculate_entropy=force_entropy, **knobs)
         sel = getattr(probe, "selection", None)
-        entropy = force_entropy or (sel is not None and SCORE_REGISTRY[sel.score].needs_entropy)
-        cfg = selecting_config(actor, preset, calculate_entropy=entropy, **knobs) if entropy != force_entropy else probe
+        entropy = force_entropy or (sel is not None and sel.score_source == "current"
+                                    and SCORE_REGISTRY[sel.score].needs_entropy)
+        cfg = (H.selecting_actor_config(actor, preset, calculate_entropy=entropy, **knobs)
+               if entropy != force_entropy else probe)
         out.append(Variant(name, preset, entropy, cfg, sel, knobs))
     return out
 
 
-def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting_config, rec: dict) -> list[str]:
+def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
+    """Tokens a selection over a pool wider than one micro-batch keeps in the whole (single) mini-batch,
+    or None when the pool is the micro-batch (checked per micro-batch instead)."""
+    from verl_tokensel.core.pools import budget
+
+    if sel is None or sel.scope == "micro_batch":
+        return None
+    if sel.scope == "sequence":
+        return sum(budget(sel.ratio, n) for n in valid_per_row)
+    if sel.scope == "group":
+        groups: dict = {}
+        for uid, n in zip(uids, valid_per_row):
+            groups[uid] = groups.get(uid, 0) + n
+        return sum(budget(sel.ratio, n) for n in groups.values())
+    return budget(sel.ratio, sum(valid_per_row))  # mini_batch / batch: one mini-batch per step here
+
+
+def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict, names, run_prepass: bool = False,
+                     align: int = 1) -> list[str]:
     """Sanity step, warm-up, interleaved timed rounds for every variant. Fills ``rec``; returns failures."""
     import torch
     from verl.utils import tensordict_utils as tu
@@ -437,7 +557,7 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
     from verl_tokensel.cpu import batches as B
 
     failures: list[str] = []
-    variants = make_variants(H, actor, args.variants, selecting_config)
+    variants = make_variants(H, actor, names, run_prepass=run_prepass)
     vocab = actor.model_config.hf_config.vocab_size
     batch = B.make_config_batch(actor.cfg, vocab, n=workload.n, seed=args.seed, calculate_entropy=False,
                                 prompt_len=workload.prompt_len, resp_len=workload.resp_len,
@@ -448,10 +568,15 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
                response_len_min=int(resp.min()), response_len_max=int(resp.max()),
                max_token_len_per_micro_batch=workload.max_token_len)
     t = time.perf_counter()
-    H.compute_old_log_probs(actor, batch)  # the real log-prob pass: on-policy, nothing clipped (lr=0)
+    olp, ent = H.compute_old_log_probs(actor, batch)  # the real log-prob pass: on-policy, nothing clipped (lr=0)
     _sync(args.device)
     rec["old_log_prob_pass_s"] = round(time.perf_counter() - t, 3)
+    # the same weights and batch in both phases: these agree across engines (fp32: ~1e-6; bf16: looser)
+    rec["old_log_prob_mean"] = float(olp.values().float().mean())
+    rec["old_entropy_mean"] = float(ent.values().float().mean())
     rmpad = actor.use_remove_padding
+    valid_per_row = [int(x.sum()) for x in batch["response_mask"].unbind(0)]
+    uids = list(batch["uid"])
 
     def step(v: Variant, recorder: SanityRecorder | None = None):
         b = batch.copy()
@@ -472,15 +597,17 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
                     "selection": dataclasses.asdict(v.selection) if v.selection is not None else None,
                     "step_s": [], "peak_mem_bytes": None, "resting_mem_bytes": None} for v in variants}
     rec["variants"] = per  # filled in place: a deadline's partial JSON keeps what was measured
+    rec["baseline"] = variants[0].name
     rec["rounds_done"] = rec["warmup_rounds"] = 0
     # 1. sanity step per variant (hooks on; not timed)
     for v in variants:
-        recorder = SanityRecorder(actor)
+        recorder = SanityRecorder(actor, align=align)
         try:
             r, seconds, _, _ = step(v, recorder)
         finally:
             recorder.close()
-        s = recorder.check(v.selection, rmpad)
+        want = expected_selected(v.selection, valid_per_row, uids)
+        s = recorder.check(v.selection, rmpad, expected_selected=want)
         m = r.metrics
         s.update(loss=r.loss, grad_norm=r.grad_norm, seconds=round(seconds, 3))
         if not (r.loss is not None and math.isfinite(r.loss)):
@@ -495,6 +622,17 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, selecting
                 s["failures"].append("tokensel/selected_fraction missing from the step's metrics")
             if s["metric_nan_scores"]:
                 s["failures"].append(f"tokensel/nan_scores = {s['metric_nan_scores']}")
+            if v.selection.score_source == "prepass":  # the worker's pre-pass ran and selected what it reports
+                pre = "tokensel/prepass/"
+                s["prepass_selected_tokens"] = _scalar(m.get(pre + "selected_tokens"))
+                s["prepass_selected_fraction"] = _scalar(m.get(pre + "selected_fraction"))
+                s["prepass_reused_old_pass"] = _scalar(m.get(pre + "reused_old_pass"))
+                s["prepass_seconds"] = _scalar(m.get(pre + "seconds"))
+                if s["prepass_selected_tokens"] is None:
+                    s["failures"].append(f"{pre}selected_tokens missing: the pre-pass did not run")
+                elif want is not None and round(s["prepass_selected_tokens"]) != want:
+                    s["failures"].append(f"the pre-pass selected {s['prepass_selected_tokens']:.0f} tokens, "
+                                         f"{want} expected")
         per[v.name]["sanity"] = s
         failures += [f"{v.name}: {f}" for f in s["failures"]]
         log(f"sanity {v.name}: {len(s['failures'])} failure(s), selected {s.get('selected_fraction', 0):.4f}, "
@@ -562,7 +700,7 @@ def fsdp_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) -> l
     rec.update(status="running", engine="fsdp2", init_s=round(actor.init_seconds, 2),
                settings={k: v for k, v in kw.items() if k != "num_threads"})
     failures = clock.run_phase("fsdp_steps", args.budget_steps, run_engine_steps, H, actor, args, workload, clock,
-                               H.selecting_actor_config, rec)
+                               rec, args.variants)
     rec["status"] = "failed" if failures else "ok"
     rec["failures"] = failures
     del actor
@@ -577,99 +715,193 @@ def fsdp_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) -> l
 
 
 # ------------------------------------------------------------------------------------------------
-# Megatron (only where megatron-core and mbridge import; not run on CPU)
+# Megatron: the harness's Megatron worker (the CPU test bed on --device cpu, verl's engine on a GPU)
 # ------------------------------------------------------------------------------------------------
-def megatron_skip_reason(args) -> str | None:
-    if args.no_megatron:
-        return "--no-megatron"
-    if args.device != "cuda":
-        return "verl's Megatron engine needs CUDA (--device cpu)"
-    for mod, dist in (("megatron.core", "megatron-core"), ("mbridge", "mbridge")):
-        try:
-            found = importlib.util.find_spec(mod) is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            return f"{mod} is not importable (pip package {dist}; the GPU image does not ship it)"
+def _findable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ModuleNotFoundError, ValueError):
+        return False
+
+
+def _import_error(module: str) -> str | None:
+    """None when ``module`` imports, else why not. An installed package can still fail to import:
+    megatron-bridge imports TransformerEngine's torch extension when it is imported."""
+    if not _findable(module):
+        return f"{module} is not installed"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # ImportError, or a compiled extension that does not load
+        return f"{type(e).__name__}: {e}"[:600]
     return None
 
 
-def make_megatron_worker(H, model_dir, use_dynamic_bsz, use_remove_padding, seed, ppo_mini_batch_size, rollout_n,
-                         ppo_micro_batch_size_per_gpu, ppo_max_token_len_per_gpu, lr, clip_grad, dtype,
-                         attn_implementation, gradient_checkpointing, num_threads):
-    """verl's TrainingWorker with the Megatron engine (TP=PP=1), built like ``H.make_training_worker``."""
-    import torch
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import TrainingWorkerConfig
-    from verl.workers.engine_workers import TrainingWorker
+def megatron_skip_reason(args) -> str | None:
+    if args.no_megatron:
+        return "--no-megatron"
+    if args.device == "cpu":  # the CPU test bed: megatron-core + mbridge with the runtime shims
+        from verl_tokensel.cpu.megatron import megatron_available
 
-    H.setup_cpu_process(num_threads=num_threads)
-    a, m = "actor_rollout_ref.actor", "actor_rollout_ref.model"
-    overrides = [
-        f"{m}.path={model_dir}", f"{m}.use_remove_padding={use_remove_padding}",
-        f"{m}.enable_gradient_checkpointing={gradient_checkpointing}",
-        f"actor_rollout_ref.rollout.n={rollout_n}",
-        f"actor_rollout_ref.rollout.log_prob_use_dynamic_bsz={use_dynamic_bsz}",
-        f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={ppo_max_token_len_per_gpu}",
-        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={ppo_micro_batch_size_per_gpu}",
-        f"{a}.use_dynamic_bsz={use_dynamic_bsz}", f"{a}.ppo_mini_batch_size={ppo_mini_batch_size}",
-        f"{a}.ppo_micro_batch_size_per_gpu={ppo_micro_batch_size_per_gpu}",
-        f"{a}.ppo_max_token_len_per_gpu={ppo_max_token_len_per_gpu}",
-        f"{a}.optim.lr={lr}", f"{a}.optim.clip_grad={clip_grad}", f"{a}.optim.total_training_steps=100",
-        f"{a}.megatron.tensor_model_parallel_size=1", f"{a}.megatron.pipeline_model_parallel_size=1",
-        f"{a}.megatron.sequence_parallel=False",
-        f"{a}.megatron.override_transformer_config.attention_backend=auto",
-    ]
-    if GlobalHydra.instance().is_initialized():
-        GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-        cfg = compose(config_name="ppo_megatron_trainer", overrides=overrides)
-    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
-    actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    actor_config.model_config = model_config
-    tc = TrainingWorkerConfig(model_type="language_model", model_config=model_config,
-                              engine_config=actor_config.engine, optimizer_config=actor_config.optim,
-                              checkpoint_config=actor_config.checkpoint, profiler_config=None)
-    e = tc.engine_config
-    e.use_dynamic_bsz = use_dynamic_bsz
-    e.max_token_len_per_gpu = e.infer_max_token_len_per_gpu = ppo_max_token_len_per_gpu
-    e.micro_batch_size_per_gpu = e.infer_micro_batch_size_per_gpu = ppo_micro_batch_size_per_gpu
-    e.use_remove_padding = use_remove_padding
-    t0 = time.time()
-    torch.manual_seed(seed)
-    worker = TrainingWorker(config=tc)
-    worker.reset()
-    worker.set_loss_fn(H.default_loss_fn(actor_config))
-    return H.CpuActor(worker=worker, actor_config=actor_config, model_config=model_config, cfg=cfg,
-                      use_dynamic_bsz=use_dynamic_bsz, use_remove_padding=use_remove_padding,
-                      init_seconds=time.time() - t0)
+        return megatron_available()
+    if not _findable("megatron.core"):
+        return ("megatron.core is not importable (pip package megatron-core; the GPU image does not ship it: "
+                "carry it, scripts/pack_megatron_wheels.sh)")
+    if not (_findable("mbridge") or _findable("megatron.bridge")):
+        return "neither mbridge nor megatron.bridge is importable (carry mbridge, scripts/pack_megatron_wheels.sh)"
+    return None
 
 
-def megatron_selecting_config(actor, preset: str, calculate_entropy=None, **knobs):
-    """``TokenselMcoreActorConfig`` with ``token_selector=preset`` (the Megatron twin of ``selecting_actor_config``)."""
-    from omegaconf import OmegaConf
-    from verl.utils.config import omega_conf_to_dataclass
+_PATCHED: set = set()
 
-    node = actor.cfg.actor_rollout_ref.actor.copy()
-    OmegaConf.set_struct(node, False)
-    node._target_ = "verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig"
-    node.token_selector = preset
-    node.calculate_entropy = bool(calculate_entropy)
-    node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig", **knobs}
-    return omega_conf_to_dataclass(node)
+
+def install_local_layer_spec() -> None:
+    """mbridge's layer spec with ``use_transformer_engine=False`` and its weight names for the local spec's
+    separate norms (shim 5 of ``verl_tokensel.cpu.megatron``, device-independent): the Megatron model
+    without TransformerEngine. Idempotent."""
+    if "layer_spec" not in _PATCHED:
+        from verl_tokensel.cpu.megatron import install_local_layer_spec
+
+        install_local_layer_spec()
+        _PATCHED.add("layer_spec")
+
+
+def packed_sdpa(query, key, value, starts: list[int], lengths: list[int], scale: float | None = None):
+    """Causal attention of each packed sequence with itself: ``query`` ``[tokens, heads, dim]``, ``key`` /
+    ``value`` ``[tokens, kv_heads, dim]`` (grouped-query: KV head ``g`` serves query heads ``g r .. g r + r - 1``,
+    Megatron's ``repeat_interleave`` convention), sequence ``i`` at rows ``starts[i] .. starts[i] + lengths[i]``;
+    rows between sequences (padding) come out zero. Returns ``[tokens, heads, dim]``."""
+    import torch.nn.functional as F
+
+    groups = query.shape[1] // key.shape[1]
+    out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+    for start, n in zip(starts, lengths):
+        q, k, v = (x[start : start + n].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out[start : start + n] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def install_sdpa_attention() -> None:
+    """Megatron's local ``DotProductAttention`` with packed sequences (verl's ``thd`` batches, which it
+    rejects): :func:`packed_sdpa` (flash or memory-efficient kernels on a GPU: O(tokens) memory, where the
+    CPU test bed's dense mask is O(tokens^2)). Other calls go to the forward it replaces. Idempotent."""
+    if "sdpa" in _PATCHED:
+        return
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    base_forward = DotProductAttention.forward
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **kwargs):
+        if packed_seq_params is None or attention_bias is not None or kwargs:
+            return base_forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                attention_bias=attention_bias, packed_seq_params=packed_seq_params, **kwargs)
+        if query.dim() == 4:  # [t, 1, heads, dim]
+            query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        starts = packed_seq_params.cu_seqlens_q_padded
+        if starts is None:
+            starts = packed_seq_params.cu_seqlens_q
+        out = packed_sdpa(query, key, value, starts[:-1].tolist(), packed_seq_params.cu_seqlens_q.diff().tolist(),
+                          scale=self.softmax_scale)
+        return out.reshape(out.shape[0], 1, -1)  # [t, b=1, heads * dim], as the local attention returns
+
+    forward.__wrapped__ = base_forward
+    DotProductAttention.forward = forward
+    _PATCHED.add("sdpa")
+
+
+def megatron_plan(args) -> tuple[list[str], dict, list, list]:
+    """(Hydra overrides after the harness's, the stack record, installs before / after the worker is built).
+
+    CPU: the harness's test bed as it is (``--megatron-attention sdpa``: the GPU fallback's attention on
+    it). GPU: verl's engine defaults from the harness (``megatron_gpu_overrides``), then TransformerEngine
+    layers when its torch extension imports, else megatron-core's local layers with SDPA attention and
+    no fused kernels (they need TransformerEngine or apex).
+    """
+    g = "actor_rollout_ref.actor.megatron"
+    t = f"{g}.override_transformer_config"
+    overrides: list[str] = []
+    if args.megatron_recompute == "full":
+        overrides += [f"{t}.recompute_granularity=full", f"{t}.recompute_method=uniform", f"{t}.recompute_num_layers=1"]
+    elif args.megatron_recompute == "selective":  # verl's recompute_modules default: core_attn
+        overrides.append(f"{t}.recompute_granularity=selective")
+    stack = {"megatron_core": _version("megatron-core"), "tensor_parallel": 1, "pipeline_parallel": 1,
+             "recompute": args.megatron_recompute}
+    if args.device == "cpu":
+        sdpa = args.megatron_attention == "sdpa"
+        stack.update(platform="cpu test bed (verl_tokensel.cpu.megatron shims, gloo)",
+                     bridge=f"mbridge {_version('mbridge')} (vanilla_mbridge=True)", transformer_engine=None,
+                     layers="local", attention=("torch sdpa per packed sequence" if sdpa
+                                                else "local DotProductAttention, dense per-sequence causal mask"))
+        return overrides, stack, [], ([install_sdpa_attention] if sdpa else [])
+    stack["platform"] = "cuda"
+    te_error = _import_error("transformer_engine.pytorch")
+    stack["transformer_engine"] = (_version("transformer-engine-torch") or _version("transformer-engine")
+                                   if te_error is None else None)
+    bridge_error = _import_error("megatron.bridge")
+    if te_error is None and args.megatron_attention == "auto":
+        backend = "flash" if _findable("flash_attn") else "auto"  # TE's flash backend needs flash-attn
+        overrides.append(f"{t}.attention_backend={backend}")
+        if bridge_error is None:
+            overrides.append(f"{g}.vanilla_mbridge=False")
+            stack["bridge"] = f"megatron-bridge {_version('megatron-bridge')}"
+        else:  # installed or not, megatron-bridge must not be chosen when it does not import
+            overrides.append(f"{g}.vanilla_mbridge=True")
+            stack.update(bridge=f"mbridge {_version('mbridge')} (vanilla_mbridge=True)", megatron_bridge=bridge_error)
+        stack.update(layers="transformer_engine", attention=f"TransformerEngine, attention_backend={backend}")
+        return overrides, stack, [], []
+    overrides += [f"{g}.vanilla_mbridge=True", f"{t}.attention_backend=local",
+                  f"++{t}.gradient_accumulation_fusion=False", f"++{t}.masked_softmax_fusion=False",
+                  f"++{t}.apply_rope_fusion=False"]
+    stack.update(bridge=f"mbridge {_version('mbridge')} (vanilla_mbridge=True)", layers="local",
+                 attention="torch sdpa per packed sequence", megatron_bridge=bridge_error,
+                 fallback=("--megatron-attention sdpa" if te_error is None else
+                           f"TransformerEngine's torch extension does not import ({te_error}): megatron-core's "
+                           "local layers, no fused kernels; not the production stack"))
+    return overrides, stack, [install_local_layer_spec], [install_sdpa_attention]
+
+
+def describe_megatron_model(actor) -> dict:
+    """What was built: the classes of the first layer's QKV projection and core attention, the engine dtype,
+    the bridge and attention backend the config asked for."""
+    out = {}
+    for name, sub in actor.module[0].named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("linear_qkv", "core_attention") and f"{leaf}_class" not in out:
+            out[f"{leaf}_class"] = type(sub).__name__
+    mcfg = actor.cfg.actor_rollout_ref.actor.megatron
+    out.update(engine_dtype=str(getattr(actor.actor_config.engine, "dtype", None)),
+               vanilla_mbridge=bool(mcfg.get("vanilla_mbridge", False)),
+               attention_backend=str(mcfg.override_transformer_config.get("attention_backend")))
+    return out
 
 
 def megatron_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) -> list[str]:
     kw = _common_worker_kwargs(args, workload, attn)
+    kw["gradient_checkpointing"] = False  # not read by the Megatron engine: --megatron-recompute
+    names = args.megatron_variants
     try:
-        actor = make_megatron_worker(H, model_dir, **kw)
-    except Exception as e:  # the path is untested off a Megatron install: report, do not hide
+        overrides, stack, before, after = megatron_plan(args)
+        rec.update(status="starting", engine="megatron", stack=stack, overrides=overrides)
+        for install in before:
+            install()
+        actor = H.make_training_worker(model_dir, engine="megatron", tensor_parallel=1, pipeline_parallel=1,
+                                       overrides=overrides, **kw)
+        for install in after:
+            install()
+        stack.update(describe_megatron_model(actor))
+    except Exception as e:  # report, do not hide (the GPU stacks have not run yet)
         rec.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
         return [f"megatron: worker did not start: {type(e).__name__}: {e}"]
-    rec.update(status="running", engine="megatron", init_s=round(actor.init_seconds, 2))
-    failures = run_engine_steps(H, actor, args, workload, clock, megatron_selecting_config, rec)
+    rec.update(status="running", init_s=round(actor.init_seconds, 2),
+               settings={k: v for k, v in kw.items() if k not in ("num_threads", "gradient_checkpointing")})
+    log(f"megatron stack: {stack}")
+    try:
+        failures = run_engine_steps(H, actor, args, workload, clock, rec, names, run_prepass=True, align=1)
+    except Exception as e:
+        rec.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
+        return [f"megatron: {type(e).__name__}: {e}"]
     rec["status"] = "failed" if failures else "ok"
     rec["failures"] = failures
     return [f"megatron: {f}" for f in failures]
@@ -679,22 +911,47 @@ def megatron_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) 
 # report
 # ------------------------------------------------------------------------------------------------
 def print_table(title: str, rec: dict, base: str) -> None:
+    stack = rec.get("stack")
+    stack_line = ("stack: " + "; ".join(f"{k} {v}" for k, v in stack.items() if v not in (None, ""))) if stack else None
     if rec.get("status") in ("skipped", "error") or not rec.get("rounds_done"):
         print(f"\n{title}: {rec.get('status')}: {rec.get('reason') or rec.get('error') or rec.get('failures')}")
+        if stack_line:
+            print(stack_line)
         return
+    base = rec.get("baseline", base)
     print(f"\n{title}: {rec['responses']} responses of {rec['response_len_min']}..{rec['response_len_max']} tokens, "
           f"{rec['tokens_per_step']} tokens per step, micro-batches of <= {rec['max_token_len_per_micro_batch']} "
           f"tokens; median of {rec['rounds_done']} interleaved timed rounds after {rec['warmup_rounds']} warm-up")
-    print(f"{'variant':<14}{'step s':>9}{'ratio':>8}{'spread':>8}{'peak GiB':>10}{'ratio':>8}{'selected':>10}"
+    w = max(14, *(len(n) + 2 for n in rec["variants"]))
+    print(f"{'variant':<{w}}{'step s':>9}{'ratio':>8}{'spread':>8}{'peak GiB':>10}{'ratio':>8}{'selected':>10}"
           f"{'mb':>4}{'unsel.grad':>11}{'sanity':>8}")
     for name, p in rec["variants"].items():
         s = p["sanity"]
         mem = (f"{p['peak_mem_gib']:>10.2f}{p['mem_ratio_vs_' + base]:>7.3f}x" if p.get("peak_mem_gib")
                else f"{'-':>10}{'-':>8}")
         spread = f"{p['step_iqr_over_median']:>8.3f}" if "step_iqr_over_median" in p else f"{'-':>8}"
-        print(f"{name:<14}{p['step_s_median']:>9.3f}{p['step_ratio_vs_' + base]:>7.3f}x{spread}{mem}"
+        unsel = "-" if s.get("grad_checked", 0) == 0 else s.get("unselected_with_grad", 0)
+        print(f"{name:<{w}}{p['step_s_median']:>9.3f}{p['step_ratio_vs_' + base]:>7.3f}x{spread}{mem}"
               f"{s.get('selected_fraction', float('nan')):>10.4f}{s['micro_batches']:>4}"
-              f"{s.get('unselected_with_grad', 0):>11}{'ok' if not s['failures'] else 'FAIL':>8}")
+              f"{unsel:>11}{'ok' if not s['failures'] else 'FAIL':>8}")
+    if stack_line:
+        print(stack_line)
+
+
+def compare_engines(fsdp: dict, mega: dict) -> dict | None:
+    """Both phases trained the same weights on the same batch: the old-log-prob means and, per variant with the
+    same selection in both, the sanity step's loss and gradient norm side by side (fp32 on CPU: equal to
+    ~1e-6; bf16 on a GPU: close, not equal). Informational; not a pass/fail check."""
+    if not (fsdp.get("variants") and mega.get("variants")):
+        return None
+    out = {"old_log_prob_mean": [fsdp.get("old_log_prob_mean"), mega.get("old_log_prob_mean")],
+           "old_entropy_mean": [fsdp.get("old_entropy_mean"), mega.get("old_entropy_mean")], "variants": {}}
+    for name, m in mega["variants"].items():
+        f = fsdp["variants"].get(name)
+        if f is None or f.get("selection") != m.get("selection") or "sanity" not in f or "sanity" not in m:
+            continue
+        out["variants"][name] = {k: [f["sanity"].get(k), m["sanity"].get(k)] for k in ("loss", "grad_norm")}
+    return out
 
 
 def parse_args(argv=None):
@@ -702,14 +959,17 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="examples:\n  python benchmarks/gpu_check.py --out $OUT/gpu_check.json\n"
                                         "  python benchmarks/gpu_check.py --tiny --device cpu --out /tmp/g.json\n"
-                                        "  python benchmarks/gpu_check.py --variants none forking --steps 3")
+                                        "  python benchmarks/gpu_check.py --variants none forking --steps 3\n"
+                                        "  python benchmarks/gpu_check.py --no-fsdp --variants none forking gmts "
+                                        "--steps 3 --budget-megatron 330 --deadline 420")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny Qwen3 and short responses (the CPU self-test)")
     ap.add_argument("--out",
                     default=os.path.join(os.environ["OUT"], "gpu_check.json") if os.environ.get("OUT") else None,
                     help="JSON results path (default $OUT/gpu_check.json if $OUT is set)")
-    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS),
-                    help="presets to compare, the first is the baseline; 'P+entropy' turns the entropy pass on")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="presets to compare, the first is the baseline; 'P+entropy' turns the entropy pass on "
+                         f"(default: {' '.join(DEFAULT_VARIANTS)})")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the sanity step (default 1)")
     ap.add_argument("--steps", type=int, default=5, help="timed rounds (default 5; fewer if the budget runs out)")
     ap.add_argument("--attn", default="auto", help="attention: auto (flash_attention_2 if importable, else sdpa; "
@@ -720,20 +980,36 @@ def parse_args(argv=None):
                     help="gradient checkpointing (auto: on for cuda, as verl's default; off on cpu)")
     ap.add_argument("--no-remove-padding", action="store_true")
     ap.add_argument("--no-megatron", action="store_true", help="skip the Megatron phase")
+    ap.add_argument("--no-fsdp", action="store_true", help="skip the FSDP2 phase")
+    ap.add_argument("--megatron-variants", nargs="+", default=None,
+                    help="variants of the Megatron phase (default: --variants if given, else "
+                         f"{' '.join(DEFAULT_MEGATRON_VARIANTS)}); gmts runs its real pre-pass there")
+    ap.add_argument("--megatron-attention", choices=("auto", "sdpa"), default="auto",
+                    help="Megatron layers: auto (GPU: TransformerEngine if its torch extension imports, else "
+                         "local layers + sdpa; CPU: the test bed's local attention); sdpa: local layers with "
+                         "torch sdpa per packed sequence (the GPU fallback, also on the CPU test bed)")
+    ap.add_argument("--megatron-recompute", choices=("none", "selective", "full"), default="none",
+                    help="Megatron activation recompute (default none, verl's default; selective: core_attn; "
+                         "full: every layer, uniform, 1 layer per chunk)")
     ap.add_argument("--workdir", default=None, help="where the model folder goes (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 360; 240 with --tiny)")
+    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 480; 240 with --tiny)")
     ap.add_argument("--budget-model", type=float, default=None, help="phase budget, s (default 60; 30 tiny)")
     ap.add_argument("--budget-init", type=float, default=None, help="phase budget, s (default 90; 60 tiny)")
     ap.add_argument("--budget-steps", type=float, default=None, help="phase budget, s (default 150; 60 tiny)")
-    ap.add_argument("--budget-megatron", type=float, default=None, help="phase budget, s (default 120; 60 tiny)")
+    ap.add_argument("--budget-megatron", type=float, default=None, help="phase budget, s (default 150; 60 tiny)")
     args = ap.parse_args(argv)
     # tiny: < 60 s on an idle 2-core CPU; the budgets leave room for a busy one
-    defaults = dict(deadline=(240, 360), budget_model=(30, 60), budget_init=(60, 90), budget_steps=(60, 150),
-                    budget_megatron=(60, 120))
+    # full size on one H200: FSDP ~4.5 min for its 7 variants (sanity + one timed round), Megatron ~2.5 min
+    defaults = dict(deadline=(240, 480), budget_model=(30, 60), budget_init=(60, 90), budget_steps=(60, 150),
+                    budget_megatron=(60, 150))
     for k, (tiny, full) in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, tiny if args.tiny else full)
+    if args.megatron_variants is None:
+        args.megatron_variants = list(args.variants or DEFAULT_MEGATRON_VARIANTS)
+    if args.variants is None:
+        args.variants = list(DEFAULT_VARIANTS)
     if args.dtype == "auto":
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
     if args.grad_ckpt == "auto":
@@ -773,8 +1049,13 @@ def main(argv=None) -> int:
                              "model": model_info, "workload": dataclasses.asdict(workload),
                              "variants": args.variants, "warmup": args.warmup, "steps": args.steps,
                              "deadline_s": args.deadline}
-        results["fsdp"] = {}
-        results["failures"] += fsdp_phase(H, model_dir, args, workload, attn, clock, results["fsdp"])
+        results["config"]["megatron"] = {"variants": args.megatron_variants,
+                                         "attention": args.megatron_attention, "recompute": args.megatron_recompute}
+        if args.no_fsdp:
+            results["fsdp"] = {"status": "skipped", "reason": "--no-fsdp"}
+        else:
+            results["fsdp"] = {}
+            results["failures"] += fsdp_phase(H, model_dir, args, workload, attn, clock, results["fsdp"])
         reason = megatron_skip_reason(args)
         if reason:
             results["megatron"] = {"status": "skipped", "reason": reason}
@@ -783,6 +1064,7 @@ def main(argv=None) -> int:
             results["megatron"] = {}
             results["failures"] += clock.run_phase("megatron", args.budget_megatron, megatron_phase, H, model_dir,
                                                    args, workload, attn, clock, results["megatron"])
+        results["fsdp_vs_megatron"] = compare_engines(results["fsdp"], results["megatron"])
     except Exception as e:
         results["failures"].append(f"{type(e).__name__}: {e}")
         results["traceback"] = traceback.format_exc()[-4000:]
@@ -793,12 +1075,20 @@ def main(argv=None) -> int:
     results["seconds"] = round(clock.elapsed(), 1)
     write_json(results, args.out)
     base = args.variants[0]
-    if "variants" in results.get("fsdp", {}):
+    if "variants" in results.get("fsdp", {}) or results.get("fsdp", {}).get("status") == "skipped":
         print_table("FSDP2", results["fsdp"], base)
     print_table("Megatron", results.get("megatron", {"status": "not reached"}), base)
-    print(f"\nstep ratio / peak-memory ratio: vs {base}; spread: IQR / median of the step times; "
+    cmp = results.get("fsdp_vs_megatron")
+    if cmp:
+        diffs = [abs(v["loss"][0] - v["loss"][1]) for v in cmp["variants"].values() if None not in v["loss"]]
+        olp = cmp["old_log_prob_mean"]
+        print(f"FSDP2 vs Megatron, same weights and batch: old log-prob mean {olp[0]:.6f} vs {olp[1]:.6f}"
+              + (f"; sanity-step loss, {len(cmp['variants'])} variants with the same selection: max |diff| "
+                 f"{max(diffs):.2e}" if diffs else ""))
+    print("\nstep ratio / peak-memory ratio: vs the first variant; spread: IQR / median of the step times; "
           "selected: fraction of valid response tokens selected "
-          f"(sanity step); mb: micro-batches; unsel.grad: unselected tokens whose logits got gradient (must be 0)")
+          "(sanity step); mb: micro-batches; unsel.grad: unselected tokens whose logits got gradient (must be 0; "
+          "- where not checked)")
     for f in results["failures"]:
         print(f"FAILURE: {f}")
     print(f"gpu_check: {results['status']} in {results['seconds']}s"

@@ -11,6 +11,9 @@
 # the whole dependency closure pip resolves for them on the target platform, EXCEPT torch and what
 # comes with it (triton, nvidia-*, cuda-*) and flash-attn: the GPU image is assumed to ship a CUDA
 # build of torch (and flash-attn if it has it); gpu_check.sh checks torch before installing anything.
+# The Megatron phase's stack (megatron-core, mbridge, optionally TransformerEngine) is packed apart by
+# scripts/pack_megatron_wheels.sh into wheels/megatron/, which gpu_check.sh leaves out of this folder's
+# install and puts on PYTHONPATH on its own (step 2c there).
 #
 # How: `pip install --dry-run --report` resolves the closure for the target (--python-version,
 # --platform, binary wheels only) without installing; the report's list minus the excluded names is

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
 import inspect
 import logging
 import os
@@ -65,6 +64,8 @@ import types
 from typing import Any, Optional
 
 import torch
+
+from verl_tokensel.cpu.import_hook import patch_after_import
 
 _INSTALLED = "_verl_tokensel_megatron_cpu"
 _PREFIXES = ("megatron.", "mbridge.")
@@ -180,45 +181,6 @@ def _patch_module(module: types.ModuleType) -> None:
         module.torch = _TORCH_PROXY
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Gives Megatron / mbridge modules imported after the install the same ``torch`` (shim 1)."""
-
-    def find_spec(self, fullname, path, target=None):
-        if not fullname.startswith(_PREFIXES):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        base_exec = loader.exec_module
-
-        def exec_module(module, _base=base_exec):
-            _base(module)
-            _patch_module(module)
-
-        spec.loader = _LoaderProxy(loader, exec_module)
-        return spec
-
-
-class _LoaderProxy(importlib.abc.Loader):
-    def __init__(self, loader, exec_module):
-        self._loader = loader
-        self.exec_module = exec_module
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
 # ------------------------------------------------------------------------------------------------------
 # 2. Megatron's CUDA RNG helpers
 # ------------------------------------------------------------------------------------------------------
@@ -294,7 +256,10 @@ _LOCAL_NORMS = {"input_layernorm.weight": "model.layers.{layer_number}.input_lay
                 "pre_mlp_layernorm.weight": "model.layers.{layer_number}.post_attention_layernorm.weight"}
 
 
-def _install_local_layer_spec() -> None:
+def install_local_layer_spec() -> None:
+    """mbridge builds megatron-core's local (non-TransformerEngine) layers and maps their separate norms to HF
+    names (shim 5). Device-independent: ``benchmarks/gpu_check.py`` also uses it on a GPU without
+    TransformerEngine (whose torch extension PyPI ships as source only)."""
     from mbridge.core import bridge as mb_bridge, llm_bridge
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -408,12 +373,13 @@ def megatron_gpu_overrides(tensor_parallel: int = 1, pipeline_parallel: int = 1)
     """The harness's Megatron overrides on a GPU (``VERL_TOKENSEL_HARNESS_DEVICE=cuda``): verl's own engine
     defaults (bf16, flash attention, megatron-bridge unless only mbridge imports), no shim, the given
     TP / PP sizes and no sequence parallelism at TP 1 (verl's default turns it on)."""
-    import importlib.util
+    import importlib
 
     g = "actor_rollout_ref.actor.megatron"
-    try:
-        bridge = importlib.util.find_spec("megatron.bridge") is not None
-    except ModuleNotFoundError:
+    try:  # importable, not just present: megatron-bridge imports TransformerEngine at import time
+        importlib.import_module("megatron.bridge")
+        bridge = True
+    except ImportError:
         bridge = False
     return [
         "actor_rollout_ref.actor.strategy=megatron",
@@ -472,7 +438,7 @@ def install_megatron_cpu_shims() -> None:
         raise MegatronCpuError(reason)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     _TORCH_PROXY = _TorchForMegatron()
-    sys.meta_path.insert(0, _PatchOnImport())
+    patch_after_import("megatron_torch", lambda name: name.startswith(_PREFIXES), _patch_module)
     import megatron.core  # noqa: F401
 
     for name, module in list(sys.modules.items()):
@@ -499,10 +465,10 @@ def install_megatron_cpu_shims() -> None:
         if mod is not None and getattr(mod, "__name__", "").startswith(_PREFIXES):
             if getattr(mod, "clip_grad_by_total_norm_fp32", None) is not None and mod is not clip_grads:
                 mod.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
-    _install_local_layer_spec()  # shim 5
+    install_local_layer_spec()  # shim 5
     _install_local_attention()  # shim 6
     setattr(torch, _INSTALLED, True)
 
 
 __all__ = ["MegatronCpuError", "apply_engine_dtype", "install_megatron_cpu_shims", "megatron_available",
-           "megatron_cpu_overrides", "megatron_gpu_overrides"]
+           "install_local_layer_spec", "megatron_cpu_overrides", "megatron_gpu_overrides"]

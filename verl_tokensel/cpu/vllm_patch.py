@@ -42,6 +42,8 @@ import logging
 import sys
 from typing import Any, Iterable, Optional
 
+from verl_tokensel.cpu.import_hook import patch_after_import
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -149,41 +151,12 @@ def keep_live_weight_gemm_dispatch(module: Any) -> bool:
     return True
 
 
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Import hook: when :data:`GEMM_MODULE` is imported, patch it right after it executes."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != GEMM_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        loader = spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module = loader.exec_module
-
-        def exec_and_patch(module):
-            exec_module(module)
-            keep_live_weight_gemm_dispatch(module)
-
-        # a fresh loader instance per spec (PathFinder's): shadow its exec_module, keep get_source etc.
-        loader.exec_module = exec_and_patch
-        return spec
-
-
 def _install_gemm_fix() -> None:
     module = sys.modules.get(GEMM_MODULE)
     if module is not None:
         keep_live_weight_gemm_dispatch(module)
         return
-    if not any(isinstance(f, _PatchAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    patch_after_import("vllm_gemm", lambda name: name == GEMM_MODULE, keep_live_weight_gemm_dispatch)
 
 
 def install() -> None:
