@@ -90,33 +90,7 @@ ls "$DEST" | grep -v '^chunk' >"$DEST/FILES.txt"
 
 if [ -n "${CHUNK_MIB:-}" ]; then
     rm -rf "$DEST"/chunk*
-    "$PY" - "$DEST" "$CHUNK_MIB" <<'PYEOF'
-import os, sys
-dest, limit = sys.argv[1], int(float(sys.argv[2]) * 2**20)
-pieces = []
-for f in sorted(os.listdir(dest), key=lambda f: -os.path.getsize(os.path.join(dest, f))):
-    if not (f.endswith((".whl", ".tar.gz")) or f == "FILES.txt"):
-        continue
-    data = open(os.path.join(dest, f), "rb").read()
-    if len(data) <= limit:
-        pieces.append((f, data))
-    else:
-        for i in range(0, len(data), limit):
-            suffix = chr(ord("a") + i // limit // 26) + chr(ord("a") + i // limit % 26)
-            pieces.append((f"{f}.part-{suffix}", data[i : i + limit]))
-chunks = []  # first fit, biggest first
-for name, data in pieces:
-    for c in chunks:
-        if c[0] + len(data) <= limit:
-            c[0] += len(data); c[1].append((name, data)); break
-    else:
-        chunks.append([len(data), [(name, data)]])
-for k, (size, files) in enumerate(chunks, 1):
-    os.makedirs(os.path.join(dest, f"chunk{k}"))
-    for name, data in files:
-        open(os.path.join(dest, f"chunk{k}", name), "wb").write(data)
-    print(f"  chunk{k}: {len(files)} files, {size / 2**20:.1f} MiB")
-PYEOF
+    "$PY" "$ROOT/scripts/chunk_files.py" "$DEST" "$CHUNK_MIB" FILES.txt
 fi
 echo "[pack_megatron_wheels] done: $(du -sh --exclude='chunk*' "$DEST" | cut -f1) in $DEST"
 du -k "$DEST"/*.whl "$DEST"/*.tar.gz 2>/dev/null | sort -rn | awk '{printf "  %7.1f MiB  %s\n", $1/1024, $2}'

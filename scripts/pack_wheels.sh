@@ -130,34 +130,7 @@ fi
 if [ -n "${CHUNK_MIB:-}" ]; then
     echo "[pack_wheels] 4/4 laying out chunks of <= $CHUNK_MIB MiB"
     rm -rf "$DEST"/chunk*
-    "$PY" - "$DEST" "$CHUNK_MIB" <<'PYEOF'
-import os, sys
-dest, limit = sys.argv[1], int(float(sys.argv[2]) * 2**20)
-pieces = []  # (name, bytes) in the order they are filled into chunks
-for f in sorted(os.listdir(dest), key=lambda f: -os.path.getsize(os.path.join(dest, f))):
-    path = os.path.join(dest, f)
-    if not (f.endswith(".whl") or f == "PINS.txt"):
-        continue
-    data = open(path, "rb").read()
-    if len(data) <= limit:
-        pieces.append((f, data))
-    else:
-        for i in range(0, len(data), limit):
-            suffix = chr(ord("a") + i // limit // 26) + chr(ord("a") + i // limit % 26)
-            pieces.append((f"{f}.part-{suffix}", data[i : i + limit]))
-chunks = []  # first fit, biggest first
-for name, data in pieces:
-    for c in chunks:
-        if c[0] + len(data) <= limit:
-            c[0] += len(data); c[1].append((name, data)); break
-    else:
-        chunks.append([len(data), [(name, data)]])
-for k, (size, files) in enumerate(chunks, 1):
-    os.makedirs(os.path.join(dest, f"chunk{k}"))
-    for name, data in files:
-        open(os.path.join(dest, f"chunk{k}", name), "wb").write(data)
-    print(f"  chunk{k}: {len(files)} files, {size / 2**20:.1f} MiB")
-PYEOF
+    "$PY" "$ROOT/scripts/chunk_files.py" "$DEST" "$CHUNK_MIB" PINS.txt
 else
     echo "[pack_wheels] 4/4 no CHUNK_MIB: one flat folder"
 fi
