@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -27,6 +28,17 @@ def test_cpu_step_runs_every_preset_and_reports_the_selected_fraction(tmp_path):
     # ceil(0.2 N) over micro-batch pools of a few dozen tokens: a little above 0.2 / 0.8
     assert 0.2 <= rows["forking"] < 0.3 and 0.2 <= rows["gmts"] < 0.3
     assert 0.8 <= rows["forking_bottom"] < 0.9
+
+
+@pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
+def test_cpu_step_on_the_megatron_engine(tmp_path):
+    res = _cli("cpu-step", "--engine", "megatron", "--workdir", str(tmp_path),
+               "--presets", "none", "forking", "gmts", "forking_paper")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "TrainingWorker (Megatron, CPU)" in res.stderr
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+)\s+([0-9.]+)\s", res.stdout, flags=re.M)}
+    assert rows["none"] == 1.0
+    assert 0.2 <= rows["forking"] < 0.3 and 0.2 <= rows["gmts"] < 0.3 and 0.19 <= rows["forking_paper"] < 0.3
 
 
 def test_cpu_step_rejects_unknown_preset(tmp_path):

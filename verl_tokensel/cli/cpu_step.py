@@ -1,14 +1,16 @@
 """One real verl actor update per token selector on a tiny model, on CPU (the embedded default job).
 
 Builds, with no download, a byte-level BPE tokenizer and a random-init Qwen2 (cached under
-``--workdir``), starts verl's real ``TrainingWorker`` with the FSDP2 engine on verl's CPU platform,
-computes old log-probs with the real log-prob pass, then runs one ``update_actor`` mini-batch per
-preset with the selecting loss and prints what each preset did.
+``--workdir``), starts verl's real ``TrainingWorker`` with the FSDP2 engine (``--engine megatron``: verl's
+Megatron engine on the Megatron CPU test bed, one process) on verl's CPU platform, computes old log-probs
+with the real log-prob pass, then runs one ``update_actor`` mini-batch per preset with the selecting loss and
+prints what each preset did.
 
 Examples::
 
     verl-tokensel cpu-step
     verl-tokensel cpu-step --presets none forking gmts --n 16 --dynamic-bsz
+    verl-tokensel cpu-step --engine megatron --presets none forking gmts forking_paper
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-HELP = "run one real verl FSDP2 actor update per preset on a tiny CPU model"
+HELP = "run one real verl FSDP2 (or Megatron) actor update per preset on a tiny CPU model"
 DEFAULT_PRESETS = ("none", "forking", "forking_bottom", "random", "gmts", "grad_norm")
 
 
@@ -30,6 +32,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--workdir", default=os.path.join(os.path.expanduser("~"), ".cache", "verl_tokensel"),
                         help="where the tiny model is cached")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=("fsdp", "megatron"), default="fsdp",
+                        help="verl's FSDP2 engine (default) or its Megatron engine (needs megatron-core and mbridge: "
+                             "pip install 'verl_tokensel[megatron]')")
 
 
 def _progress(msg: str) -> None:
@@ -60,17 +65,27 @@ def run(args) -> int:
     if bad:
         print(f"error: --presets {bad} unknown; valid: {', '.join(PRESETS)}", file=sys.stderr)
         return 2
+    megatron = args.engine == "megatron"
+    if megatron:
+        from verl_tokensel.cpu.megatron import megatron_available
+
+        reason = megatron_available()
+        if reason:
+            print(f"error: --engine megatron: {reason}", file=sys.stderr)
+            return 2
     _progress("selecting verl's CPU platform and building the tiny model")
     from verl_tokensel.cpu import worker as H
     from verl_tokensel.cpu import batches as B
     from verl_tokensel.cpu import tiny_model
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
-    model_dir = tiny_model.build_tiny_model_dir(Path(args.workdir) / "tiny_qwen2")
-    _progress(f"starting verl's TrainingWorker (FSDP2, CPU) on {model_dir}")
+    workdir = Path(args.workdir)
+    model_dir = (tiny_model.build_tiny_model_dir(workdir / "tiny_qwen2_kv2", **tiny_model.MEGATRON_TINY_CONFIG)
+                 if megatron else tiny_model.build_tiny_model_dir(workdir / "tiny_qwen2"))
+    _progress(f"starting verl's TrainingWorker ({'Megatron' if megatron else 'FSDP2'}, CPU) on {model_dir}")
     actor = H.make_training_worker(model_dir, use_dynamic_bsz=args.dynamic_bsz,
                                    use_remove_padding=not args.no_remove_padding, seed=args.seed,
-                                   master_port=H.free_port(),
+                                   master_port=H.free_port(), engine=args.engine,
                                    ppo_mini_batch_size=args.n, ppo_micro_batch_size_per_gpu=2,
                                    ppo_max_token_len_per_gpu=64, lr=1e-4)
     rows = []
@@ -79,6 +94,8 @@ def run(args) -> int:
         batch = B.make_update_batch(actor, n=args.n, seed=args.seed + 1, calculate_entropy=True,
                                     resp_len=(8, 24), group_size=4 if args.n % 4 == 0 else 1)
         H.compute_old_log_probs(actor, batch)
+        if config.selection is not None and config.selection.score_source == "rollout":
+            B.add_driver_selection(config, batch)  # what the tokensel driver does before update_actor
         _progress(f"update with token_selector={preset}")
         result = H.run_train_step(actor, batch, loss_fn=SelectingLoss(config),
                                   capture_params=True)
