@@ -5,7 +5,8 @@ step share :class:`CpuActor` and the env priming that must run before verl is im
 are this docstring. Batches are in :mod:`verl_tokensel.cpu.batches`.
 
 What it drives: ``verl.workers.engine_workers.TrainingWorker`` (the actor that
-``ActorRolloutRefWorker.init_model`` builds) with the FSDP2 engine, fed with the ``TensorDict`` that verl's
+``ActorRolloutRefWorker.init_model`` builds) with the FSDP2 engine (``engine="megatron"``: verl's Megatron engine
+on the test bed of :mod:`verl_tokensel.cpu.megatron`), fed with the ``TensorDict`` that verl's
 drivers send to ``update_actor`` (``TrainingWorker.train_mini_batch``), with a loss function set through
 ``set_loss_fn`` exactly as ``init_model`` does (``partial(ppo_loss, config=actor_config)`` by default).
 
