@@ -32,6 +32,7 @@ from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E40
 from helpers import distributed as D  # noqa: E402
 from helpers.grad_probe import (  # noqa: E402
     capture_logit_grads,
+    padded_response_field,
     prompt_lengths,
     response_lengths,
     row_ids,
@@ -46,14 +47,6 @@ WORKER_KW = dict(use_dynamic_bsz=True, ppo_mini_batch_size=6, ppo_micro_batch_si
 CASES = [("mini_batch", "v1", 6), ("group", "v0", 12)]  # (scope, batch format, global mini-batch size)
 
 
-
-
-def _padded(field, resp_lens):
-    rows = field.unbind(0) if field.is_nested else [field[i, :n] for i, n in enumerate(resp_lens)]
-    out = torch.zeros(len(rows), max(resp_lens), dtype=rows[0].dtype)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
 
 
 def _rank_step(rank, world, model_dir):
@@ -79,8 +72,9 @@ def _rank_step(rank, world, model_dir):
             resp_lens = response_lengths(data)
             minibatches.append(dict(
                 rows=row_ids(data), uids=[str(u) for u in data.get("uid").tolist()], resp_lens=resp_lens,
-                mask=_padded(data[MASK_FIELD], resp_lens).bool(), scores=_padded(data[SCORE_FIELD], resp_lens),
-                adv=_padded(data["advantages"], resp_lens)))
+                mask=padded_response_field(data[MASK_FIELD], resp_lens).bool(),
+                scores=padded_response_field(data[SCORE_FIELD], resp_lens),
+                adv=padded_response_field(data["advantages"], resp_lens)))
             return out
 
         def observe(rec):

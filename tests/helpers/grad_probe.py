@@ -27,6 +27,15 @@ def response_lengths(data) -> list[int]:
     return data["attention_mask"][:, data["prompts"].shape[1]:].sum(1).tolist()
 
 
+def padded_response_field(field, resp_lens) -> torch.Tensor:
+    """A per-token response field (nested, or padded wider) as ``(batch, max(resp_lens))``, zeros past each row."""
+    rows = field.unbind(0) if field.is_nested else [field[i, :n] for i, n in enumerate(resp_lens)]
+    out = torch.zeros(len(rows), max(resp_lens), dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.numel()] = r
+    return out
+
+
 def prompt_lengths(data) -> list[int]:
     """Valid prompt tokens per row (left padding excluded)."""
     prompts = data["prompts"]

@@ -17,7 +17,8 @@ import torch
 from verl_tokensel.cpu import batches as B, worker as H
 
 from helpers import distributed as D
-from helpers.grad_probe import capture_logit_grads, prompt_lengths, response_lengths, row_ids, token_grad_norms
+from helpers.grad_probe import (capture_logit_grads, padded_response_field, prompt_lengths, response_lengths, row_ids,
+                                token_grad_norms)
 
 PRESETS = ["none", "forking", "forking_bottom", "random", "grad_norm", "forking_paper", "gmts", "gmts_mini_batch"]
 #: runs that are a preset with knobs: name -> (preset, token_selection knobs)
@@ -32,14 +33,6 @@ ONE_MINI_BATCH = ("gmts",)
 
 def pad_rows(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, width - x.shape[1]))
-
-
-def _padded(field, resp_lens) -> torch.Tensor:
-    rows = field.unbind(0) if field.is_nested else [field[i, :n] for i, n in enumerate(resp_lens)]
-    out = torch.zeros(len(rows), max(resp_lens), dtype=rows[0].dtype)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
 
 
 def _plain_metrics(metrics: dict) -> dict:
@@ -88,8 +81,8 @@ def _one_preset(actor, preset: str, tp: int, stock: bool = False) -> dict:
         if MASK_FIELD in data.keys() and name == "gmts":
             lens = response_lengths(data)
             out["minibatches"].append(dict(uids=[str(u) for u in data.get("uid").tolist()], resp_lens=lens,
-                                           mask=_padded(data[MASK_FIELD], lens).bool(),
-                                           scores=_padded(data[SCORE_FIELD], lens)))
+                                           mask=padded_response_field(data[MASK_FIELD], lens).bool(),
+                                           scores=padded_response_field(data[SCORE_FIELD], lens)))
         return result
 
     actor.worker.train_batch = spy
