@@ -105,12 +105,14 @@ def _one_preset(actor, preset: str, tp: int, stock: bool = False) -> dict:
     return out
 
 
-def megatron_rank_run(rank: int, world: int, model_dir: str, tp: int, pp: int, dyn: bool, rmpad: bool) -> dict:
+def megatron_rank_run(rank: int, world: int, model_dir: str, tp: int, pp: int, dyn: bool, rmpad: bool,
+                      dtype: str = "fp32") -> dict:
     """Every preset of :data:`PRESETS` through this rank's Megatron ``TrainingWorker`` (lr 0)."""
     from megatron.core import parallel_state as mpu
 
     actor = H.make_training_worker(model_dir, engine="megatron", rank=rank, world_size=world, tensor_parallel=tp,
-                                   pipeline_parallel=pp, use_dynamic_bsz=dyn, use_remove_padding=rmpad, **WORKER_KW)
+                                   pipeline_parallel=pp, use_dynamic_bsz=dyn, use_remove_padding=rmpad, dtype=dtype,
+                                   **WORKER_KW)
     presets = {p: _one_preset(actor, p, tp, stock=(p == "none")) for p in PRESETS}
     # verl's TrainingWorker returns the step's metrics on the model-parallel source rank only
     return {"rank": rank, "runs_loss": mpu.is_pipeline_last_stage(), "presets": presets,
