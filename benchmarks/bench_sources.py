@@ -47,9 +47,8 @@ from verl_tokensel.cpu import batches as B  # noqa: E402
 
 import torch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.utils.padding import response_to_nested  # noqa: E402
 
-from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, SelectingLoss  # noqa: E402
+from verl_tokensel.verl_glue.loss import SelectingLoss  # noqa: E402
 
 MODES = ("current", "prepass", "rollout")
 KNOBS = {
@@ -59,27 +58,12 @@ KNOBS = {
 }
 
 
-def _driver_select(config, batch) -> tuple[float, dict, float]:
-    """What the driver does for ``score_source=rollout``; returns (seconds, per-token fields to send,
-    selected fraction)."""
-    from verl_tokensel.core.batch import group_ids
-    from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
-
+def _driver_select(config, batch) -> tuple[float, float]:
+    """What the driver does for ``score_source=rollout``, in place (the mask and scores added to ``batch``);
+    returns (seconds, selected fraction)."""
     t0 = time.perf_counter()
-    padded = batch.select("response_mask", "old_log_probs", "advantages", "entropy").to_padded_tensor()
-    out = select_on_driver(
-        config.selection,
-        response_mask=padded["response_mask"],
-        old_log_prob=padded["old_log_probs"],
-        advantages=padded["advantages"],
-        entropy=padded["entropy"],
-        group_ids=group_ids(batch.get("uid").tolist()),
-        params=score_params(config),
-    )
-    rm = batch["response_mask"]
-    fields = {MASK_FIELD: response_to_nested(out.mask.to(rm.dtype), rm),
-              SCORE_FIELD: response_to_nested(out.scores, rm)}
-    return time.perf_counter() - t0, fields, out.metrics["tokensel/driver_selected_fraction"]
+    out = B.add_driver_selection(config, batch)
+    return time.perf_counter() - t0, out.metrics["tokensel/driver_selected_fraction"]
 
 
 def bench(repeats: int, n: int, warmup: int = 1):
@@ -102,9 +86,7 @@ def bench(repeats: int, n: int, warmup: int = 1):
         tu.assign_non_tensor(b, calculate_entropy=entropy_in_update)
         extra, frac = 0.0, None
         if mode == "rollout":
-            extra, fields, frac = _driver_select(config, b)
-            for k, v in fields.items():
-                b[k] = v
+            extra, frac = _driver_select(config, b)
         r = H.run_train_step(actor, b, loss_fn=SelectingLoss(config), capture_params=False)
         assert r.loss == r.loss, f"{mode}: NaN loss"
         if mode == "prepass":

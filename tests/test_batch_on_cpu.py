@@ -17,7 +17,7 @@ from verl_tokensel.core.batch import group_ids, pad_rows, row_keys, score_batch
 from verl_tokensel.core.config import PRESETS, Selection
 from verl_tokensel.core.scores import logit_grad_norm
 from verl_tokensel.verl_glue.driver_select import select_on_driver
-from verl_tokensel.verl_glue.loss import unpack_micro_batch
+from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 
 PACKAGE = Path(__file__).resolve().parents[1] / "verl_tokensel"
 
@@ -51,19 +51,19 @@ def test_score_batch_applies_row_valid_weights_and_keys_only_when_needed():
     rm = torch.ones(3, 4, dtype=torch.bool)
     adv = torch.randn(3, 4)
     w = torch.rand(3, 4)
-    b = score_batch("gmts", response_mask=rm, log_prob=lp, advantages=adv, entropy=torch.rand(3, 4),
-                    rollout_is_weights=w, row_valid=torch.tensor([True, False, True]),
+    b = score_batch("gmts", {"response_mask": rm, "log_probs": lp, "advantages": adv, "entropy": torch.rand(3, 4),
+                             "rollout_is_weights": w}, row_valid=torch.tensor([True, False, True]),
                     input_ids=[[1, 2], [3], [4, 5]], uids=["a", "b", "a"], scope="group")
     assert torch.equal(b.valid[1], torch.zeros(4, dtype=torch.bool)) and b.valid[0].all()
     assert torch.allclose(b.inputs.advantages, adv * w)
     assert b.inputs.row_keys is None  # gmts needs none: nothing hashed
     assert torch.equal(b.group_ids, group_ids(["a", "b", "a"]))
     assert (b.score("gmts")[1] == 0).all()
-    r = score_batch("random", response_mask=rm, log_prob=lp, input_ids=[[1, 2], [3], [4, 5]])
+    r = score_batch("random", {"response_mask": rm, "log_probs": lp}, input_ids=[[1, 2], [3], [4, 5]])
     assert torch.equal(r.inputs.row_keys, row_keys([[1, 2], [3], [4, 5]]))
     assert r.group_ids is None  # no group scope: no ids
     with pytest.raises(ValueError, match="unknown score 'nope'"):
-        score_batch("nope", response_mask=rm, log_prob=lp)
+        score_batch("nope", {"response_mask": rm, "log_probs": lp})
 
 
 def _analysis_view_of(model_output, data):
@@ -90,7 +90,7 @@ def test_the_loss_and_the_analysis_score_a_micro_batch_alike(score):
     """Scores without omega read only per-token values and row keys: the loss's and view's must be equal."""
     model_output, data, _ = make_micro_batch(batch=5, seed=3, with_sum_pi_squared=True)
     sel = Selection(score=score, ratio=0.2, direction="top", scope="micro_batch", normaliser="all", seed=11)
-    cfg = type("Cfg", (), {"clip_ratio": 0.2})()
+    cfg = type("Cfg", (), {"clip_ratio": 0.2, "use_kl_loss": False})()
     trained = unpack_micro_batch(cfg, sel, model_output, data).scores
     scored, pairs, adv, *_ = _analysis_view_of(model_output, data)
     analysed = scored_batch(scored, adv, score, pairs=pairs, seed=11)
@@ -106,9 +106,9 @@ def test_the_driver_and_the_analysis_select_alike_on_policy(preset):
     on_driver = select_on_driver(
         Selection(score=sel.score, ratio=sel.ratio, direction=sel.direction, scope="batch", normaliser="all",
                   seed=sel.seed),
-        response_mask=padded["response_mask"],
-        old_log_prob=lp, advantages=padded["advantages"], entropy=ent, sum_pi_squared=sp2,
-        row_keys=row_keys([p + r for p, r in pairs]))
+        {"response_mask": padded["response_mask"], "old_log_probs": lp, "advantages": padded["advantages"],
+         "entropy": ent, "sum_pi_squared": sp2},
+        keys=row_keys([p + r for p, r in pairs]))
     chosen = select_preset(scored_batch(scored, adv, sel.score, pairs=pairs, seed=sel.seed), sel,
                            scope="micro_batch")
     torch.testing.assert_close(chosen.scores, on_driver.scores, rtol=1e-6, atol=1e-7)

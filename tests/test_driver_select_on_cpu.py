@@ -28,7 +28,7 @@ def _batch(seed=0, n=12, length=9, group_size=4):
     adv_row = torch.randn(n, generator=g)
     adv = adv_row.view(-1, 1).expand(n, length) * valid
     uids = [f"p{i // group_size}" for i in range(n)]
-    return dict(response_mask=valid.long(), entropy=entropy, old_log_prob=old_lp, advantages=adv), uids
+    return dict(response_mask=valid.long(), entropy=entropy, old_log_probs=old_lp, advantages=adv), uids
 
 
 def _sel(preset="forking_paper", **knobs):
@@ -38,7 +38,7 @@ def _sel(preset="forking_paper", **knobs):
 def test_batch_scope_keeps_top_ceil_over_union():
     f, _ = _batch()
     sel = _sel()
-    out = select_on_driver(sel, **f)
+    out = select_on_driver(sel, f)
     valid = f["response_mask"].bool()
     n = int(valid.sum())
     k = math.ceil(0.2 * n)
@@ -58,14 +58,14 @@ def test_group_scope_keeps_ceil_per_uid():
     f, uids = _batch(seed=1, n=12, group_size=3)
     sel = _sel(scope="group", ratio=0.3)
     gid = group_ids_from_uids(uids)
-    out = select_on_driver(sel, group_ids=gid, **f)
+    out = select_on_driver(sel, f, group_ids=gid)
     valid = f["response_mask"].bool()
     for g in gid.unique():
         rows = gid == g
         n_g = int(valid[rows].sum())
         assert int(out.mask[rows].sum()) == math.ceil(0.3 * n_g)
         # each group alone gives the same mask as the whole batch
-        alone = select_on_driver(sel, group_ids=gid[rows], **{k: v[rows] for k, v in f.items()})
+        alone = select_on_driver(sel, {k: v[rows] for k, v in f.items()}, group_ids=gid[rows])
         assert torch.equal(alone.mask, out.mask[rows])
     assert out.metrics["tokensel/driver_groups"] == gid.unique().numel()
 
@@ -75,10 +75,10 @@ def test_row_permutation_moves_mask_with_rows(scope):
     f, uids = _batch(seed=2)
     sel = _sel(scope=scope)
     gid = group_ids_from_uids(uids)
-    out = select_on_driver(sel, group_ids=gid, **f)
+    out = select_on_driver(sel, f, group_ids=gid)
     perm = torch.randperm(len(uids), generator=torch.Generator().manual_seed(5))
     perm_uids = [uids[i] for i in perm.tolist()]
-    out_p = select_on_driver(sel, group_ids=group_ids_from_uids(perm_uids), **{k: v[perm] for k, v in f.items()})
+    out_p = select_on_driver(sel, {k: v[perm] for k, v in f.items()}, group_ids=group_ids_from_uids(perm_uids))
     assert torch.equal(out_p.mask, out.mask[perm])
     assert torch.equal(out_p.scores, out.scores[perm])
 
@@ -86,7 +86,7 @@ def test_row_permutation_moves_mask_with_rows(scope):
 def test_gmts_at_old_policy_is_entropy_times_abs_advantage():
     f, uids = _batch(seed=3)
     sel = _sel("gmts", score_source="rollout", scope="group")
-    out = select_on_driver(sel, group_ids=group_ids_from_uids(uids), params=score_params(object()), **f)
+    out = select_on_driver(sel, f, group_ids=group_ids_from_uids(uids), params=score_params(object()))
     valid = f["response_mask"].bool()
     expect = (f["entropy"] * f["advantages"].abs())[valid]
     torch.testing.assert_close(out.scores[valid], expect)
@@ -97,7 +97,7 @@ def test_padding_rows_never_selected():
     row_valid = torch.ones(12, dtype=torch.bool)
     row_valid[-2:] = False
     f["entropy"][-2:] = 100.0  # would win every top-k if counted
-    out = select_on_driver(_sel(), row_valid=row_valid, **f)
+    out = select_on_driver(_sel(), f, row_valid=row_valid)
     assert not out.mask[-2:].any()
     n = int(f["response_mask"][:-2].sum())
     assert int(out.mask.sum()) == math.ceil(0.2 * n)
@@ -106,18 +106,18 @@ def test_padding_rows_never_selected():
 def test_ref_entropy_reads_the_external_field():
     f, _ = _batch(seed=5)
     ref = torch.rand_like(f["entropy"])
-    out = select_on_driver(_sel(score="ref_entropy"), external={"ref_entropy": ref}, **f)
+    out = select_on_driver(_sel(score="ref_entropy"), f, external={"ref_entropy": ref})
     valid = f["response_mask"].bool()
     assert torch.equal(out.scores[valid], ref[valid])
     with pytest.raises(ValueError, match="ref_entropy"):
-        select_on_driver(_sel(score="ref_entropy"), **f)
+        select_on_driver(_sel(score="ref_entropy"), f)
 
 
 def test_mask_field_round_trips_as_nested_bool():
     from verl.workers.utils.padding import response_to_nested
 
     f, _ = _batch(seed=6)
-    out = select_on_driver(_sel(), **f)
+    out = select_on_driver(_sel(), f)
     lens = f["response_mask"].sum(1)
     rm_nested = torch.nested.as_nested_tensor([torch.ones(int(n), dtype=torch.int64) for n in lens],
                                               layout=torch.jagged)

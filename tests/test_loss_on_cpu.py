@@ -69,16 +69,18 @@ def vanilla_token_loss(cfg, lp, old, adv) -> torch.Tensor:
 
 @pytest.fixture
 def masks(monkeypatch):
-    """Records every mask the selecting loss computes."""
+    """Records every mask the selecting loss computes (in its rule step)."""
+    import verl_tokensel.core.rule as rule_mod
+
     seen = []
-    orig = loss_mod.select_tokens
+    orig = rule_mod.select_tokens
 
     def spy(*args, **kwargs):
         m = orig(*args, **kwargs)
         seen.append(m.clone())
         return m
 
-    monkeypatch.setattr(loss_mod, "select_tokens", spy)
+    monkeypatch.setattr(rule_mod, "select_tokens", spy)
     return seen
 
 

@@ -28,7 +28,7 @@ from verl.trainer.ppo.utils import Role  # noqa: E402
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker  # noqa: E402
 
 from verl_tokensel.core.batch import group_ids as stable_group_ids  # noqa: E402
-from verl_tokensel.verl_glue.loss import batch_uids  # noqa: E402
+from verl_tokensel.verl_glue.micro_batch import batch_uids  # noqa: E402
 from verl_tokensel.verl_glue.prepass import TokenselTrainingWorker, tokensel_worker_class  # noqa: E402
 
 

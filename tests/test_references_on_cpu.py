@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from verl_tokensel.core.batch import score_batch
+from verl_tokensel.core.rule import apply_rule
 from verl_tokensel.core.config import TokenSelectionConfig, TokenSelectionConfigError, resolve_selection
 from verl_tokensel.core.select import select_tokens
 
@@ -33,12 +34,11 @@ def _rows(seed: int, batch: int = 8, length: int = 24):
     return g, valid
 
 
-def _ours(preset: str, inputs: dict, **knobs) -> torch.Tensor:
-    """The preset's mask as the loss / pre-pass / driver computes it: registry score, then ``select_tokens``."""
+def _ours(preset: str, inputs: dict, uids=None, params=None, **knobs) -> torch.Tensor:
+    """The preset's mask as the loss / pre-pass / driver computes it: the rule step on the score inputs."""
     sel = resolve_selection(preset, TokenSelectionConfig(**knobs))
-    sb = score_batch(sel.score, scope=sel.scope, **inputs)
-    return select_tokens(sb.score(sel.score), sb.valid, sel.ratio, scope=sel.scope, direction=sel.direction,
-                         group_ids=sb.group_ids, pool=sel.pool)
+    sb = score_batch(sel.score, inputs, uids=uids, scope=sel.scope, params=params)
+    return apply_rule(sel, sb, stats=False).mask
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def test_forking_is_the_released_8020_mask(seed):
     g, valid = _rows(seed)
     entropy = torch.rand(valid.shape, generator=g) * 3  # distinct values (ties: ours by position, theirs arbitrary)
     lp = -torch.rand(valid.shape, generator=g)
-    ours = _ours("forking", dict(response_mask=valid, log_prob=lp, entropy=entropy))
+    ours = _ours("forking", dict(response_mask=valid, log_probs=lp, entropy=entropy))
     assert torch.equal(ours, released_8020_mask(entropy, valid, 0.2))
 
 
@@ -117,7 +117,7 @@ def test_trl_top_entropy_quantile_is_forking_on_the_dp_micro_batch(rho):
         g, valid = _rows(100 + seed, batch=6, length=20)
         entropy = torch.rand(valid.shape, generator=g) * 3
         lp = -torch.rand(valid.shape, generator=g)
-        ours = _ours("forking", dict(response_mask=valid, log_prob=lp, entropy=entropy), **knobs)
+        ours = _ours("forking", dict(response_mask=valid, log_probs=lp, entropy=entropy), **knobs)
         theirs = trl_high_entropy_mask(entropy, valid, rho)
         assert not (theirs & ~ours).any(), "both are top sets: TRL's must be inside ours"
         diff = int(ours.sum()) - int(theirs.sum())
@@ -131,7 +131,7 @@ def test_trl_top_entropy_quantile_is_forking_on_the_dp_micro_batch(rho):
     # ties at the threshold: TRL keeps every tied token, we keep exactly ceil(rho N) (first by position)
     valid = torch.ones(1, 10, dtype=torch.bool)
     entropy = torch.tensor([[0.0] * 6 + [1.0] * 4])
-    ours = _ours("forking", dict(response_mask=valid, log_prob=-entropy, entropy=entropy), **knobs)
+    ours = _ours("forking", dict(response_mask=valid, log_probs=-entropy, entropy=entropy), **knobs)
     assert int(trl_high_entropy_mask(entropy, valid, rho).sum()) >= 4
     assert int(ours.sum()) == max(1, math.ceil(rho * 10 - 1e-9))
 
@@ -170,30 +170,32 @@ def _gmts_inputs(seed: int, noise: float, dual_clip: bool):
     adv = torch.randn(valid.shape[0], 1, generator=g).expand(valid.shape).contiguous()
     if not dual_clip:  # keep r <= clip_ratio_c (3.0) where A < 0
         old = torch.where((adv < 0) & (lp - old > math.log(2.9)), lp - math.log(2.9), old)
-    inputs = dict(response_mask=valid, log_prob=lp, old_log_prob=old, advantages=adv, entropy=entropy, uids=uids,
-                  params=dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0))
+    inputs = dict(response_mask=valid, log_probs=lp, old_log_probs=old, advantages=adv, entropy=entropy)
     return inputs, uids
+
+
+GMTS_PARAMS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_gmts_with_pool_nonzero_is_the_released_gmts_selection(seed):
     inputs, uids = _gmts_inputs(seed, noise=0.3, dual_clip=False)
-    ours = _ours("gmts", inputs, pool="nonzero")
-    theirs, delta = released_gmts_mask(inputs["entropy"], inputs["log_prob"], inputs["old_log_prob"],
+    ours = _ours("gmts", inputs, uids=uids, params=GMTS_PARAMS, pool="nonzero")
+    theirs, delta = released_gmts_mask(inputs["entropy"], inputs["log_probs"], inputs["old_log_probs"],
                                        inputs["advantages"], inputs["response_mask"], uids, 0.2)
     assert int((inputs["response_mask"] & (delta == 0)).sum()) > 0, "off-policy inputs must clip some tokens"
     assert torch.equal(ours, theirs)
     # the preset's pool=valid counts the clipped tokens too: a larger budget, a superset of the code's picks
-    preset = _ours("gmts", inputs)
+    preset = _ours("gmts", inputs, uids=uids, params=GMTS_PARAMS)
     assert int(preset.sum()) > int(theirs.sum()) and not (theirs & ~preset).any()
 
 
 def test_gmts_zeroes_the_dual_clip_branch_where_the_released_code_does_not():
     inputs, uids = _gmts_inputs(7, noise=1.5, dual_clip=True)
-    lp, old, adv, valid = inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"], inputs["response_mask"]
+    lp, old, adv, valid = inputs["log_probs"], inputs["old_log_probs"], inputs["advantages"], inputs["response_mask"]
     dual = valid & (adv < 0) & (torch.exp(lp - old) > 3.0)
     assert dual.any()
-    sb = score_batch("gmts", scope="group", **inputs)
+    sb = score_batch("gmts", inputs, uids=uids, scope="group", params=GMTS_PARAMS)
     assert torch.all(sb.score("gmts")[dual] == 0), "verl's loss gives these tokens no gradient: score 0"
     _, delta = released_gmts_mask(inputs["entropy"], lp, old, adv, valid, uids, 0.2)
     assert torch.all(delta[dual] > 0), "the released code scores them"

@@ -111,8 +111,8 @@ def _expected_masks(sel, full, entropy_rows, order=None):
     valid = torch.arange(width).view(1, -1) < torch.tensor(lens).view(-1, 1)
     f = {k: pad(_row_masks_float(full, k)) for k in ("old_log_probs", "advantages")}
     order = list(range(len(lens))) if order is None else order
-    res = select_on_driver(sel, response_mask=valid[order], old_log_prob=f["old_log_probs"][order],
-                           advantages=f["advantages"][order], entropy=pad(entropy_rows)[order],
+    res = select_on_driver(sel, {"response_mask": valid[order], "old_log_probs": f["old_log_probs"][order],
+                                 "advantages": f["advantages"][order], "entropy": pad(entropy_rows)[order]},
                            group_ids=group_ids_from_uids([str(list(full["uid"])[i]) for i in order]))
     rows = row_ids(full)
     return {rows[j]: res.mask[i, : lens[j]] for i, j in enumerate(order)}

@@ -8,27 +8,15 @@ log-prob is the current one, so the ratio r = 1, no token is clipped and omega =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 import torch
 
 from verl_tokensel.core.batch import ScoreBatch, pad_rows, score_batch
 from verl_tokensel.core.pools import budget
-from verl_tokensel.core.select import select_tokens, selection_ranks
-
-UNIT_ADVANTAGE_SOURCE = "A = 1 for every response: the data has no advantage and no reward/score column"
-
-
-def advantages_or_unit(records) -> tuple[list[float], str]:
-    """The analysis advantages (:func:`~verl_tokensel.analysis.stats.resolve_advantages`), or A = 1."""
-    from verl_tokensel.analysis.stats import resolve_advantages
-
-    advantages, source = resolve_advantages(records)
-    if advantages is None:
-        return [1.0] * len(records), UNIT_ADVANTAGE_SOURCE
-    return advantages, source
-
+from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.select import selection_ranks
 
 def scored_batch(scored, advantages: Sequence[float], score: Union[str, Sequence[str]], *,
                  pairs: Optional[Sequence] = None, seed: int = 0) -> ScoreBatch:
@@ -46,8 +34,9 @@ def scored_batch(scored, advantages: Sequence[float], score: Union[str, Sequence
     gn, _ = pad_rows([s.grad_norm for s in scored])
     adv = torch.tensor([float(a) for a in advantages], dtype=torch.float32).view(-1, 1).expand_as(lp) * valid
     ids = [list(p) + list(r) for p, r in pairs] if pairs is not None else None
-    return score_batch(score, response_mask=valid, log_prob=lp, advantages=adv.contiguous(), entropy=ent,
-                       sum_pi_squared=sp2, logit_grad_norm=gn, input_ids=ids, seed=seed)
+    tensors = {"response_mask": valid, "log_probs": lp, "advantages": adv.contiguous(), "entropy": ent,
+               "sum_pi_squared": sp2, "logit_grad_norm": gn}
+    return score_batch(score, tensors, input_ids=ids, seed=seed)
 
 
 def per_response(values: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
@@ -77,10 +66,9 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     """
     ratio = sel.ratio if ratio is None else ratio
     scope = scope or ("sequence" if sel.scope == "sequence" else "micro_batch")
-    scores = batch.score(sel.score)
-    pool = getattr(sel, "pool", "valid")
-    mask = select_tokens(scores, batch.valid, ratio, scope=scope, direction=sel.direction, pool=pool)
-    valid = batch.valid & (scores != 0) if pool == "nonzero" else batch.valid  # the pool the budget counts
+    selected = apply_rule(replace(sel, ratio=ratio, scope=scope), batch, stats=False)
+    scores, mask = selected.scores, selected.mask
+    valid = selected.pool & (scores != 0) if sel.pool == "nonzero" else selected.pool  # the pool the budget counts
     ranks = selection_ranks(scores, valid, sel.direction, scope)
     if scope == "sequence":
         budgets = [budget(ratio, int(valid[i].sum())) for i in range(valid.shape[0])]
@@ -92,4 +80,4 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     return PresetSelection(scores=scores, mask=mask, ranks=ranks, ratio=ratio, scope=scope, budgets=budgets)
 
 
-__all__ = ["PresetSelection", "advantages_or_unit", "per_response", "scored_batch", "select_preset"]
+__all__ = ["PresetSelection", "per_response", "scored_batch", "select_preset"]

@@ -6,7 +6,9 @@ Every place that ranks tokens (the loss, the pre-pass, the driver, ``view``, ``a
 - ``valid`` = ``response_mask`` and, when given, ``row_valid`` (synthetic padding rows are never ranked);
 - ``advantages`` are multiplied by ``rollout_is_weights`` when given (the weight multiplies the token loss,
   hence its gradient weight omega);
-- ``old_log_prob`` defaults to ``log_prob`` (on-policy: the driver's old-policy pass, the analysis tools);
+- the inputs are a mapping keyed by :mod:`~verl_tokensel.core.fields` names; the scored policy (``log_probs``)
+  defaults to ``old_log_probs`` (on-policy: the driver's old-policy pass, the analysis tools);
+- ``finite`` marks the tokens whose loss inputs are all finite (the rule step drops the others);
 - row keys (``random`` score): :func:`row_keys` of the full token ids of each response (prompt and response,
   no padding), the same int64 on every rank, split and rerun; computed only when a requested score needs them;
 - group ids (``scope=group``): :func:`group_ids` of verl's ``uid`` (a 64-bit BLAKE2b of its text), equal on
@@ -21,6 +23,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
+from verl_tokensel.core import fields as F
 from verl_tokensel.core.scores import (
     SCORE_REGISTRY,
     ScoreInputs,
@@ -72,11 +75,14 @@ class ScoreBatch:
     Attributes:
         inputs: the padded :class:`ScoreInputs` (``response_mask`` is ``valid``).
         valid: ``(batch, response_len)`` bool, the tokens that may be ranked.
+        finite: ``(batch, response_len)`` bool, False on a valid token with a non-finite loss input
+            (:data:`~verl_tokensel.core.fields.FINITE_INPUTS`); such a token is dropped by the rule step.
         group_ids: ``(batch,)`` int64 or None (only for ``scope=group``).
     """
 
     inputs: ScoreInputs
     valid: torch.Tensor
+    finite: torch.Tensor
     group_ids: Optional[torch.Tensor] = None
 
     def score(self, name: str) -> torch.Tensor:
@@ -87,21 +93,14 @@ class ScoreBatch:
 
 def score_batch(
     score: Union[str, Sequence[str]],
+    tensors: Mapping[str, Optional[torch.Tensor]],
     *,
-    response_mask: torch.Tensor,
-    log_prob: torch.Tensor,
-    old_log_prob: Optional[torch.Tensor] = None,
-    advantages: Optional[torch.Tensor] = None,
-    entropy: Optional[torch.Tensor] = None,
-    sum_pi_squared: Optional[torch.Tensor] = None,
-    logit_grad_norm: Optional[torch.Tensor] = None,
-    ref_log_prob: Optional[torch.Tensor] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
     row_valid: Optional[torch.Tensor] = None,
     input_ids: Optional[TokenRows] = None,
     attention_mask: Optional[torch.Tensor] = None,
     keys: Optional[torch.Tensor] = None,
     uids: Any = None,
+    groups: Optional[torch.Tensor] = None,
     scope: Optional[str] = None,
     seed: int = 0,
     external: Optional[Mapping[str, torch.Tensor]] = None,
@@ -111,17 +110,14 @@ def score_batch(
 
     Args:
         score: the score name(s) that will be evaluated (row keys are hashed only if one needs them).
-        response_mask: nonzero on valid response tokens.
-        log_prob: log p(a_t) of the policy being scored (detached here).
-        old_log_prob: behaviour-policy log p(a_t); default ``log_prob`` (on-policy).
-        advantages: per-token advantages (default 0).
-        entropy / sum_pi_squared / ref_log_prob: as :class:`ScoreInputs`.
-        logit_grad_norm: ``||e_a - p||`` when the caller measured it exactly (analysis), else None.
-        rollout_is_weights: rollout-correction weights, multiplied into the advantages.
+        tensors: padded per-token tensors keyed by :mod:`~verl_tokensel.core.fields` names: ``response_mask``
+            (required), ``log_probs`` (the policy scored; default ``old_log_probs``: on-policy) and/or
+            ``old_log_probs``, and optionally ``advantages`` (default 0), ``entropy``, ``sum_pi_squared``,
+            ``ref_log_prob``, ``rollout_is_weights`` (multiplied into the advantages: the weight multiplies the
+            token loss, hence omega), ``logit_grad_norm``. A None value counts as absent.
         row_valid: ``(batch,)`` bool, False on synthetic padding rows.
-        input_ids / attention_mask: the rows' full token ids, for :func:`row_keys`; ``keys`` gives the keys
-            directly instead.
-        uids: verl's ``uid`` of each row, for :func:`group_ids` (``scope=group`` only).
+        input_ids / attention_mask: the rows' full token ids, for :func:`row_keys`; ``keys`` gives them directly.
+        uids: verl's ``uid`` of each row, for :func:`group_ids` (``scope=group`` only); ``groups`` gives the ids.
         scope: the selection scope (``group`` builds group ids).
         seed: the ``random`` score's seed.
         external: per-token fields a score declares in ``needs_external``.
@@ -131,22 +127,26 @@ def score_batch(
     for name in names:
         if name not in SCORE_REGISTRY:
             raise ValueError(f"unknown score {name!r}; valid: {sorted(SCORE_REGISTRY)}")
-    valid = response_mask.to(torch.bool)
+    t = {k: v for k, v in tensors.items() if v is not None}
+    if F.LOG_PROBS not in t and F.OLD_LOG_PROBS not in t:
+        raise ValueError(f"score_batch needs {F.LOG_PROBS!r} or {F.OLD_LOG_PROBS!r}; got {sorted(t)}")
+    valid = t[F.RESPONSE_MASK].to(torch.bool)
     if row_valid is not None:
         valid = valid & row_valid.to(device=valid.device, dtype=torch.bool).view(-1, 1)
-    log_prob = log_prob.detach()
-    adv = advantages if advantages is not None else torch.zeros_like(log_prob)
-    if rollout_is_weights is not None:
-        adv = adv.float() * rollout_is_weights.float()
+    log_prob = t.get(F.LOG_PROBS, t.get(F.OLD_LOG_PROBS)).detach()
+    adv = t.get(F.ADVANTAGES, torch.zeros_like(log_prob))
+    if F.ROLLOUT_IS_WEIGHTS in t:
+        adv = adv.float() * t[F.ROLLOUT_IS_WEIGHTS].float()
+    entropy = t.get(F.ENTROPY)
     inp = ScoreInputs(
         log_prob=log_prob,
         response_mask=valid,
         entropy=entropy.detach() if entropy is not None else None,
-        old_log_prob=old_log_prob if old_log_prob is not None else log_prob,
+        old_log_prob=t.get(F.OLD_LOG_PROBS, log_prob),
         advantages=adv,
-        sum_pi_squared=sum_pi_squared,
-        logit_grad_norm=logit_grad_norm,
-        ref_log_prob=ref_log_prob,
+        sum_pi_squared=t.get(F.SUM_PI_SQUARED),
+        logit_grad_norm=t.get(F.LOGIT_GRAD_NORM),
+        ref_log_prob=t.get(F.REF_LOG_PROB),
         seed=seed,
         external=dict(external or {}),
         **dict(params or {}),
@@ -155,10 +155,15 @@ def score_batch(
         if keys is None and input_ids is not None:
             keys = row_keys(input_ids, attention_mask)
         inp.row_keys = keys.to(log_prob.device) if keys is not None else None
-    gids = None
-    if scope == "group" and uids is not None:
-        gids = group_ids(uids).to(log_prob.device)
-    return ScoreBatch(inputs=inp, valid=valid, group_ids=gids)
+    if groups is None and scope == "group" and uids is not None:
+        groups = group_ids(uids)
+    if groups is not None:
+        groups = groups.to(log_prob.device)
+    finite = torch.ones_like(valid)
+    for name in F.FINITE_INPUTS:
+        if name in t:
+            finite &= torch.isfinite(t[name].detach())
+    return ScoreBatch(inputs=inp, valid=valid, finite=finite | ~valid, group_ids=groups)
 
 
 def pad_rows(rows: Sequence[torch.Tensor], fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

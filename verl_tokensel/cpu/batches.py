@@ -224,18 +224,16 @@ def add_driver_selection(config, batch):
     """
     from verl.workers.utils.padding import response_to_nested
 
+    from verl_tokensel.core import fields as F
     from verl_tokensel.core.batch import group_ids
     from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
-    from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
 
-    padded = batch.select("response_mask", "old_log_probs", "advantages", "entropy").to_padded_tensor()
-    out = select_on_driver(config.selection, response_mask=padded["response_mask"],
-                           old_log_prob=padded["old_log_probs"], advantages=padded["advantages"],
-                           entropy=padded["entropy"], group_ids=group_ids(batch.get("uid").tolist()),
+    padded = batch.select(*F.LOSS_INPUTS, F.ENTROPY).to_padded_tensor()
+    out = select_on_driver(config.selection, dict(padded.items()), group_ids=group_ids(batch.get(F.UID).tolist()),
                            params=score_params(config))
-    rm = batch["response_mask"]
-    batch[MASK_FIELD] = response_to_nested(out.mask.to(rm.dtype), rm)
-    batch[SCORE_FIELD] = response_to_nested(out.scores, rm)
+    rm = batch[F.RESPONSE_MASK]
+    batch[F.MASK] = response_to_nested(out.mask.to(rm.dtype), rm)
+    batch[F.SCORE] = response_to_nested(out.scores, rm)
     return out
 
 

@@ -1,26 +1,11 @@
-"""Token selection on the driver (``token_selection.score_source=rollout``).
+"""Token selection on the driver (``token_selection.score_source=rollout``), pure torch.
 
-The 80/20 paper ranks tokens by their entropy over the whole training batch B ("keep H >= tau_rho^B",
-arXiv 2506.01939): one threshold for all responses of a step. No data-parallel rank sees the whole
-batch, the driver does. verl already runs an old-policy pass over the whole batch before the update
-(entropy and log-probs), and computes the advantages on the driver; this module turns those padded
-``(batch, response_len)`` fields into a selection mask and the scores it was ranked by. The glue in
-:mod:`verl_tokensel.verl_glue.install` sends both to the actor workers as per-token fields
-(:data:`~verl_tokensel.verl_glue.loss.MASK_FIELD`, :data:`~verl_tokensel.verl_glue.loss.SCORE_FIELD`),
-keyed by row, and the loss applies the mask as it is.
-
-Scores are evaluated with the core registry AT THE OLD POLICY: ``log_prob = old_log_prob``, so the
-ratio r = 1 and omega = A * 1[not clipped at r = 1] = A (r = 1 is inside every clip band), plus the KL
-term's weight when a KL loss is on. ``gmts`` is then H_old * |A|, ``grad_norm`` |A| * ||e_a - p_old||.
-
-Scopes (the pool the budget ``ceil(ratio * N)`` is taken from):
-
-- ``batch``: every valid response token of the batch handed to one actor update;
-- ``group``: the responses sharing a prompt (verl's ``uid``), each group keeps ``ceil(ratio * n_g)``;
-- ``sequence``: each response keeps ``ceil(ratio * n_i)``.
-
-Pure torch: :func:`select_on_driver` takes padded tensors and needs
-neither Ray nor a worker, so it is unit-tested alone.
+The 80/20 paper ranks tokens by their entropy over the whole training batch B ("keep H >= tau_rho^B", arXiv
+2506.01939): one threshold for all responses of a step, which only the driver sees. verl already runs an old-policy
+pass over the whole batch (entropy, log-probs) and computes the advantages on the driver; :func:`select_on_driver`
+runs the rule step on those padded fields AT THE OLD POLICY (ratio r = 1, so omega = A plus the KL term's weight:
+``gmts`` is H_old * |A|). Scopes: ``batch``, ``group`` (verl's ``uid``), ``sequence``.
+:mod:`verl_tokensel.verl_glue.rollout_source` sends the mask to the workers.
 """
 
 from __future__ import annotations
@@ -30,10 +15,11 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from verl_tokensel.core.config import Selection
+from verl_tokensel.core import fields as F
 from verl_tokensel.core.batch import score_batch
-from verl_tokensel.core.scores import grad_mass, score_params
-from verl_tokensel.core.select import select_tokens, selection_stats
+from verl_tokensel.core.config import Selection
+from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.scores import score_params
 
 DRIVER_METRIC_PREFIX = "tokensel/driver_"
 
@@ -55,32 +41,23 @@ class DriverSelection:
 
 def select_on_driver(
     sel: Selection,
+    tensors: Mapping[str, Optional[torch.Tensor]],
     *,
-    response_mask: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    entropy: Optional[torch.Tensor] = None,
-    sum_pi_squared: Optional[torch.Tensor] = None,
-    ref_log_prob: Optional[torch.Tensor] = None,
-    rollout_is_weights: Optional[torch.Tensor] = None,
-    row_keys: Optional[torch.Tensor] = None,
+    keys: Optional[torch.Tensor] = None,
     group_ids: Optional[torch.Tensor] = None,
     row_valid: Optional[torch.Tensor] = None,
     external: Optional[Mapping[str, torch.Tensor]] = None,
     params: Optional[Mapping[str, Any]] = None,
 ) -> DriverSelection:
-    """Score every response token of the batch at the old policy and select with ``sel``.
+    """Score every response token of the batch at the old policy and apply the rule ``sel``.
 
     Args:
         sel: the resolved rule (``sel.score_source`` should be ``rollout``; not checked here).
-        response_mask: ``(batch, response_len)``, nonzero on valid response tokens.
-        old_log_prob: old-policy log p(a_t), nats.
-        advantages: per-token advantages.
-        entropy: old-policy entropy (nats), for scores that need it.
-        sum_pi_squared: old-policy sum_j p_j^2 (``grad_norm`` is exact with it, a lower bound without).
-        ref_log_prob: reference log p(a_t), read only when ``params['kl_coef']`` > 0.
-        rollout_is_weights: rollout-correction weights; they multiply the token loss, hence omega.
-        row_keys: ``(batch,)`` int64 per-response keys (``random`` score).
+        tensors: padded ``(batch, response_len)`` fields keyed by :mod:`~verl_tokensel.core.fields` names:
+            ``response_mask``, ``old_log_probs`` (nats), ``advantages``, and as the score needs them ``entropy``,
+            ``sum_pi_squared`` (``grad_norm`` is exact with it, a lower bound without), ``ref_log_prob`` (read only
+            when ``params['kl_coef']`` > 0), ``rollout_is_weights`` (they multiply the token loss, hence omega).
+        keys: ``(batch,)`` int64 per-response keys (``random`` score).
         group_ids: ``(batch,)`` int64 prompt group of each row (``scope=group``), as
             :func:`verl_tokensel.core.batch.group_ids` makes them from verl's ``uid``.
         row_valid: ``(batch,)`` bool, False on synthetic padding rows (never selected, never counted).
@@ -90,31 +67,16 @@ def select_on_driver(
     Returns:
         :class:`DriverSelection` with the mask, the float32 scores and ``tokensel/driver_*`` metrics.
     """
-    sb = score_batch(
-        sel.score,
-        response_mask=response_mask,
-        log_prob=old_log_prob.float(),
-        advantages=advantages.float(),
-        entropy=entropy.float() if entropy is not None else None,
-        sum_pi_squared=sum_pi_squared,
-        ref_log_prob=ref_log_prob,
-        rollout_is_weights=rollout_is_weights,
-        row_valid=row_valid,
-        keys=row_keys,
-        seed=sel.seed,
-        external=external,
-        params=params,
-    )
-    valid, inp = sb.valid, sb.inputs
-    scores = sb.score(sel.score)
-    mask = select_tokens(scores, valid, sel.ratio, scope=sel.scope, direction=sel.direction,
-                         group_ids=group_ids if sel.scope == "group" else None, pool=sel.pool)
-
-    stats = selection_stats(mask, valid, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
-    metrics = {DRIVER_METRIC_PREFIX + k: v for k, v in stats.items()}
+    as_float = (F.OLD_LOG_PROBS, F.ADVANTAGES, F.ENTROPY)
+    t = {k: (v.float() if k in as_float and v is not None else v) for k, v in tensors.items()}
+    sb = score_batch(sel.score, t, row_valid=row_valid, keys=keys,
+                     groups=group_ids if sel.scope == "group" else None, seed=sel.seed, external=external,
+                     params=params)
+    selected = apply_rule(sel, sb)
+    metrics = {DRIVER_METRIC_PREFIX + k: v for k, v in selected.stats.items()}
     if sel.scope == "group" and group_ids is not None:
-        metrics[DRIVER_METRIC_PREFIX + "groups"] = float(torch.unique(group_ids[valid.any(1)]).numel())
-    return DriverSelection(mask=mask, scores=scores, metrics=metrics)
+        metrics[DRIVER_METRIC_PREFIX + "groups"] = float(torch.unique(group_ids[sb.valid.any(1)]).numel())
+    return DriverSelection(mask=selected.mask, scores=selected.scores, metrics=metrics)
 
 
 __all__ = [

@@ -1,45 +1,23 @@
 """The selecting actor loss, called by verl's engines exactly like ``verl.workers.utils.losses.ppo_loss``.
 
-Signature: ``tokensel_ppo_loss(config, model_output, data, dp_group=None) -> (loss, metrics)``; the
-FSDP/FSDP2 engine calls it once per micro-batch and back-propagates the result, the Megatron engine
-calls it on the last pipeline stage and scales it by its micro-batch count. Both pass the same
-``data`` (the whole micro-batch, with ``dp_size`` and ``batch_num_tokens`` of the global
-mini-batch) and ``model_output`` (nested ``log_probs``, ``entropy`` when requested,
-``sum_pi_squared`` when requested).
+``tokensel_ppo_loss(config, model_output, data, dp_group=None) -> (loss, metrics)``: per micro-batch, the rule step
+(:func:`verl_tokensel.core.rule.apply_rule`) picks the tokens, then verl's registered policy loss of
+``policy_loss.loss_mode`` runs on inputs that carry the selection (the clip maths stays verl's):
 
-How the mask acts (the clip maths stays verl's: the registered policy loss of
-``policy_loss.loss_mode`` is called, never re-derived):
+- ``normaliser=all``: the policy loss gets ``where(mask, log_prob, log_prob.detach())``: forward values and every
+  aggregation's denominator unchanged, zero gradient off the mask (the 80/20 paper's objective, the GMTS code's
+  "zero the advantage"); ``actor/pg_loss`` is the full-token surrogate;
+- ``normaliser=selected`` (token-mean only, the 80/20 released code): the selected tokens are the loss mask and the
+  denominator is the micro-batch's selected tokens, weighted by its share of the mini-batch's responses;
+- the entropy bonus and KL loss see the mask only with ``mask_entropy_bonus`` / ``mask_kl_loss``.
 
-- ``normaliser=all``: the policy loss gets ``where(mask, log_prob, log_prob.detach())``. Forward
-  values are unchanged, so every aggregation mode keeps its stock denominator (all valid tokens of
-  the global mini-batch for token-mean, per-sequence lengths for seq-mean-*), and the gradient
-  reaching unselected tokens is exactly zero. This is the 80/20 paper's objective
-  ``1/sum|o_i| * sum 1[selected] * surrogate`` and the GMTS code's "zero the advantage". The
-  logged ``actor/pg_loss`` is therefore the full-token surrogate.
-- ``normaliser=selected`` (token-mean only, the 80/20 released code): the policy loss gets
-  ``response_mask & mask`` as its loss mask and a denominator of the micro-batch's selected
-  tokens, weighted by the micro-batch's share of the mini-batch's RESPONSES, as that code weights
-  its micro-batches (``1 / gradient_accumulation`` with fixed micro-batches, ``len(micro-batch) /
-  ppo_mini_batch_size`` with dynamic batch size): the loss is
-  ``sum_sel l / n_sel(mb) * rows(mb) * dp_size / global_batch_size`` (``global_batch_size``: the
-  mini-batch's responses over all data-parallel ranks, which both verl drivers pass), so after the
-  engines' data-parallel gradient average each micro-batch's mean counts ``rows(mb) / global_batch_size``.
-  Clip metrics are then over the selected tokens, as in that code.
-- entropy bonus and KL loss see the mask only when ``mask_entropy_bonus`` / ``mask_kl_loss``.
-
-What is verl's and what is ours: the part of ``ppo_loss`` the selecting loss has to repeat (global batch
-info, metric aggregation, the entropy and KL terms) is one function, :func:`verl_ppo_loss_body`, pinned
-to verl's source by :data:`VERL_PPO_LOSS_SHA256` (a test fails when verl's ``ppo_loss`` changes); the
-rest of this module is the selection.
-
-``token_selector=none`` calls verl's ``ppo_loss`` itself, so it is stock bit for bit; ratio 1.0
-with ``normaliser=all`` is bit-identical too (``where`` with an all-True mask is the identity in
-both directions).
+``token_selector=none`` calls verl's ``ppo_loss`` itself (stock bit for bit). The part of ``ppo_loss`` the
+selecting loss repeats is :func:`verl_ppo_loss_body`, pinned to verl's source by :data:`VERL_PPO_LOSS_SHA256`.
+docs/how-it-plugs.md has the derivations.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -49,121 +27,18 @@ from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty
 from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
-from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_tokensel.core.batch import ScoreBatch, score_batch
+from verl_tokensel.core import fields as F
 from verl_tokensel.core.config import Selection
-from verl_tokensel.core.scores import grad_mass, score_params
-from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS, select_tokens, selection_stats
+from verl_tokensel.core.rule import Selected, apply_rule
+from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
 from verl_tokensel.verl_glue.announce import announce_loss
+from verl_tokensel.verl_glue.micro_batch import MicroBatch, unpack_micro_batch
 
 METRIC_PREFIX = "tokensel/"
-# Per-token fields a driver-side (score_source=rollout) or pre-pass (score_source=prepass) selection
-# adds to the update batch, nested like verl's other per-token fields: the bool mask the loss applies
-# and the float32 scores it was ranked by (for the threshold metrics).
-MASK_FIELD = "token_select_mask"
-SCORE_FIELD = "token_select_score"
-
-
-UID_FIELD = "uid"
-# the old-log-prob pass's per-token entropy, as the V1 driver stores it with the batch
-OLD_ENTROPY_FIELD = "entropy"
-
-
-def batch_uids(data: TensorDict):
-    """verl's ``uid`` (prompt id) of each row of ``data``, for ``scope=group``; a clear error when absent."""
-    if UID_FIELD not in data.keys():
-        raise RuntimeError(
-            f"token_selection.scope=group needs the '{UID_FIELD}' of each response in the update batch (the prompt "
-            f"id verl's drivers attach to every rollout), and this mini-batch has none (keys: {sorted(data.keys())}). "
-            "Fix: keep the uid field in the batch a custom trainer sends to update_actor, or use scope=mini_batch."
-        )
-    return data.get(UID_FIELD)
-
-
-@dataclass
-class MicroBatch:
-    """One engine micro-batch (or a rank's mini-batch) laid out for scoring: padded ``(batch, response_len)``.
-
-    ``log_prob`` / ``entropy`` keep their autograd graph (the loss needs it); ``scores`` holds detached copies.
-    """
-
-    log_prob: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    padded: TensorDict
-    response_mask: torch.Tensor
-    scores: ScoreBatch
-
-
-def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *, rank: bool = True,
-                       extra_fields: tuple[str, ...] = ()) -> MicroBatch:
-    """The engine's nested ``model_output`` and micro-batch ``data`` as padded tensors and their
-    :func:`~verl_tokensel.core.batch.score_batch` (the loss and the pre-pass both call this).
-
-    ``model_output=None``: the policy values are the old-log-prob pass's (``old_log_probs`` and, when present,
-    ``entropy`` of ``data``): the pre-pass at the weights that pass measured.
-    ``rank=False`` skips the row keys and group ids (the mask was measured before the update).
-    ``extra_fields``: more per-token fields of ``data`` to pad (the pre-measured mask and scores).
-    """
-    fields = ["response_mask", "old_log_probs", "advantages"]
-    fields += [k for k in ("rollout_is_weights", "ref_log_prob") if k in data.keys()]
-    fields += [k for k in extra_fields if k in data.keys()]
-    if model_output is None and OLD_ENTROPY_FIELD in data.keys():
-        fields.append(OLD_ENTROPY_FIELD)
-    padded = data.select(*fields).to_padded_tensor()
-    response_mask = padded["response_mask"].to(torch.bool)
-    if model_output is None:
-        log_prob, sum_pi_squared = padded["old_log_probs"], None
-        entropy = padded.get(OLD_ENTROPY_FIELD, None)
-    else:
-        log_prob = no_padding_2_padding(model_output["log_probs"], data)
-        entropy = model_output.get("entropy", None)
-        if entropy is not None:
-            entropy = no_padding_2_padding(entropy, data)
-        sum_pi_squared = model_output.get("sum_pi_squared", None)
-        if sum_pi_squared is not None:
-            sum_pi_squared = no_padding_2_padding(sum_pi_squared, data)
-    ids = attn = uids = None
-    if rank:
-        ids = data["input_ids"]
-        if not getattr(ids, "is_nested", False) and "attention_mask" in data.keys():
-            attn = data["attention_mask"]  # padded rows: hash only the real tokens
-        if sel.scope == "group":
-            uids = batch_uids(data)
-    sb = score_batch(
-        sel.score,
-        response_mask=response_mask,
-        log_prob=log_prob,
-        old_log_prob=padded["old_log_probs"],
-        advantages=padded["advantages"],
-        entropy=entropy,
-        sum_pi_squared=sum_pi_squared,
-        ref_log_prob=padded.get("ref_log_prob", None),
-        rollout_is_weights=padded.get("rollout_is_weights", None),
-        input_ids=ids,
-        attention_mask=attn,
-        uids=uids,
-        scope=sel.scope,
-        seed=sel.seed,
-        params=score_params(config),
-    )
-    return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
-
-
-def finite_tokens(config, log_prob, entropy, padded: TensorDict, scores, response_mask) -> torch.Tensor:
-    """Bool ``(batch, response_len)``: the tokens whose loss inputs (log-prob, old log-prob, advantage, rollout IS
-    weight, reference log-prob when the KL loss is on, entropy when computed) are finite and whose score is not
-    NaN. True on padding."""
-    ok = ~torch.isnan(scores) & torch.isfinite(log_prob.detach())
-    for key in ("old_log_probs", "advantages", "rollout_is_weights"):
-        v = padded.get(key, None)
-        if v is not None:
-            ok &= torch.isfinite(v)
-    if config.use_kl_loss and padded.get("ref_log_prob", None) is not None:
-        ok &= torch.isfinite(padded["ref_log_prob"])
-    if entropy is not None:
-        ok &= torch.isfinite(entropy.detach())
-    return ok | ~response_mask
+# the per-token fields a selection measured before the update writes into the batch (names: core/fields.py)
+MASK_FIELD = F.MASK
+SCORE_FIELD = F.SCORE
 
 
 def _global_responses(data: TensorDict) -> int:
@@ -227,51 +102,61 @@ def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, obs
         guard.active = False
 
 
-def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group, observer=None):
-    precomputed = sel.score_source != "current"
-    if precomputed and MASK_FIELD not in data.keys():
+def _select(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, Selected]:
+    """The micro-batch and the rule step on it (or, for a selection measured before the update, its fields)."""
+    if sel.score_source == "current":
+        mb = unpack_micro_batch(config, sel, model_output, data)
+        return mb, apply_rule(sel, mb.scores, dp_group=dp_group)
+    if F.MASK not in data.keys():
         raise RuntimeError(
             f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
-            f"'{MASK_FIELD}' field: the selection that runs before the update (on the driver for "
+            f"'{F.MASK}' field: the selection that runs before the update (on the driver for "
             "rollout, at the start of each mini-batch for prepass) did not run. It is installed by "
             "python -m verl_tokensel.main_ppo (trainer modes tokensel_*); a custom trainer must keep it."
         )
-    mb = unpack_micro_batch(config, sel, model_output, data, rank=not precomputed,
-                            extra_fields=(MASK_FIELD, SCORE_FIELD) if precomputed else ())
-    log_prob, entropy, padded, response_mask = mb.log_prob, mb.entropy, mb.padded, mb.response_mask
-    inp = mb.scores.inputs
+    mb = unpack_micro_batch(config, sel, model_output, data, rank=False, extra_fields=(F.MASK, F.SCORE))
+    scores = mb.padded[F.SCORE] if F.SCORE in mb.padded.keys() else torch.zeros_like(mb.log_prob)
+    return mb, apply_rule(sel, mb.scores, measured=(mb.padded[F.MASK], scores))
 
-    # ---- score and select (no gradient) ----
-    if precomputed:
-        scores = padded[SCORE_FIELD].float() if SCORE_FIELD in padded.keys() else torch.zeros_like(log_prob)
-    else:
-        scores = mb.scores.score(sel.score)
-    # a token whose loss inputs or score are not finite is dropped: out of the pool, no gradient, no loss term,
-    # counted in tokensel/nan_scores (its surrogate is undefined)
-    finite = finite_tokens(config, log_prob, entropy, padded, scores, response_mask)
-    dropped = bool((response_mask & ~finite).any())
-    pool = response_mask & finite if dropped else response_mask
-    if precomputed:
-        mask = padded[MASK_FIELD].to(torch.bool) & pool
-    else:
-        mask = select_tokens(scores, pool, sel.ratio, scope=sel.scope, direction=sel.direction,
-                             dp_group=dp_group, pool=sel.pool)
-    if observer is not None:
-        observer({"mask": mask, "scores": scores, "response_mask": response_mask, "data": data,
-                  "log_prob": log_prob, "advantages": padded["advantages"]})
 
-    # ---- policy loss, via verl's registered loss for loss_mode; only its inputs are ours ----
-    gated_log_prob = torch.where(mask, log_prob, log_prob.detach())
-    inputs = {k: padded.get(k, None) for k in ("old_log_probs", "advantages", "rollout_is_weights", "ref_log_prob")}
-    if dropped:  # finite stand-ins where dropped (masked out below; verl's masked sums would turn NaN x 0 into NaN)
-        gated_log_prob = torch.where(finite, gated_log_prob, 0.0)
-        fill = {"old_log_probs": gated_log_prob.detach(), "advantages": 0.0, "rollout_is_weights": 1.0,
-                "ref_log_prob": gated_log_prob.detach()}
+def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: Selected) -> dict:
+    """verl's loss inputs carrying the selection: the gated log-prob, the rule's per-token outputs applied, and
+    finite stand-ins on dropped tokens (masked out; verl's masked sums would turn NaN x 0 into NaN)."""
+    if selected.clip_low is not None or selected.clip_high is not None:
+        raise RuntimeError(
+            "the token rule returned per-token clip bounds, which verl's policy losses read as scalars from the "
+            "config. Fix: set policy_loss.loss_mode to a registered tokensel_ policy loss that takes them.")
+    log_prob, entropy, mask = mb.log_prob, mb.entropy, selected.mask
+    gated = torch.where(mask, log_prob, log_prob.detach())
+    kl_log_prob = log_prob
+    inputs = {k: mb.padded.get(k, None) for k in (F.OLD_LOG_PROBS, F.ADVANTAGES, F.ROLLOUT_IS_WEIGHTS, F.REF_LOG_PROB)}
+    if selected.dropped:
+        finite = selected.pool | ~mb.response_mask
+        gated = torch.where(finite, gated, 0.0)
+        fill = {F.OLD_LOG_PROBS: gated.detach(), F.ADVANTAGES: 0.0, F.ROLLOUT_IS_WEIGHTS: 1.0,
+                F.REF_LOG_PROB: gated.detach()}
         inputs = {k: None if v is None else torch.where(finite, v, fill[k]) for k, v in inputs.items()}
-        if entropy is not None:
-            entropy = torch.where(finite, entropy, 0.0)
+        entropy = None if entropy is None else torch.where(finite, entropy, 0.0)
+        kl_log_prob = torch.where(finite, log_prob, 0.0)
+    if selected.advantage_weight is not None:
+        inputs[F.ADVANTAGES] = inputs[F.ADVANTAGES] * selected.advantage_weight
+    if selected.advantage_shift is not None:
+        inputs[F.ADVANTAGES] = inputs[F.ADVANTAGES] + selected.advantage_shift
+    if entropy is not None and sel.mask_entropy_bonus:
+        entropy = torch.where(mask, entropy, entropy.detach())
+    inputs.update(log_prob=gated, entropy=entropy, kl_log_prob=gated if sel.mask_kl_loss else kl_log_prob)
+    return inputs
 
-    def policy_loss(info):
+
+def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group, observer=None):
+    mb, selected = _select(config, sel, model_output, data, dp_group)
+    mask, pool = selected.mask, selected.pool
+    if observer is not None:
+        observer({"mask": mask, "scores": selected.scores, "response_mask": mb.response_mask, "data": data,
+                  "log_prob": mb.log_prob, "advantages": mb.padded[F.ADVANTAGES]})
+    inputs = _loss_inputs(config, sel, mb, selected)
+
+    def policy_loss(info):  # verl's registered loss for loss_mode; only its inputs are ours
         policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
         loss_mask = pool
         saved = info["batch_num_tokens"]
@@ -280,35 +165,20 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
             if n_sel > 0:
                 loss_mask = mask
                 # token-mean divides by batch_num_tokens: n_sel * G / rows makes it the selected mean x rows / G
-                info["batch_num_tokens"] = n_sel * _global_responses(data) / int(response_mask.shape[0])
+                info["batch_num_tokens"] = n_sel * _global_responses(data) / int(mb.response_mask.shape[0])
         try:
-            return policy_loss_fn(
-                old_log_prob=inputs["old_log_probs"],
-                log_prob=gated_log_prob,
-                advantages=inputs["advantages"],
-                response_mask=loss_mask,
-                loss_agg_mode=config.loss_agg_mode,
-                config=config,
-                rollout_is_weights=inputs["rollout_is_weights"],
-            )
+            return policy_loss_fn(old_log_prob=inputs[F.OLD_LOG_PROBS], log_prob=inputs["log_prob"],
+                                  advantages=inputs[F.ADVANTAGES], response_mask=loss_mask,
+                                  loss_agg_mode=config.loss_agg_mode, config=config,
+                                  rollout_is_weights=inputs[F.ROLLOUT_IS_WEIGHTS])
         finally:
             info["batch_num_tokens"] = saved
 
-    ent_term = entropy
-    if entropy is not None and sel.mask_entropy_bonus:
-        ent_term = torch.where(mask, entropy, entropy.detach())
     loss, metrics = verl_ppo_loss_body(
-        config, data, policy_loss, response_mask=pool, entropy=ent_term,
-        kl_log_prob=gated_log_prob if sel.mask_kl_loss else (
-            torch.where(finite, log_prob, 0.0) if dropped else log_prob),
-        ref_log_prob=inputs["ref_log_prob"] if config.use_kl_loss else None,
+        config, data, policy_loss, response_mask=pool, entropy=inputs["entropy"], kl_log_prob=inputs["kl_log_prob"],
+        ref_log_prob=inputs[F.REF_LOG_PROB] if config.use_kl_loss else None, kl_weight=selected.kl_weight,
     )
-
-    # ---- selection metrics (per micro-batch, averaged over micro-batches and ranks) ----
-    if dropped:  # tokensel/nan_scores counts the dropped tokens
-        scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
-    stats = selection_stats(mask, response_mask, scores, entropy=entropy, grad_mass=grad_mass(sel.score, scores, inp))
-    for key, value in stats.items():
+    for key, value in selected.stats.items():
         # A stat that exists only where it is defined (no selected token in this micro-batch: no threshold, no
         # selected entropy) is a plain value: verl concatenates those over data-parallel ranks, while its
         # Metric.aggregate_dp needs the same count on every rank and fails the update otherwise. The driver
@@ -327,14 +197,16 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
 VERL_PPO_LOSS_SHA256 = "d7c0f8772b444f55a59975a1fae154c43a2dab4724a88c89d95237e0a128c561"
 
 
-def verl_ppo_loss_body(config, data: TensorDict, policy_loss, *, response_mask, entropy, kl_log_prob, ref_log_prob):
+def verl_ppo_loss_body(config, data: TensorDict, policy_loss, *, response_mask, entropy, kl_log_prob, ref_log_prob,
+                       kl_weight=None):
     """verl's ``ppo_loss`` after its inputs are padded: global batch info, metric aggregation, the policy loss
     term, the entropy bonus and the KL loss, in verl's order and with verl's metric names.
 
     ``policy_loss(global_batch_info) -> (pg_loss, pg_metrics)`` calls verl's registered policy loss (the
     selection chooses its log-prob and loss mask); ``entropy`` (or None) and ``kl_log_prob`` are the
     ``(batch, response_len)`` tensors verl's entropy and KL terms would use, already gated by the caller when
-    ``mask_entropy_bonus`` / ``mask_kl_loss`` ask for it. Returns ``(loss, metrics)`` as ``ppo_loss`` does.
+    ``mask_entropy_bonus`` / ``mask_kl_loss`` ask for it; ``kl_weight`` (or None) multiplies the per-token KL
+    penalty (a rule's per-token KL coefficient; ours, not verl's). Returns ``(loss, metrics)`` as ``ppo_loss`` does.
     """
     # global batch info for loss aggregation
     info = config.global_batch_info
@@ -365,6 +237,8 @@ def verl_ppo_loss_body(config, data: TensorDict, policy_loss, *, response_mask, 
 
     if config.use_kl_loss:
         kld = kl_penalty(logprob=kl_log_prob, ref_logprob=ref_log_prob, kl_penalty=config.kl_loss_type)
+        if kl_weight is not None:
+            kld = kld * kl_weight
         kl_loss = agg_loss(loss_mat=kld, loss_mask=response_mask, loss_agg_mode=config.loss_agg_mode, **info)
         loss += kl_loss * config.kl_loss_coef
         metrics["kl_loss"] = Metric(value=kl_loss, aggregation=metric_aggregation)

@@ -1,33 +1,16 @@
 """``score_source=prepass``: score and select at the start of each PPO mini-batch, before its update.
 
-The GMTS released code's timing (arXiv 2608.30632): before the first backward of a mini-batch, one
-no-grad forward over it measures the current policy (entropy, ratio ``r`` against the old log-probs),
-the configured score is computed, and the selection is made over a pool wider than one micro-batch:
+The GMTS released code's timing (arXiv 2608.30632): one no-grad forward over the rank's mini-batch (or, where the
+weights are those verl's old-log-prob pass measured, that pass's values) feeds the rule step over a pool wider than
+one micro-batch: ``mini_batch`` (every data-parallel rank's mini-batch, exact), ``group`` (the responses of one
+prompt, wherever they sit) or ``sequence``. The mask and the scores travel as per-token fields of the mini-batch
+(:data:`~verl_tokensel.core.fields.MASK`, :data:`~verl_tokensel.core.fields.SCORE`), so the engine's micro-batching
+keeps them on their rows; the selecting loss applies them.
 
-- ``mini_batch``: the union of every data-parallel rank's mini-batch, exact (radix select, no gather);
-- ``group``: the responses of one prompt (rows sharing verl's ``uid``), wherever they sit: each group
-  keeps ``ceil(ratio * n_g)`` of its ``n_g`` valid tokens over all ranks (exact, per-group radix select);
-- ``sequence``: per response.
-
-The mask and the scores are written into the mini-batch as per-token fields
-(:data:`~verl_tokensel.verl_glue.loss.MASK_FIELD`, :data:`~verl_tokensel.verl_glue.loss.SCORE_FIELD`), laid
-out like ``response_mask`` (nested in the V1 driver's batches, padded in v0's), so whatever micro-batching
-the engine then does (``use_dynamic_bsz`` re-orders rows) keeps them on their rows; the selecting loss
-applies them (:mod:`verl_tokensel.verl_glue.loss`).
-
-How it is installed, with no verl file edited: verl's ``TrainingWorker.train_mini_batch`` calls
-``self.train_batch(mini_batch)`` once per mini-batch. :func:`install_prepass` wraps that bound method on
-one ``TrainingWorker`` instance; the wrap reads the selection from the worker's CURRENT loss function
-(the :class:`~verl_tokensel.verl_glue.loss.SelectingLoss` set with ``set_loss_fn``, which carries the actor
-config resolved once in that process), so the pre-pass and the loss can
-never disagree, and it passes through untouched for any other source. On Ray,
-:func:`tokensel_worker_class` subclasses whatever actor worker class verl chose
-(``ActorRolloutRefWorker``, or the separate-async trainer's ``DetachActorWorker``) with
-``actor_worker_cls`` (verl's own class attribute for the inner actor ``TrainingWorker``) set to
-:class:`TokenselTrainingWorker`, which installs the wrap when it is built in ``init_model``.
-
-Cost: one forward without gradient per mini-batch (the update pass is a forward plus a backward), plus
-a few small all-reduces for ``mini_batch`` / ``group`` (see :mod:`verl_tokensel.core.dist_topk`).
+Installed without editing verl: :func:`install_prepass` wraps ``train_batch`` of one ``TrainingWorker`` (reading the
+rule from the worker's current :class:`~verl_tokensel.verl_glue.loss.SelectingLoss`), and
+:func:`tokensel_worker_class` sets verl's ``actor_worker_cls`` on a subclass of the actor worker class so the wrap is
+there in every Ray worker. Cost: one no-grad forward per mini-batch (none when the old pass is reused).
 """
 
 from __future__ import annotations
@@ -42,19 +25,13 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.padding import response_to_nested
 
+from verl_tokensel.core import fields as F
 from verl_tokensel.core.config import Selection
 from verl_tokensel.core.dist_topk import global_group_ids
+from verl_tokensel.core.rule import apply_rule
 from verl_tokensel.core.scores import SCORE_REGISTRY
-from verl_tokensel.core.select import select_tokens
-from verl_tokensel.verl_glue.loss import (
-    MASK_FIELD,
-    METRIC_PREFIX,
-    OLD_ENTROPY_FIELD,
-    finite_tokens,
-    SCORE_FIELD,
-    SelectingLoss,
-    unpack_micro_batch,
-)
+from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
+from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 from verl_tokensel.verl_glue.no_graph import install_no_graph_scores
 
 PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
@@ -91,7 +68,7 @@ def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, co
     spec = SCORE_REGISTRY[config.selection.score]
     if spec.uses_sum_pi_squared or "old_log_probs" not in data.keys():
         return False
-    return not spec.needs_entropy or OLD_ENTROPY_FIELD in data.keys()
+    return not spec.needs_entropy or F.ENTROPY in data.keys()
 
 
 def _as_response_field(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -159,20 +136,15 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
             return {}
         mb = unpack_micro_batch(config, sel, model_output, data)
     response_mask = mb.response_mask
-    scores = mb.scores.score(sel.score)
-    group_ids = mb.scores.group_ids
     dp_group = worker.engine.get_data_parallel_group()
-    # tokens with a non-finite input or score: out of the pool, as in the loss (which counts them as dropped)
-    finite = finite_tokens(config, mb.log_prob, mb.entropy, mb.padded, scores, response_mask)
-    pool = response_mask & finite
-    mask = select_tokens(scores, pool, sel.ratio, scope=sel.scope, direction=sel.direction,
-                         dp_group=dp_group, group_ids=group_ids, pool=sel.pool) & pool
+    selected = apply_rule(sel, mb.scores, dp_group=dp_group, stats=False)
+    mask, group_ids = selected.mask, mb.scores.group_ids
 
-    rm = data["response_mask"]
+    rm = data[F.RESPONSE_MASK]
     if data.is_locked:  # a chunk verl's dispatch produced; the fields must travel with the mini-batch
         data.unlock_()
-    data[MASK_FIELD] = _as_response_field(mask.to(rm.dtype), rm)
-    data[SCORE_FIELD] = _as_response_field(torch.where(finite, scores, torch.full_like(scores, float("nan"))), rm)
+    data[F.MASK] = _as_response_field(mask.to(rm.dtype), rm)
+    data[F.SCORE] = _as_response_field(selected.scores, rm)
     seconds = time.perf_counter() - t0
 
     counts = torch.stack([mask.sum(), response_mask.sum()]).to(torch.float64)

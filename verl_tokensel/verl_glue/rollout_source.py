@@ -1,31 +1,13 @@
 """``token_selection.score_source=rollout`` in verl's two drivers: the driver selects, the workers apply.
 
-Per training step, after verl's old-log-prob pass and advantage computation and right before
-``update_actor``, the driver gathers the padded per-token fields of the whole batch, calls
-:func:`~verl_tokensel.verl_glue.driver_select.select_on_driver` and sends the mask (and the scores
-for the threshold metrics) as per-token fields keyed by row. The workers' loss applies the mask
-(:mod:`verl_tokensel.verl_glue.loss`), so verl's row moves (balance_batch, DP dispatch, mini-batch
-shuffling, dynamic batching) carry the mask with its row.
-
-The seams:
-
-- V1 driver (TransferQueue): the ``tokensel_*`` trainer mixin in
-  :mod:`~verl_tokensel.verl_glue.install` overrides ``_update_actor``: :meth:`DriverSelector.select_v1`
-  reads ``uid, response_mask, old_log_probs, advantages, entropy`` (+ optional fields) with
-  ``tq.kv_batch_get``, writes :data:`MASK_FIELD` and :data:`SCORE_FIELD` nested
-  (``response_to_nested``) with ``tq.kv_batch_put`` under the same keys, and adds both names to the
-  batch's ``KVBatchMeta.fields``: the workers fetch only the fields that list names (when it is not
-  None), so a field written but not listed would never reach them. ``_compute_old_log_prob`` adds
-  ``calculate_sum_pi_squared`` to that pass when the score reads sum_j p_j^2 (V1 never asks for it).
-- v0 driver (``RayPPOTrainer``, ``trainer.use_v1=false``): fenced in :mod:`verl_tokensel.verl_glue.v0`;
-  its ``RayPPOTrainer`` subclass overrides ``_compute_old_log_prob`` (keeps a copy of the old-policy
-  entropy that ``fit`` pops after logging ``actor/entropy``, as a batch field that follows the rows)
-  and ``_update_actor`` (adds the padded mask and scores to the ``DataProto`` before verl's own
-  ``_update_actor`` sends it). sum_j p_j^2 comes from verl's own
-  ``actor.calculate_sum_pi_squared`` switch, which :func:`prepare_rollout_config` turns on.
-
-The ``ref_entropy`` score's field is computed here, by a
-:class:`~verl_tokensel.analysis.ray_scorer.RayScorerGroup` holding the reference model.
+Per step, after verl's old-log-prob pass and the advantages and right before ``update_actor``, the driver reads the
+padded per-token fields of the whole batch, runs :func:`~verl_tokensel.verl_glue.driver_select.select_on_driver`
+and sends the mask and scores as per-token fields keyed by row (:data:`~verl_tokensel.core.fields.MASK`,
+:data:`~verl_tokensel.core.fields.SCORE`), so verl's row moves (balancing, DP dispatch, shuffling, dynamic
+batching) carry the mask with its row. V1 driver: :meth:`DriverSelector.select_v1` through TransferQueue (the
+field names are added to ``KVBatchMeta.fields``: workers fetch only listed fields). v0 driver:
+:mod:`~verl_tokensel.verl_glue.v0`.
+The ``ref_entropy`` score's field comes from a :class:`~verl_tokensel.analysis.ray_scorer.RayScorerGroup`.
 """
 
 from __future__ import annotations
@@ -37,8 +19,9 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from verl_tokensel.core.config import Selection, TokenSelectionConfigError
+from verl_tokensel.core import fields as F
 from verl_tokensel.core.batch import group_ids, row_keys
+from verl_tokensel.core.config import Selection, TokenSelectionConfigError
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.verl_glue.actor_config import actor_selection
 from verl_tokensel.verl_glue.driver_select import (
@@ -46,7 +29,6 @@ from verl_tokensel.verl_glue.driver_select import (
     score_params,
     select_on_driver,
 )
-from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +108,7 @@ class RefEntropyScorer:
         import ray
 
         from verl_tokensel.analysis.ray_scorer import RayScorerGroup
-        from verl_tokensel.plugin import cpu_platform_requested
+        from verl_tokensel.switches import cpu_platform_requested
 
         kwargs: dict[str, Any] = {}
         if cpu_platform_requested():  # verl's CPU platform: Ray's "GPU" resource is logical, the model runs on CPU
@@ -204,21 +186,12 @@ class DriverSelector:
             self._warned_sp2 = True
             logger.warning("verl_tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
                            "using its (1 - p_a) lower bound", self.sel.score)
-        return select_on_driver(
-            self.sel,
-            response_mask=padded["response_mask"],
-            old_log_prob=padded["old_log_probs"],
-            advantages=padded["advantages"],
-            entropy=padded.get("entropy"),
-            sum_pi_squared=padded.get("sum_pi_squared"),
-            ref_log_prob=padded.get("ref_log_prob") if self.params["kl_coef"] else None,
-            rollout_is_weights=padded.get("rollout_is_weights"),
-            row_keys=keys,
-            group_ids=group_ids(uids) if self.sel.scope == "group" else None,
-            row_valid=row_valid,
-            external=external,
-            params=self.params,
-        )
+        tensors = {k: padded.get(k) for k in F.DRIVER_INPUTS}
+        if not self.params["kl_coef"]:
+            tensors[F.REF_LOG_PROB] = None
+        return select_on_driver(self.sel, tensors, keys=keys,
+                                group_ids=group_ids(uids) if self.sel.scope == "group" else None,
+                                row_valid=row_valid, external=external, params=self.params)
 
     # ------------------------------------------------------------------ V1 (TransferQueue)
     def select_v1(self, batch, metrics: dict):
@@ -230,25 +203,24 @@ class DriverSelector:
         from verl.workers.utils.padding import response_from_nested, response_to_nested
 
         t0 = time.time()
-        names = ["uid", "response_mask", "old_log_probs", "advantages", "entropy", "rollout_is_weights"]
+        names = [F.UID, *F.LOSS_INPUTS, F.ENTROPY, F.ROLLOUT_IS_WEIGHTS]
         if self.params["kl_coef"]:
-            names.append("ref_log_prob")
+            names.append(F.REF_LOG_PROB)
         if self.spec.uses_sum_pi_squared:
-            names.append("sum_pi_squared")
+            names.append(F.SUM_PI_SQUARED)
         if self.spec.needs_row_keys:
             names.append("input_ids")
         if self.spec.needs_external:
             names += ["prompts", "responses"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
-        nested_rm = data["response_mask"]
-        uids = column_as_list(data["uid"])
-        per_token = [k for k in ("response_mask", "old_log_probs", "advantages", "entropy", "rollout_is_weights",
-                                 "ref_log_prob") if k in data.keys()]
+        nested_rm = data[F.RESPONSE_MASK]
+        uids = column_as_list(data[F.UID])
+        per_token = [k for k in F.DRIVER_INPUTS if k != F.SUM_PI_SQUARED and k in data.keys()]
         padded = dict(data.select(*per_token).to_padded_tensor().items())
-        if "sum_pi_squared" in data.keys():  # whole-sequence output of the old pass, as the engine wrote it
-            sp2 = response_from_nested(data["sum_pi_squared"], nested_rm)
-            padded["sum_pi_squared"] = sp2.to_padded_tensor(0.0)
-        width = padded["response_mask"].shape[1]
+        if F.SUM_PI_SQUARED in data.keys():  # whole-sequence output of the old pass, as the engine wrote it
+            sp2 = response_from_nested(data[F.SUM_PI_SQUARED], nested_rm)
+            padded[F.SUM_PI_SQUARED] = sp2.to_padded_tensor(0.0)
+        width = padded[F.RESPONSE_MASK].shape[1]
         keys = row_keys(data["input_ids"]) if "input_ids" in data.keys() else None
         external = {}
         if self.spec.needs_external:
@@ -257,13 +229,13 @@ class DriverSelector:
         result = self.select_rows(padded, uids, keys, row_valid, external)
 
         out = TensorDict(
-            {MASK_FIELD: response_to_nested(result.mask, nested_rm),
-             SCORE_FIELD: response_to_nested(result.scores, nested_rm)},
+            {F.MASK: response_to_nested(result.mask, nested_rm),
+             F.SCORE: response_to_nested(result.scores, nested_rm)},
             batch_size=len(batch.keys),
         )
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
         if batch.fields is not None:  # the workers fetch only the listed fields
-            batch.fields = list(dict.fromkeys([*batch.fields, MASK_FIELD, SCORE_FIELD]))
+            batch.fields = list(dict.fromkeys([*batch.fields, F.MASK, F.SCORE]))
         metrics.update(result.metrics)
         metrics["timing_s/tokensel_driver_select"] = time.time() - t0
         return batch

@@ -35,9 +35,9 @@ from typing import Optional
 import ray
 from omegaconf import DictConfig, open_dict
 
+from verl_tokensel.core import fields as F
 from verl_tokensel.core.batch import row_keys
 from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
-from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
 from verl_tokensel.verl_glue.rollout_source import DriverSelector, column_as_list
 
 # the old-policy entropy kept past fit()'s pop of "entropys" (removed again before the update)
@@ -78,11 +78,10 @@ def select_v0(driver: DriverSelector, batch, metrics: Optional[dict] = None) -> 
     """Add the padded mask and scores to a v0 update ``DataProto`` (in place); returns the metrics."""
     t0 = time.time()
     td = batch.batch
-    padded = {k: td[k] for k in ("response_mask", "old_log_probs", "advantages", "rollout_is_weights",
-                                 "ref_log_prob", "sum_pi_squared") if k in td.keys()}
+    padded = {k: td[k] for k in F.DRIVER_INPUTS if k != F.ENTROPY and k in td.keys()}
     if V0_ENTROPY_FIELD in td.keys():
-        padded["entropy"] = td.pop(V0_ENTROPY_FIELD)
-    width = padded["response_mask"].shape[1]
+        padded[F.ENTROPY] = td.pop(V0_ENTROPY_FIELD)
+    width = padded[F.RESPONSE_MASK].shape[1]
     keys = row_keys(td["input_ids"], td["attention_mask"]) if driver.spec.needs_row_keys else None
     external = {}
     if driver.spec.needs_external:
@@ -91,10 +90,10 @@ def select_v0(driver: DriverSelector, batch, metrics: Optional[dict] = None) -> 
         prompts = [td["prompts"][i][prompt_attn[i]] for i in range(len(batch))]
         responses = [td["responses"][i][resp_attn[i]] for i in range(len(batch))]
         external = driver.external_fields(prompts, responses, width)
-    uids = column_as_list(batch.non_tensor_batch["uid"]) if "uid" in batch.non_tensor_batch else list(range(len(batch)))
+    uids = column_as_list(batch.non_tensor_batch[F.UID]) if F.UID in batch.non_tensor_batch else list(range(len(batch)))
     result = driver.select_rows(padded, uids, keys, None, external)
-    td[MASK_FIELD] = result.mask
-    td[SCORE_FIELD] = result.scores
+    td[F.MASK] = result.mask
+    td[F.SCORE] = result.scores
     out = dict(result.metrics)
     out["timing_s/tokensel_driver_select"] = time.time() - t0
     if metrics is not None:

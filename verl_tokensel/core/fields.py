@@ -1,0 +1,36 @@
+"""The per-token field names the selection reads from (and writes into) verl's batches: one home for all of them.
+
+verl's names for what its drivers attach to every response (``old_log_probs``, ``advantages``, ...), the names of
+the two fields the selection adds when it is measured before the update (the mask and the scores it was ranked by),
+and which of them each consumer reads. :func:`verl_tokensel.core.batch.score_batch` takes a mapping keyed by these
+names. Pure strings, no import.
+"""
+
+RESPONSE_MASK = "response_mask"
+#: the policy being trained (the engine's ``model_output`` key; absent = on-policy, the old pass's values)
+LOG_PROBS = "log_probs"
+OLD_LOG_PROBS = "old_log_probs"
+ADVANTAGES = "advantages"
+#: the old-log-prob pass's entropy as the V1 driver stores it with the batch (also the engine's output key)
+ENTROPY = "entropy"
+SUM_PI_SQUARED = "sum_pi_squared"
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+REF_LOG_PROB = "ref_log_prob"
+#: an exact ``||e_a - p||`` (the analysis scorer measures it), not a verl field
+LOGIT_GRAD_NORM = "logit_grad_norm"
+#: verl's prompt id of each response (non-tensor)
+UID = "uid"
+
+#: the selection's own per-token fields, laid out like ``response_mask``: the bool mask the loss applies and the
+#: float32 scores it was ranked by (NaN on dropped tokens), written by the driver (score_source=rollout) or the
+#: pre-pass (score_source=prepass)
+MASK = "token_select_mask"
+SCORE = "token_select_score"
+
+#: per-token inputs of verl's policy loss that every update batch carries, and those it may carry
+LOSS_INPUTS = (RESPONSE_MASK, OLD_LOG_PROBS, ADVANTAGES)
+OPTIONAL_LOSS_INPUTS = (ROLLOUT_IS_WEIGHTS, REF_LOG_PROB)
+#: the padded per-token fields a driver-side selection reads from the whole batch
+DRIVER_INPUTS = (*LOSS_INPUTS, ENTROPY, *OPTIONAL_LOSS_INPUTS, SUM_PI_SQUARED)
+#: the inputs a token's loss is undefined without: a non-finite value drops the token (out of the pool, no loss)
+FINITE_INPUTS = (LOG_PROBS, OLD_LOG_PROBS, ADVANTAGES, ROLLOUT_IS_WEIGHTS, REF_LOG_PROB, ENTROPY)
