@@ -15,7 +15,7 @@ share of the global top-k twice:
 (a) radix: :func:`verl_tokensel.core.dist_topk.topk_mask_distributed` (all-reduces of 256-bin
     histograms; nothing of size N leaves the rank);
 (b) all-gather: gather every rank's scores (padded to the largest rank), select over the
-    rank-ordered union with :func:`verl_tokensel.core.select._first_k` (``torch.topk`` on the keys,
+    rank-ordered union with :func:`verl_tokensel.core.select.keep_first_k` (``torch.topk`` on the keys,
     ties to the earliest position, i.e. the stable order the radix path promises) and keep this
     rank's slice.
 
@@ -58,11 +58,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_tokensel.core.dist_topk import ordered_keys, topk_mask_distributed
-from verl_tokensel.core.select import _first_k
+from verl_tokensel.core.select import keep_first_k
 
 # Peak resident memory of one rank: the all-gather baseline dominates (the radix path only ever holds
 # a few copies of its own N). Per element of the union (W * N): gathered copies + concatenation (8),
-# int64 keys and their temporaries in ordered_keys and _first_k (~4 x 8), topk values/indices for
+# int64 keys and their temporaries in ordered_keys and keep_first_k (~4 x 8), topk values/indices for
 # k = 0.2 * union (~3). Measured: 1.0 GiB per rank at 2^22 x 4 ranks, i.e. ~46 B per union element.
 BASELINE_BYTES_PER_UNION_ELEMENT = 48
 RANK_BASE_BYTES = 300 << 20  # python + torch + gloo per process
@@ -143,7 +143,8 @@ def gather_union(values: torch.Tensor) -> tuple[torch.Tensor, int]:
 def allgather_mask(values: torch.Tensor, k: int) -> torch.Tensor:
     """Gather all scores, stable top-k over the union, keep this rank's slice."""
     union, start = gather_union(values)
-    return _first_k(union, k, "top")[start : start + values.numel()].clone()
+    everything = torch.ones_like(union, dtype=torch.bool)
+    return keep_first_k(union, everything, k, "top")[start : start + values.numel()].clone()
 
 
 def make_scores(n: int, rank: int, log2: int) -> torch.Tensor:

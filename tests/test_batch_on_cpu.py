@@ -105,7 +105,7 @@ def test_the_driver_and_the_analysis_select_alike_on_policy(preset):
     sel = PRESETS[preset]
     on_driver = select_on_driver(
         Selection(score=sel.score, ratio=sel.ratio, direction=sel.direction, scope="batch", normaliser="all",
-                  seed=sel.seed),
+                  seed=sel.seed, score_source="rollout"),
         {"response_mask": padded["response_mask"], "old_log_probs": lp, "advantages": padded["advantages"],
          "entropy": ent, "sum_pi_squared": sp2},
         keys=row_keys([p + r for p, r in pairs]))

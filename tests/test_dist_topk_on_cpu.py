@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_tokensel.core.dist_topk import kth_largest_key, ordered_keys, topk_mask_distributed
-from verl_tokensel.core.select import _first_k
+from verl_tokensel.core.select import keep_first_k
 
 
 def _free_port() -> int:
@@ -96,7 +96,8 @@ def test_distributed_topk_equals_single_process_over_union(world, tmp_path):
     per_rank = _run(world, seed=world, tmp_path=tmp_path)
     for i, (parts, k, largest) in enumerate(_cases(world, world)):
         union = torch.cat(parts)
-        expected = _first_k(union, min(k, union.numel()), "top" if largest else "bottom")
+        everything = torch.ones_like(union, dtype=torch.bool)
+        expected = keep_first_k(union, everything, min(k, union.numel()), "top" if largest else "bottom")
         got = torch.cat([per_rank[r][i][0] for r in range(world)])
         assert torch.equal(got, expected), (i, k, largest, parts)
         assert int(got.sum()) == min(max(k, 0), union.numel())
@@ -118,8 +119,9 @@ def test_single_process_matches_first_k_and_keys_order():
         v[torch.rand(50, generator=g) < 0.1] = math.nan
         for k in (0, 1, 7, 49, 50, 60):
             for largest in (True, False):
+                every = torch.ones_like(v, dtype=torch.bool)
                 assert torch.equal(topk_mask_distributed(v, k, largest=largest),
-                                   _first_k(v, min(k, 50), "top" if largest else "bottom"))
+                                   keep_first_k(v, every, min(k, 50), "top" if largest else "bottom"))
 
 
 # ---------------------------------------------------------------------------------------------

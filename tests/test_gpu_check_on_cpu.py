@@ -244,7 +244,8 @@ def test_sanity_checker_megatron_layout_and_step_totals():
     assert gc.expected_selected(group, [4, 2, 3, 5], ["a", "a", "b", "b"]) == 3 + 4
     assert gc.expected_selected(dataclasses.replace(group, scope="sequence"), [4, 2, 3, 5], ["a"] * 4) == 2 + 1 + 2 + 3
     assert gc.expected_selected(dataclasses.replace(group, scope="mini_batch"), [4, 2, 3, 5], ["a"] * 4) == 7
-    assert gc.expected_selected(dataclasses.replace(group, scope="micro_batch"), [4], ["a"]) is None
+    per_micro_batch = dataclasses.replace(group, scope="micro_batch", score_source="current")
+    assert gc.expected_selected(per_micro_batch, [4], ["a"]) is None
 
 
 def test_recording_loss_stays_a_selecting_loss():

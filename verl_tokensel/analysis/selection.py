@@ -8,7 +8,7 @@ log-prob is the current one, so the ratio r = 1, no token is clipped and omega =
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -66,7 +66,7 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     """
     ratio = sel.ratio if ratio is None else ratio
     scope = scope or ("sequence" if sel.scope == "sequence" else "micro_batch")
-    selected = apply_rule(replace(sel, ratio=ratio, scope=scope), batch, stats=False)
+    selected = apply_rule(sel, batch, stats=False, ratio=ratio, scope=scope)
     scores, mask = selected.scores, selected.mask
     valid = selected.pool & (scores != 0) if sel.pool == "nonzero" else selected.pool  # the pool the budget counts
     ranks = selection_ranks(scores, valid, sel.direction, scope)

@@ -12,11 +12,10 @@ checked against :func:`knob_table_rows`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
-from verl_tokensel.core.pools import DIRECTIONS, POOLS, SCOPES
+from verl_tokensel.core.pools import DIRECTIONS, POOLS, SCOPES, invalid_rule_arg
 from verl_tokensel.core.scores import SCORE_REGISTRY
 
 NORMALISERS = ("all", "selected")
@@ -47,6 +46,23 @@ class TokenSelectionConfigError(ValueError):
     """A token-selection key has an invalid value. The message names the key and the valid values."""
 
 
+def _err(key: str, value: Any, valid: str, fix: str = "") -> TokenSelectionConfigError:
+    msg = f"actor_rollout_ref.actor.{key}={value!r} is invalid; valid values: {valid}."
+    if fix:
+        msg += f" {fix}"
+    return TokenSelectionConfigError(msg)
+
+
+def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise _err(key, value, ", ".join(choices))
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _err(key, value, "true, false")
+
+
 @dataclass(frozen=True)
 class Selection:
     """A fully resolved selection rule (a preset, possibly with overrides)."""
@@ -62,6 +78,70 @@ class Selection:
     score_source: str = "current"
     ref_model_path: Optional[str] = None
     pool: str = "valid"
+
+    def __post_init__(self) -> None:
+        """Every check a rule can make on its own; those that need the actor's other settings are in
+        :func:`check_with_actor`. Errors name the ``token_selection`` key, its valid values and the fix."""
+        bad = invalid_rule_arg(self.ratio, self.direction, self.scope, self.pool)
+        if bad is not None and bad[0] == "ratio":
+            raise _err("token_selection.ratio", self.ratio, bad[2])
+        _check_choice("token_selection.score", self.score, tuple(SCORE_REGISTRY))
+        _check_choice("token_selection.direction", self.direction, DIRECTIONS)
+        _check_choice("token_selection.scope", self.scope, SCOPES)
+        _check_choice("token_selection.score_source", self.score_source, SCORE_SOURCES)
+        self._check_scope_fits_source()
+        _check_choice("token_selection.normaliser", self.normaliser, NORMALISERS)
+        _check_choice("token_selection.pool", self.pool, POOLS)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise _err("token_selection.seed", self.seed, "an integer >= 0")
+        _check_bool("token_selection.mask_entropy_bonus", self.mask_entropy_bonus)
+        _check_bool("token_selection.mask_kl_loss", self.mask_kl_loss)
+        if self.ref_model_path is not None and (not isinstance(self.ref_model_path, str) or not self.ref_model_path):
+            raise _err("token_selection.ref_model_path", self.ref_model_path, "null or a local checkpoint folder")
+        self._check_source_serves_score()
+
+    def _check_scope_fits_source(self) -> None:
+        allowed = SOURCE_SCOPES[self.score_source]
+        if self.scope in allowed:
+            return
+        fitting = [src for src, scopes in SOURCE_SCOPES.items() if self.scope in scopes]
+        raise _err(
+            "token_selection.scope",
+            self.scope,
+            f"{', '.join(allowed)} (with score_source={self.score_source})",
+            f"scope={self.scope} needs the scores of its whole pool before the first backward, which "
+            f"score_source={', '.join(fitting)} provides. Fix: set token_selection.score_source="
+            f"{fitting[0]} or pick one of the scopes above.",
+        )
+
+    def _check_source_serves_score(self) -> None:
+        if self.normaliser == "selected" and self.score_source != "current":
+            raise _err(
+                "token_selection.normaliser",
+                "selected",
+                "all (with any score_source), selected (only with score_source=current)",
+                f"with score_source={self.score_source} the selection spans more than one micro-batch, so a "
+                "per-micro-batch mean over selected tokens would weight them unequally. Fix: set "
+                "token_selection.normaliser=all (the 80/20 paper's and GMTS' denominator).",
+            )
+        spec = SCORE_REGISTRY[self.score]
+        if spec.needs_external and self.score_source != "rollout":
+            raise _err(
+                "token_selection.score_source",
+                self.score_source,
+                "rollout (with score=" + self.score + ")",
+                f"token_selection.score={self.score} needs {', '.join(spec.needs_external)}, which only the driver "
+                "computes, once per step, for the whole batch. Fix: set token_selection.score_source=rollout "
+                "(scope batch, group or sequence; normaliser all).",
+            )
+        if self.ref_model_path is not None and "ref_entropy" not in spec.needs_external:
+            raise _err(
+                "token_selection.ref_model_path",
+                self.ref_model_path,
+                "null (with score=" + self.score + ")",
+                f"token_selection.score={self.score} does not read a reference model, so the path would be ignored. "
+                "Fix: remove it or set token_selection.score=ref_entropy.",
+            )
 
 
 # Presets. Each mirrors one reference semantics; see prior-art notes in the README.
@@ -187,6 +267,10 @@ class TokenSelectionConfig:
                   "paper": "n/a (the GMTS code always runs its forward)"},
     )
 
+    def __post_init__(self) -> None:
+        for name in ENGINE_SWITCHES:
+            _check_bool(f"token_selection.{name}", getattr(self, name))
+
     def overrides(self) -> dict[str, Any]:
         """The knobs set by the user (not None), excluding the engine switches (auto_enable_entropy,
         no_grad_scores), which are not part of a preset."""
@@ -197,44 +281,19 @@ class TokenSelectionConfig:
         }
 
 
-def _err(key: str, value: Any, valid: str, fix: str = "") -> TokenSelectionConfigError:
-    msg = f"actor_rollout_ref.actor.{key}={value!r} is invalid; valid values: {valid}."
-    if fix:
-        msg += f" {fix}"
-    return TokenSelectionConfigError(msg)
-
-
-def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise _err(key, value, ", ".join(choices))
-
-
-def _check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise _err(key, value, "true, false")
-
-
 def resolve_selection(
     token_selector: Any,
     overrides: Optional[TokenSelectionConfig] = None,
-    *,
-    loss_agg_mode: str = "token-mean",
-    loss_mode: str = "vanilla",
-    calculate_entropy: bool = False,
-    entropy_coeff: float = 0.0,
-    use_kl_loss: bool = False,
-    kl_loss_type: str = "low_var_kl",
+    **actor: Any,
 ) -> Optional[Selection]:
-    """Validate the preset plus overrides against the actor settings; return the rule or None.
+    """The preset named ``token_selector`` with the knobs of ``overrides``, or None for ``none``.
 
-    Raises :class:`TokenSelectionConfigError` naming the offending key and its valid values.
+    The rule validates itself (:class:`Selection`); ``actor`` holds the actor settings of
+    :func:`check_with_actor` (defaults: verl's). Raises :class:`TokenSelectionConfigError` naming the key.
     """
     overrides = overrides if overrides is not None else TokenSelectionConfig()
     if not isinstance(token_selector, str) or token_selector not in PRESETS:
         raise _err("token_selector", token_selector, ", ".join(PRESETS))
-    _check_bool("token_selection.auto_enable_entropy", overrides.auto_enable_entropy)
-    _check_bool("token_selection.no_grad_scores", overrides.no_grad_scores)
-    _check_bool("token_selection.prepass_reuse", overrides.prepass_reuse)
     preset = PRESETS[token_selector]
     given = overrides.overrides()
     if preset is None:
@@ -247,43 +306,22 @@ def resolve_selection(
             )
         return None
     sel = replace(preset, **given)
+    check_with_actor(sel, auto_enable_entropy=overrides.auto_enable_entropy, **actor)
+    return sel
 
-    ratio = sel.ratio
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not (0 < ratio <= 1):
-        raise _err("token_selection.ratio", ratio, "a number in (0, 1]")
-    _check_choice("token_selection.score", sel.score, tuple(SCORE_REGISTRY))
-    _check_choice("token_selection.direction", sel.direction, DIRECTIONS)
-    _check_choice("token_selection.scope", sel.scope, SCOPES)
-    _check_choice("token_selection.score_source", sel.score_source, SCORE_SOURCES)
-    allowed = SOURCE_SCOPES[sel.score_source]
-    if sel.scope not in allowed:
-        fitting = [src for src, scopes in SOURCE_SCOPES.items() if sel.scope in scopes]
-        raise _err(
-            "token_selection.scope",
-            sel.scope,
-            f"{', '.join(allowed)} (with score_source={sel.score_source})",
-            f"scope={sel.scope} needs the scores of its whole pool before the first backward, which "
-            f"score_source={', '.join(fitting)} provides. Fix: set token_selection.score_source="
-            f"{fitting[0]} or pick one of the scopes above.",
-        )
-    _check_choice("token_selection.normaliser", sel.normaliser, NORMALISERS)
-    _check_choice("token_selection.pool", sel.pool, POOLS)
-    if isinstance(sel.seed, bool) or not isinstance(sel.seed, int) or sel.seed < 0:
-        raise _err("token_selection.seed", sel.seed, "an integer >= 0")
-    _check_bool("token_selection.mask_entropy_bonus", sel.mask_entropy_bonus)
-    _check_bool("token_selection.mask_kl_loss", sel.mask_kl_loss)
-    if sel.ref_model_path is not None and (not isinstance(sel.ref_model_path, str) or not sel.ref_model_path):
-        raise _err("token_selection.ref_model_path", sel.ref_model_path, "null or a local checkpoint folder")
 
-    if sel.normaliser == "selected" and sel.score_source != "current":
-        raise _err(
-            "token_selection.normaliser",
-            "selected",
-            "all (with any score_source), selected (only with score_source=current)",
-            f"with score_source={sel.score_source} the selection spans more than one micro-batch, so a "
-            "per-micro-batch mean over selected tokens would weight them unequally. Fix: set "
-            "token_selection.normaliser=all (the 80/20 paper's and GMTS' denominator).",
-        )
+def check_with_actor(
+    sel: Selection,
+    *,
+    auto_enable_entropy: bool = True,
+    loss_agg_mode: str = "token-mean",
+    loss_mode: str = "vanilla",
+    calculate_entropy: bool = False,
+    entropy_coeff: float = 0.0,
+    use_kl_loss: bool = False,
+    kl_loss_type: str = "low_var_kl",
+) -> None:
+    """The checks of a rule that need the actor's other settings (``actor_rollout_ref.actor.*``)."""
     if sel.normaliser == "selected" and loss_agg_mode != "token-mean":
         raise _err(
             "token_selection.normaliser",
@@ -293,25 +331,7 @@ def resolve_selection(
             "defined for token-mean. Fix: set token_selection.normaliser=all or loss_agg_mode=token-mean.",
         )
     spec = SCORE_REGISTRY[sel.score]
-    if spec.needs_external and sel.score_source != "rollout":
-        raise _err(
-            "token_selection.score_source",
-            sel.score_source,
-            "rollout (with score=" + sel.score + ")",
-            f"token_selection.score={sel.score} needs {', '.join(spec.needs_external)}, which only the driver "
-            "computes, once per step, for the whole batch. Fix: set token_selection.score_source=rollout "
-            "(scope batch, group or sequence; normaliser all).",
-        )
-    if sel.ref_model_path is not None and "ref_entropy" not in spec.needs_external:
-        raise _err(
-            "token_selection.ref_model_path",
-            sel.ref_model_path,
-            "null (with score=" + sel.score + ")",
-            f"token_selection.score={sel.score} does not read a reference model, so the path would be ignored. "
-            "Fix: remove it or set token_selection.score=ref_entropy.",
-        )
-    if spec.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or
-                                                     overrides.auto_enable_entropy):
+    if spec.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or auto_enable_entropy):
         raise _err(
             "calculate_entropy",
             calculate_entropy,
@@ -320,23 +340,23 @@ def resolve_selection(
             "when calculate_entropy=true or entropy_coeff != 0, and token_selection.auto_enable_entropy=false. "
             "Fix: set actor_rollout_ref.actor.calculate_entropy=true or token_selection.auto_enable_entropy=true.",
         )
-    if spec.needs_omega:
-        if loss_mode not in OMEGA_LOSS_MODES:
-            raise _err(
-                "policy_loss.loss_mode",
-                loss_mode,
-                ", ".join(OMEGA_LOSS_MODES),
-                f"token_selection.score={sel.score} uses omega = r*A*1[not clipped] of the token-level clipped "
-                "surrogate. Fix: use loss_mode=vanilla or a score without omega (entropy, random).",
-            )
-        if use_kl_loss and kl_loss_type not in OMEGA_KL_TYPES:
-            raise _err(
-                "kl_loss_type",
-                kl_loss_type,
-                ", ".join(OMEGA_KL_TYPES),
-                f"token_selection.score={sel.score} adds the KL term's gradient weight to omega.",
-            )
-    return sel
+    if not spec.needs_omega:
+        return
+    if loss_mode not in OMEGA_LOSS_MODES:
+        raise _err(
+            "policy_loss.loss_mode",
+            loss_mode,
+            ", ".join(OMEGA_LOSS_MODES),
+            f"token_selection.score={sel.score} uses omega = r*A*1[not clipped] of the token-level clipped "
+            "surrogate. Fix: use loss_mode=vanilla or a score without omega (entropy, random).",
+        )
+    if use_kl_loss and kl_loss_type not in OMEGA_KL_TYPES:
+        raise _err(
+            "kl_loss_type",
+            kl_loss_type,
+            ", ".join(OMEGA_KL_TYPES),
+            f"token_selection.score={sel.score} adds the KL term's gradient weight to omega.",
+        )
 
 
 def register_preset(name: str, selection: Selection) -> Selection:
@@ -348,10 +368,8 @@ def register_preset(name: str, selection: Selection) -> Selection:
     """
     if name in PRESETS:
         raise ValueError(f"token_selector preset {name!r} already exists; pick another name")
-    if not isinstance(selection, Selection):
+    if not isinstance(selection, Selection):  # a Selection validated itself when it was built
         raise TypeError(f"register_preset needs a Selection, got {type(selection).__name__}")
-    if selection.score not in SCORE_REGISTRY:
-        raise ValueError(f"preset {name!r} uses unknown score {selection.score!r}; valid: {sorted(SCORE_REGISTRY)}")
     PRESETS[name] = selection
     return selection
 

@@ -8,7 +8,7 @@ for it. Pure torch.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -17,6 +17,17 @@ SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "b
 #: which tokens of a scope the budget is a fraction of (and may be chosen from): every valid response token,
 #: or only those whose score is not exactly zero (NaN counts as scored; it ranks last)
 POOLS = ("valid", "nonzero")
+
+
+def invalid_rule_arg(ratio: Any, direction: Any, scope: Any, pool: Any) -> Optional[tuple[str, Any, str]]:
+    """``(name, value, valid values)`` of the first invalid selection argument, or None: the one check behind
+    the config's errors (:class:`~verl_tokensel.core.config.Selection`) and ``select_tokens``' guard."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or math.isnan(ratio) or not 0 < ratio <= 1:
+        return "ratio", ratio, "a number in (0, 1]"
+    for name, value, valid in (("direction", direction, DIRECTIONS), ("scope", scope, SCOPES), ("pool", pool, POOLS)):
+        if value not in valid:
+            return name, value, str(list(valid))
+    return None
 
 
 def budget(ratio: float, n: int) -> int:

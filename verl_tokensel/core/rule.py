@@ -54,6 +54,8 @@ def apply_rule(
     dp_group: Optional[dist.ProcessGroup] = None,
     measured: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     stats: bool = True,
+    ratio: Optional[float] = None,
+    scope: Optional[str] = None,
 ) -> Selected:
     """Apply the rule ``sel`` to ``batch``.
 
@@ -64,7 +66,11 @@ def apply_rule(
     3. select: :func:`~verl_tokensel.core.select.select_tokens` over ``sel.scope`` (exact over ``dp_group`` for the
        pooled scopes, per ``batch.group_ids`` for ``group``);
     4. stats (one host synchronisation), unless ``stats=False``.
+
+    ``ratio`` / ``scope`` replace the rule's own for this call (the analysis tools rank one tensor as one pool).
     """
+    ratio = sel.ratio if ratio is None else ratio
+    scope = sel.scope if scope is None else scope
     if measured is None:
         scores = batch.score(sel.score)
     else:
@@ -75,8 +81,8 @@ def apply_rule(
     if measured is not None:
         mask = measured[0].to(torch.bool) & pool
     else:
-        mask = select_tokens(scores, pool, sel.ratio, scope=sel.scope, direction=sel.direction, dp_group=dp_group,
-                             group_ids=batch.group_ids if sel.scope == "group" else None, pool=sel.pool) & pool
+        mask = select_tokens(scores, pool, ratio, scope=scope, direction=sel.direction, dp_group=dp_group,
+                             group_ids=batch.group_ids if scope == "group" else None, pool=sel.pool) & pool
     if dropped:
         scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
     out = Selected(mask=mask, scores=scores, pool=pool, dropped=dropped)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed, ordered_keys32, topk_mask_distributed
-from verl_tokensel.core.pools import DIRECTIONS, POOLS, SCOPES, budget, world_size
+from verl_tokensel.core.pools import budget, invalid_rule_arg, world_size
 
 _PAD_KEY = -(2**31)  # below every key, NaN included
 
@@ -37,15 +37,6 @@ def rank_keys(values: torch.Tensor, direction: str) -> torch.Tensor:
     """int32 keys, larger = selected first: the float32 order of the scores (reversed for bottom),
     NaN below every number. Shared with the distributed path, so every scope ranks identically."""
     return ordered_keys32(values, largest=direction == "top")
-
-
-def _first_k(values: torch.Tensor, k: int, direction: str) -> torch.Tensor:
-    """Bool mask over a 1-D ``values`` marking the k first in selection order, ties by position.
-
-    O(N): ``topk`` finds the k-th key; every strictly better key is kept and the remaining places go to
-    the earliest tokens whose key equals it (exactly what a stable sort would keep).
-    """
-    return _first_k_padded(values, torch.ones_like(values, dtype=torch.bool), k, direction)
 
 
 def select_tokens(
@@ -79,18 +70,17 @@ def select_tokens(
     """
     if scores.shape != valid_mask.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and valid_mask {tuple(valid_mask.shape)} differ in shape")
-    if not (ratio > 0 and ratio <= 1):
-        raise ValueError(f"ratio must be in (0, 1], got {ratio!r}")
-    if direction not in DIRECTIONS:
-        raise ValueError(f"unknown direction {direction!r}; valid: {list(DIRECTIONS)}")
-    if pool not in POOLS:
-        raise ValueError(f"unknown pool {pool!r}; valid: {list(POOLS)}")
+    bad = invalid_rule_arg(ratio, direction, scope, pool)
+    if bad is not None:
+        name, value, valid = bad
+        raise ValueError(f"ratio must be in (0, 1], got {value!r}" if name == "ratio" else
+                         f"unknown {name} {value!r}; valid: {valid}")
     valid = valid_mask.to(torch.bool)
     if pool == "nonzero":
         valid = valid & (scores != 0)  # NaN != 0: a NaN score stays in the pool (and ranks last)
 
     if scope == "sequence":
-        rows = [_first_k_padded(scores[i], valid[i], budget(ratio, int(valid[i].sum())), direction)
+        rows = [keep_first_k(scores[i], valid[i], budget(ratio, int(valid[i].sum())), direction)
                 for i in range(valid.shape[0])]
         return torch.stack(rows) if rows else torch.zeros_like(valid)
     if scope == "group":
@@ -101,19 +91,19 @@ def select_tokens(
             return _select_grouped(scores, valid, group_ids, ratio, direction)
         return grouped_topk_mask_distributed(scores, valid, group_ids, ratio, dp_group,
                                              largest=direction == "top")
-    if scope != "micro_batch" and scope not in _POOLED_DP:
-        raise ValueError(f"unknown scope {scope!r}; valid: {list(SCOPES)}")
     if scope == "micro_batch" or _world(dp_group) == 1:
-        return _first_k_padded(scores, valid, budget(ratio, int(valid.sum())), direction)
+        return keep_first_k(scores, valid, budget(ratio, int(valid.sum())), direction)
     mask = torch.zeros_like(valid)
     mask[valid] = _select_across_ranks(scores[valid], ratio, direction, dp_group)
     return mask
 
 
-def _first_k_padded(scores: torch.Tensor, valid: torch.Tensor, k: int, direction: str) -> torch.Tensor:
-    """:func:`_first_k` over the valid entries of a padded tensor, without gathering them first.
+def keep_first_k(scores: torch.Tensor, valid: torch.Tensor, k: int, direction: str) -> torch.Tensor:
+    """Bool mask marking the ``k`` first valid entries of ``scores`` in selection order, ties by position.
 
-    Padding gets the lowest int32, below every real key (NaN included), so it is never selected.
+    O(N), without gathering the valid entries: ``topk`` finds the k-th key; every strictly better key is kept and
+    the remaining places go to the earliest tokens whose key equals it (what a stable sort would keep). Invalid
+    entries get the lowest int32, below every real key (NaN included), so they are never selected.
     """
     n_valid = int(valid.sum())
     if k <= 0:
@@ -133,7 +123,7 @@ def _first_k_padded(scores: torch.Tensor, valid: torch.Tensor, k: int, direction
 def _select_grouped(
     scores: torch.Tensor, valid: torch.Tensor, group_ids: torch.Tensor, ratio: float, direction: str
 ) -> torch.Tensor:
-    """Per-group :func:`_first_k_padded`, vectorised: each group keeps ``budget(ratio, n_g)`` tokens.
+    """Per-group :func:`keep_first_k`, vectorised: each group keeps ``budget(ratio, n_g)`` tokens.
 
     Two stable sorts put the valid tokens in (group, key descending, position) order; a token is kept
     when its rank inside its group is below the group's budget. Same ties and NaN order as every scope.
