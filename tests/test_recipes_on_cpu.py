@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import re
 import sys
@@ -67,13 +68,16 @@ MEGATRON_RECIPE_KEYS = {"tensor_model_parallel_size", "pipeline_model_parallel_s
                         "override_transformer_config"}
 RECOMPUTE_KEYS = {"recompute_granularity", "recompute_method", "recompute_num_layers"}
 VERL_MEGATRON_YAML = Path(verl.__file__).parent / "trainer" / "config" / "engine" / "megatron.yaml"  # verl's defaults
+SNAPSHOT = ROOT / "tests" / "data" / "recipes_composed.json"
+DUMMY_ENV = {"TOKENSEL_MODEL_PATH": "/dummy/model", "TOKENSEL_TRAIN_FILES": "/dummy/train.parquet",
+             "TOKENSEL_VAL_FILES": "/dummy/val.parquet"}
+ABSENT = "<absent>"  # a trainer key the recipe does not have
 
 
 @pytest.fixture
 def env(monkeypatch):
-    monkeypatch.setenv("TOKENSEL_MODEL_PATH", "/dummy/model")
-    monkeypatch.setenv("TOKENSEL_TRAIN_FILES", "/dummy/train.parquet")
-    monkeypatch.setenv("TOKENSEL_VAL_FILES", "/dummy/val.parquet")
+    for var, value in DUMMY_ENV.items():
+        monkeypatch.setenv(var, value)
 
 
 @functools.lru_cache(maxsize=None)
@@ -388,3 +392,48 @@ def test_scripts_hold_no_secrets():
         text = path.read_text()
         for needle in ("API_KEY=", "TOKEN=", "SECRET", "PASSWORD"):
             assert needle not in text, f"{path.name} contains {needle}"
+
+
+def _leaves(cfg):
+    """{dotted key: value} of a composed config, interpolations resolved except ``${oc.env:...}`` (kept as written)."""
+    def walk(raw, res, prefix):
+        for k, r in raw.items():
+            if isinstance(r, dict) and r:
+                yield from walk(r, res[k], f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", r if isinstance(r, str) and "${oc.env:" in r else res[k]
+    return dict(walk(OmegaConf.to_container(cfg), OmegaConf.to_container(cfg, resolve=True), ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_leaves(megatron):
+    with initialize_config_dir(config_dir=str(ROOT / "verl_tokensel" / "config"), version_base=None):
+        return _leaves(compose("tokensel_megatron_trainer" if megatron else "tokensel_trainer"))
+
+
+def _recipe_delta(name):
+    """The leaves where the composed recipe differs from its trainer (tokensel_trainer or tokensel_megatron_trainer,
+    composed here): equal deltas mean equal configs under the installed verl, and a change of verl's own defaults
+    outside the recipes' keys leaves them alone."""
+    trainer, leaves = _trainer_leaves(name in MEGATRON), _leaves(_compose(name))
+    delta = {k: v for k, v in leaves.items() if trainer.get(k, ABSENT) != v or type(trainer[k]) is not type(v)}
+    delta.update({k: ABSENT for k in trainer if k not in leaves})
+    return json.loads(json.dumps(delta))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_recipe_equals_its_snapshot(env, name):
+    want, got = json.loads(SNAPSHOT.read_text())["recipes"][name], _recipe_delta(name)
+    diff = sorted(k for k in want.keys() | got.keys() if json.dumps(want.get(k)) != json.dumps(got.get(k)))
+    first = "; ".join(f"{k}: {want.get(k, 'trainer default')!r} -> {got.get(k, 'trainer default')!r}" for k in diff[:8])
+    assert not diff, (f"{name}: {len(diff)} keys differ from {SNAPSHOT.relative_to(ROOT)}: {first}. If the change is "
+                      f"meant, rewrite the snapshot: python {Path(__file__).relative_to(ROOT)} --write-snapshot")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:
+    os.environ.update(DUMMY_ENV)
+    recipes = {name: _recipe_delta(name) for name in sorted(ALL)}
+    about = ("Each recipe's composed config (tests/test_recipes_on_cpu.py) as the leaves where it differs from its "
+             "trainer config, interpolations resolved except ${oc.env:...}, with the test's dummy env vars.")
+    SNAPSHOT.parent.mkdir(exist_ok=True)
+    SNAPSHOT.write_text(json.dumps({"about": about, "recipes": recipes}, indent=1) + "\n")
