@@ -145,6 +145,29 @@ def global_group_ids(local_ids: torch.Tensor, group, world: int) -> torch.Tensor
     return torch.unique(torch.cat([p[: int(s.item())] for p, s in zip(parts, sizes)]))
 
 
+def _grouped_kth_keys(ukey: torch.Tensor, g: torch.Tensor, k: torch.Tensor, n_groups: int,
+                      group: Optional[dist.ProcessGroup], world: int) -> torch.Tensor:
+    """``(n_groups,)`` the k-th largest unsigned key of each group over all ranks, by radix select (one all-reduce of
+    a ``(n_groups, 256)`` histogram per pass); groups keeping all (k == n) or none (n == 0) ride along."""
+    device = ukey.device
+    prefix = torch.zeros(n_groups, dtype=torch.int64, device=device)
+    remaining = k.clamp(min=1)
+    cand = torch.arange(ukey.numel(), device=device)
+    for p in range(_PASSES):
+        shift = 32 - _BITS * (p + 1)
+        digit = (ukey[cand] >> shift) & (_BINS - 1)
+        hist = torch.zeros(n_groups * _BINS, dtype=torch.int32, device=device)
+        hist.index_add_(0, g[cand] * _BINS + digit, torch.ones_like(digit, dtype=torch.int32))
+        hist = _all_reduce(hist, group, world).view(n_groups, _BINS).to(torch.int64)
+        from_top = torch.flip(torch.cumsum(torch.flip(hist, [1]), 1), [1])  # items in bins >= b
+        b = ((from_top >= remaining.unsqueeze(1)).sum(1) - 1).clamp(min=0)
+        above = torch.cat([from_top, torch.zeros_like(from_top[:, :1])], 1).gather(1, (b + 1).unsqueeze(1)).squeeze(1)
+        remaining = (remaining - above).clamp(min=1)
+        prefix |= b << shift
+        cand = cand[digit == b[g[cand]]]
+    return prefix
+
+
 def grouped_topk_mask_distributed(
     scores: torch.Tensor,
     valid: torch.Tensor,
@@ -194,24 +217,7 @@ def grouped_topk_mask_distributed(
 
     counts = _all_reduce(torch.bincount(g, minlength=n_groups).to(torch.int64), group, world)
     k = torch.tensor([budget(ratio, int(c)) for c in counts.tolist()], dtype=torch.int64, device=device)
-    # radix select of each group's k-th key; groups keeping all (k == n) or none (n == 0) ride along
-    prefix = torch.zeros(n_groups, dtype=torch.int64, device=device)
-    remaining = k.clamp(min=1)
-    cand = torch.arange(ukey.numel(), device=device)
-    for p in range(_PASSES):
-        shift = 32 - _BITS * (p + 1)
-        digit = (ukey[cand] >> shift) & (_BINS - 1)
-        hist = torch.zeros(n_groups * _BINS, dtype=torch.int32, device=device)
-        hist.index_add_(0, g[cand] * _BINS + digit, torch.ones_like(digit, dtype=torch.int32))
-        hist = _all_reduce(hist, group, world).view(n_groups, _BINS).to(torch.int64)
-        from_top = torch.flip(torch.cumsum(torch.flip(hist, [1]), 1), [1])  # items in bins >= b
-        b = ((from_top >= remaining.unsqueeze(1)).sum(1) - 1).clamp(min=0)
-        above = torch.cat([from_top, torch.zeros_like(from_top[:, :1])], 1).gather(1, (b + 1).unsqueeze(1)).squeeze(1)
-        remaining = (remaining - above).clamp(min=1)
-        prefix |= b << shift
-        cand = cand[digit == b[g[cand]]]
-
-    kth = prefix[g]
+    kth = _grouped_kth_keys(ukey, g, k, n_groups, group, world)[g]
     keep_all = (k >= counts)[g]
     greater = (ukey > kth) | keep_all
     ties = (ukey == kth) & ~keep_all
