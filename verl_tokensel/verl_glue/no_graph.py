@@ -1,43 +1,17 @@
 """The update pass's ranking values (entropy, sum_j p_j^2) without an autograd graph.
 
-Stock verl computes the update pass's entropy only when ``calculate_entropy`` is on, and then WITH autograd:
-the softmax over the whole vocabulary of every token is kept for a backward that, with ``entropy_coeff = 0``
-(every DAPO recipe, both papers), carries a zero gradient. A selector that ranks by entropy needs the
-values, not their gradient. When nothing needs that gradient, this module makes the engine compute them
-under ``no_grad``, in chunks of :data:`CHUNK_ELEMENTS` logits (a few rows x the vocabulary), so the extra
-peak memory is a small constant times ``chunk x vocab``, freed before the next chunk, and nothing of it is
-saved for the backward.
+Stock verl computes the update pass's entropy WITH autograd: the softmax over the whole vocabulary of every token is
+kept for a backward that, with ``entropy_coeff = 0`` (every DAPO recipe, both papers), carries a zero gradient. A
+selector needs the values, not their gradient: :func:`install_no_graph_scores` wraps one FSDP engine's
+``prepare_model_outputs`` so that, while the worker's loss is a selecting loss that asks for it
+(:func:`wants_no_graph`), verl's entropy and sum p^2 functions are swapped for versions computed under ``no_grad``
+in chunks of :data:`CHUNK_ELEMENTS` logits, and the log-prob reuses the entropy pass's row ``logsumexp``
+(:func:`logprobs_from_lse`, same value and gradient). Forward-only passes (old log-prob, pre-pass) get the same
+entropy function, so every entropy a selector ranks by comes from one place. Values equal verl's to float rounding,
+except on ``-inf`` logits (a masked vocabulary), where verl's is NaN and this one is the masked distribution's.
 
-The seam, with no verl file edited (verl 0.9.1, ``FSDPEngineWithLMHead.prepare_model_outputs``):
-
-- with ``use_remove_padding``, the engine calls ``self.compute_entropy_from_logits`` (an instance attribute
-  its ``__init__`` sets to ``verl_F.entropy_from_logits`` or its ``_with_chunking`` twin, maybe compiled);
-- without it, the engine calls ``verl_F.entropy_from_logits`` (``verl.utils.torch_functional``) directly;
-- both call ``verl_F.calculate_sum_pi_squared_from_logits`` for ``calculate_sum_pi_squared``.
-
-:func:`install_no_graph_scores` wraps ONE engine's ``prepare_model_outputs`` (an instance attribute): for the
-duration of a call made with autograd on, and only while the worker's loss is a
-:class:`~verl_tokensel.verl_glue.loss.SelectingLoss` whose config asks for it (:func:`wants_no_graph`), the
-three names point at the no-graph versions (for a forward-only call, with any selecting loss installed: the
-entropy and sum p^2 names); they are restored when the call returns. With
-``use_remove_padding`` the engine's log-prob call (``logprobs_from_logits``, by name in
-``verl.workers.engine.fsdp.transformer_impl``) follows the entropy call on the same logits, and reuses the
-row ``logsumexp`` the entropy pass measured (:func:`logprobs_from_lse`: same value and gradient, one pass over
-the logits fewer), so the entropy costs about one extra read of the logits instead of verl's graph. verl asks its
-log-prob for ``inplace_backward=False`` whenever it computes entropy (its entropy graph reads the logits in the
-backward); with no such graph the log-prob's backward overwrites the logits in place again, as stock verl's
-flash-attn cross-entropy does without entropy, so the update holds no extra tokens x vocab gradient buffer.
-Forward-only calls (the old-log-prob pass, the pre-pass) made while a selecting loss is installed get the same
-entropy / sum p^2 functions, and keep verl's own log-prob (bit for bit): they run without autograd anyway, and
-this way every entropy a selector ranks by comes from one function. The values equal verl's to float rounding
-(float32 arithmetic, returned in the dtype verl's function returns), except on ``-inf`` logits (a masked
-vocabulary), where verl's ``logsumexp(x) - sum softmax(x) x`` is NaN (``0 x -inf``) and this one drops the
-masked entries (``p log p -> 0``), so the entropy of the masked distribution is finite.
-
-When the graph stays: ``entropy_coeff != 0`` (the bonus needs d H / d logits; with ``mask_entropy_bonus``
-still on the selected tokens), ``token_selection.no_grad_scores=false``, a stock loss, fused kernels
-(``use_fused_kernels``: the fused kernel returns its own entropy), and engines other than FSDP/FSDP2 (the
-Megatron engine computes entropy inside its own logits processor; not covered).
+The graph stays with ``entropy_coeff != 0``, ``token_selection.no_grad_scores=false``, a stock loss, fused kernels,
+and engines other than FSDP/FSDP2. The verl names it swaps are in ARCHITECTURE.md's Seams table.
 """
 
 from __future__ import annotations

@@ -1,29 +1,16 @@
 """The deprecated v0 driver (``trainer.use_v1=false``, verl's ``RayPPOTrainer``): all of its glue, fenced here.
 
-The V1 driver has a trainer registry and an ``on_init_end`` hook; v0 has neither, so reaching its actor
-workers and its update step takes three hooks, each on a seam verl itself exposes (no verl file is edited)
-and each used only by ``python -m verl_tokensel.main_ppo`` with ``trainer.use_v1=false``:
+v0 has no trainer registry and no ``on_init_end`` hook, so three hooks on seams verl exposes (no verl file edited),
+used only by ``python -m verl_tokensel.main_ppo`` with ``trainer.use_v1=false``:
 
-1. **Loss installation: a checkpoint-engine manager** (:class:`TokenselCheckpointEngineManager`).
-   ``RayPPOTrainer.init_workers`` builds its checkpoint-engine manager from the config key
-   ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after the actor workers' ``init_model``,
-   and hands it the actor worker group: the one place in v0 where our code meets that group before the
-   first update. The manager calls ``set_loss_fn`` (:func:`~verl_tokensel.verl_glue.install.install_actor_loss`)
-   and then behaves exactly like verl's. verl builds it with ``(config, actor_wg, replicas)`` only, so the
-   trainer config it needs is a class attribute, :attr:`TokenselCheckpointEngineManager.driver_config`,
-   set by our TaskRunner in its own process just before verl's ``run`` builds the trainer.
-2. **Driver-side selection: a ``RayPPOTrainer`` subclass** (:func:`tokensel_ray_ppo_trainer_class`,
-   ``score_source=rollout``). It keeps a copy of the old-policy entropy that ``fit`` pops after logging
-   ``actor/entropy`` (field :data:`V0_ENTROPY_FIELD`, which follows the rows) and, in ``_update_actor``,
-   adds the padded mask and scores to the ``DataProto`` (:func:`select_v0`) before verl's own
-   ``_update_actor`` sends it.
-3. **Building that subclass: a rebinding of one global of verl's ``TaskRunner.run``**
-   (:func:`v0_task_runner`). verl's ``run`` builds the trainer by the global name ``RayPPOTrainer``. Ray
-   ships our TaskRunner class and its base by value (verl's module attribute ``TaskRunner`` is the Ray actor
-   wrapper, not the class), so that ``run`` reads a private copy of its module globals: we set
-   ``RayPPOTrainer`` in the globals dict of the function that actually runs, inside the TaskRunner process
-   (verl's module itself is untouched). The same TaskRunner swaps in the pre-pass actor worker class for
-   ``score_source=prepass`` (``add_actor_rollout_worker``, as the V1 trainers' ``_init_resource_pool_mgr``).
+1. the loss: :class:`TokenselCheckpointEngineManager`, built by ``RayPPOTrainer.init_workers`` from
+   ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after the actor workers exist, calls ``set_loss_fn``;
+2. the driver's selection (``score_source=rollout``): a ``RayPPOTrainer`` subclass
+   (:func:`tokensel_ray_ppo_trainer_class`) keeps the old-policy entropy ``fit`` pops and adds the mask and scores
+   to the ``DataProto`` in ``_update_actor`` (:func:`select_v0`);
+3. building that subclass: :func:`v0_task_runner` rebinds the global ``RayPPOTrainer`` in the globals of the
+   TaskRunner's ``run`` inside the TaskRunner process (verl's module is untouched), and swaps in the pre-pass actor
+   worker class for ``score_source=prepass``.
 """
 
 from __future__ import annotations
