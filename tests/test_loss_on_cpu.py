@@ -507,3 +507,67 @@ def test_verl_ppo_loss_source_is_pinned():
         "verl's ppo_loss source changed: re-check loss.py against verl's ppo_loss (verl_ppo_loss_body: global "
         f"batch info, metric aggregation, entropy and KL terms), then set VERL_PPO_LOSS_SHA256 = {digest!r}"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# the rule step's per-token outputs (core.rule.Selected): what the loss does with each
+# --------------------------------------------------------------------------------------------
+def _with_rule_outputs(monkeypatch, **outputs):
+    """The loss's rule step, with ``outputs`` (functions of the micro-batch's padded advantages) set on its result."""
+    orig = loss_mod.apply_rule
+
+    def rule(sel, batch, **kwargs):
+        selected = orig(sel, batch, **kwargs)
+        for name, make in outputs.items():
+            setattr(selected, name, make(batch.inputs.advantages))
+        return selected
+
+    monkeypatch.setattr(loss_mod, "apply_rule", rule)
+
+
+def test_advantage_weight_and_shift_act_as_reweighted_advantages(monkeypatch):
+    """A' = w * A + s from the rule equals the stock loss on data whose advantages are already w * A + s."""
+    cfg = actor_config("forking")
+    mo, data, lp = micro_batch(4, batch=6, resp_len=16)
+    adv = data["advantages"]  # padded (batch, response_len), as the loss reads it
+    w = 0.3 + torch.rand(adv.shape, generator=torch.Generator().manual_seed(1))
+    s = 0.05 * torch.ones_like(adv)
+    reweighted = data.clone()
+    reweighted["advantages"] = adv * w + s
+    want_loss, want_grad, _ = run(tokensel_ppo_loss, cfg, mo, reweighted, lp)
+    _with_rule_outputs(monkeypatch, advantage_weight=lambda a: w, advantage_shift=lambda a: s)
+    got_loss, got_grad, _ = run(tokensel_ppo_loss, cfg, mo, data, lp)
+    assert torch.equal(got_loss, want_loss) and torch.equal(got_grad, want_grad)
+
+
+def test_kl_weight_scales_the_kl_term_per_token(monkeypatch):
+    cfg = actor_config("forking", use_kl_loss=True, kl_loss_coef=0.1)
+    mo, data, lp = micro_batch(5, batch=6, resp_len=16, with_ref=True)
+    base_loss, _, base_metrics = run(tokensel_ppo_loss, cfg, mo, data, lp)
+    _with_rule_outputs(monkeypatch, kl_weight=lambda a: torch.zeros_like(a))
+    loss, _, metrics = run(tokensel_ppo_loss, cfg, mo, data, lp)
+    kl = _metric(base_metrics, "kl_loss")
+    assert kl != 0 and _metric(metrics, "kl_loss") == 0
+    torch.testing.assert_close(loss, base_loss - 0.1 * torch.tensor(kl, dtype=loss.dtype), rtol=1e-5, atol=1e-7)
+
+
+def test_per_token_clip_bounds_need_a_policy_loss_that_takes_them(monkeypatch):
+    _with_rule_outputs(monkeypatch, clip_low=lambda a: torch.full_like(a, 0.2))
+    mo, data, lp = micro_batch(6, batch=4, resp_len=8)
+    with pytest.raises(RuntimeError, match="per-token clip bounds.*Fix: set policy_loss.loss_mode"):
+        tokensel_ppo_loss(actor_config("forking"), mo, data)
+
+
+def test_every_rule_selection_goes_through_the_rule_step():
+    """Only core/rule.py turns a rule into a mask (analysis/stats.top_mask ranks one report column, not a rule)."""
+    import ast
+    from pathlib import Path
+
+    def calls(path):
+        return any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == "select_tokens"
+                   for n in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))
+
+    package = Path(loss_mod.__file__).resolve().parents[1]
+    callers = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
+                     if p.name != "select.py" and calls(p))
+    assert callers == ["analysis/stats.py", "core/rule.py"], callers
