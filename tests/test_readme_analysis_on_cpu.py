@@ -1,4 +1,4 @@
-"""Every command of the README's token-analysis example block runs and produces its output."""
+"""Every command of the token-analysis example block (docs/analysis.md) runs and produces its output."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _readme_commands() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "analysis.md").read_text()
     block = text.split("<!-- analysis examples: a test runs every command in this block -->", 1)[1]
     block = block.split("```bash", 1)[1].split("```", 1)[0]
     return [line.strip() for line in block.strip().splitlines() if line.strip()]

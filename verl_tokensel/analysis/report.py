@@ -151,10 +151,6 @@ def analysis_markdown(report: dict, plots: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _answer_colours(n_answers: int):
-    return np.arange(n_answers) % 20
-
-
 def plot_entropy_histogram(plt, path: Path, entropy: torch.Tensor, threshold: float) -> None:
     h = entropy.double().numpy()
     n_floor = int((h < ENTROPY_FLOOR).sum())
