@@ -35,55 +35,184 @@ def test_long_package_files_state_why_at_their_top():
     )
 
 
-# The layers of ARCHITECTURE.md: which part of the package may import which (every import, lazy ones included).
-# "verl" is the verl package; entry points are the top-level modules.
-ENTRY = {"verl_tokensel", "plugin", "main_ppo", "launch", "stack"}
-MAY_IMPORT = {
-    "core": set(),
-    "analysis": {"core"},
-    "verl_glue": {"verl", "core", "analysis", "plugin"},
-    "cpu": {"verl", "core", "verl_glue", "plugin"},
-    "demo": {"core", "analysis", "cpu"},
-    "cli": {"verl", "core", "analysis", "verl_glue", "cpu", "demo", "config", "recipes"} | ENTRY,
-    **{e: {"verl", "verl_glue", "cpu"} | ENTRY for e in ENTRY},
-}
-# the one module of analysis the verl glue may use (the reference-model scorer of score_source=rollout)
-GLUE_MAY_USE_FROM_ANALYSIS = {"verl_tokensel.analysis.ray_scorer"}
+# The layers of ARCHITECTURE.md, read from its layer table (the one source): rows from the bottom up, each with
+# its files and the layers it may import, which must all be rows above it. "verl" is the verl package.
+LAYER_TABLE_HEADER = "| layer | files | what it is | may import |"
 
 
-def _package_imports():
-    """``{(importing part, imported part, imported module)}`` over every .py of the package."""
-    import ast
+def _layer_table() -> list[tuple[str, set[str], set[str], bool]]:
+    """``[(layer, its parts of the package, the layers it may import, may it import verl)]`` from the bottom up.
 
-    pkg = ROOT / "verl_tokensel"
+    A part is a folder of ``verl_tokensel/`` or a top-level module (``verl_tokensel`` for the package's own
+    ``__init__.py``); ``analysis.ray_scorer`` in the "may import" column allows that one module of a layer.
+    """
+    import re
 
-    def part(module: str) -> str:
-        bits = module.split(".")
-        return bits[1] if len(bits) > 1 else "verl_tokensel"
+    lines = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").splitlines()
+    assert LAYER_TABLE_HEADER in lines, f"ARCHITECTURE.md has no layer table (header {LAYER_TABLE_HEADER!r})"
+    rows = []
+    for line in lines[lines.index(LAYER_TABLE_HEADER) + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert len(cells) == 4, f"ARCHITECTURE.md layer table: a row with {len(cells)} cells: {line}"
+        name = cells[0].strip("`")
+        parts = set()
+        for path in re.findall(r"`([^`]+)`", cells[1]):
+            path = path.removeprefix("verl_tokensel/")
+            if not path.startswith("tests/"):
+                parts.add("verl_tokensel" if path == "__init__.py" else path.rstrip("/").removesuffix(".py"))
+        may = set(re.findall(r"`([^`]+)`", cells[3]))
+        rows.append((name, parts, may, re.search(r"\bverl\b", re.sub(r"`[^`]*`", "", cells[3])) is not None))
+    return rows
 
-    out = set()
-    for path in pkg.rglob("*.py"):
-        rel = path.relative_to(ROOT).with_suffix("")
-        src = part(".".join(rel.parts))
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                if name.split(".")[0] == "verl_tokensel":
-                    out.add((src, part(name), name))
-                elif name.split(".")[0] == "verl":
-                    out.add((src, "verl", name))
+
+def _package_modules() -> dict[str, Path]:
+    """``{dotted module name: path}`` of every .py of the package (a package's ``__init__.py`` under its own name)."""
+    out = {}
+    for path in sorted((ROOT / "verl_tokensel").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
 
+def _imports_of(module: str, path: Path, modules) -> set[str]:
+    """Every module ``module`` imports, at any depth of its code (lazy and TYPE_CHECKING ones too): the package's
+    own as module names (``from pkg import submodule`` -> ``pkg.submodule``; ``from mod import name`` -> ``mod``),
+    others as written (``verl.trainer.ppo.v1``)."""
+    import ast
+
+    def resolve(name: str) -> str:
+        while name.split(".")[0] == "verl_tokensel" and name not in modules and "." in name:
+            name = name.rsplit(".", 1)[0]
+        return name
+
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(resolve(a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the module's package
+                anchor = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module
+            out.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else resolve(base) for a in node.names)
+    return out
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """The import graph of the package's modules: ``{module: the package's modules it imports}``."""
+    modules = _package_modules()
+    return {module: {name for name in _imports_of(module, path, modules) if name in modules and name != module}
+            for module, path in modules.items()}
+
+
+def _part(module: str) -> str:
+    bits = module.split(".")
+    return bits[1] if len(bits) > 1 else "verl_tokensel"
+
+
+def test_layer_table_of_architecture_md_imports_only_downward():
+    rows = _layer_table()
+    below: set[str] = set()
+    bad = []
+    for name, _, may, _ in rows:
+        upward = {m for m in may if m.split(".")[0] not in below}
+        if upward:
+            bad.append(f"{name} may import {sorted(upward)}")
+        below.add(name)
+    assert not bad, ("ARCHITECTURE.md's layer table (rows from the bottom up) lets a layer import one that is not "
+                     "below it: " + "; ".join(bad) + ". Fix: move the code, not the rule.")
+    parts = [p for _, ps, _, _ in rows for p in ps]
+    modules = _package_modules()
+    in_package = {_part(m) for m in modules}
+    assert len(parts) == len(set(parts)), f"a part in two rows of the layer table: {sorted(parts)}"
+    assert set(parts) == in_package, (
+        f"ARCHITECTURE.md's layer table does not place {sorted(in_package - set(parts))} "
+        f"(and names {sorted(set(parts) - in_package)}, which the package does not have). Fix: add the new file or "
+        "folder to the row of its layer.")
+
+
 def test_imports_follow_the_layers_of_architecture_md():
-    bad = sorted(f"{src} imports {mod}" for src, dst, mod in _package_imports()
-                 if dst != src and dst not in MAY_IMPORT.get(src, set()))
-    bad += sorted(f"verl_glue imports {mod}" for src, dst, mod in _package_imports()
-                  if src == "verl_glue" and dst == "analysis" and mod not in GLUE_MAY_USE_FROM_ANALYSIS)
-    assert not bad, "imports across layers that ARCHITECTURE.md does not allow: " + "; ".join(bad)
-    assert {src for src, dst, _ in _package_imports() if dst == "cli"} <= {"cli"}, "nothing outside cli/ imports cli/"
+    rows = _layer_table()
+    layer_of = {part: name for name, parts, _, _ in rows for part in parts}
+    allowed = {name: may for name, _, may, _ in rows}
+    verl_ok = {name for name, _, _, uses_verl in rows if uses_verl}
+    modules = _package_modules()
+    bad = []
+    for module, path in modules.items():
+        src = layer_of[_part(module)]
+        for name in sorted(_imports_of(module, path, modules)):
+            top = name.split(".")[0]
+            if top == "verl" and src not in verl_ok:
+                bad.append(f"{module} imports {name}")
+            elif top == "verl_tokensel" and layer_of[_part(name)] != src:
+                dst = layer_of[_part(name)]
+                # `a.b` in the column allows the one module verl_tokensel.a.b of layer a
+                if dst not in allowed[src] and name.removeprefix("verl_tokensel.") not in allowed[src]:
+                    bad.append(f"{module} ({src}) imports {name} ({dst})")
+    assert not bad, "imports across layers that ARCHITECTURE.md's layer table does not allow: " + "; ".join(bad)
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for component in components:  # the shortest way back to the component's first module
+        start = min(component)
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier and start not in {w for v in frontier for w in graph[v]}:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & component):
+                    if w not in paths:
+                        paths[w] = paths[v] + [w]
+                        nxt.append(w)
+            frontier = nxt
+        last = next(v for v in frontier if start in graph[v])
+        cycles.append(paths[last] + [start])
+    return cycles
+
+
+def test_cycle_finder_reports_the_path():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+
+
+def test_package_import_graph_has_no_cycle():
+    """No module of the package imports, directly or through others, one that imports it back (lazy imports too)."""
+    cycles = _cycles(_package_graph())
+    assert not cycles, ("import cycles in the package: " + "; ".join(" -> ".join(c) for c in cycles)
+                        + ". Fix: move what one side needs so the dependency runs one way.")

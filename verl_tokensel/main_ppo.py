@@ -28,7 +28,7 @@ if __name__ == "__main__":  # a known-broken stack gets one line naming the fix,
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from verl_tokensel.plugin import wants_cpu  # noqa: E402
+from verl_tokensel.switches import wants_cpu  # noqa: E402
 from verl_tokensel.verl_glue.install import register_v1_trainers, validate_driver_config  # noqa: E402
 from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
+from verl_tokensel.analysis.selection import per_response, scored_batch
 from verl_tokensel.core.pools import budget
 from verl_tokensel.core.select import select_tokens
 
@@ -35,6 +36,7 @@ LOW_ENTROPY = 0.01
 TOP_RATIO = 0.2
 MIN_ANSWER_TOKENS = 3
 GRPO_EPS = 1e-6
+UNIT_ADVANTAGE_SOURCE = "A = 1 for every response: the data has no advantage and no reward/score column"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -75,6 +77,14 @@ def resolve_advantages(records) -> tuple[Optional[list[float]], str]:
                 "unbiased std; a group of one response gets A = r")
     return None, ("the input has neither an advantage nor a reward/score column, so GMTS scores and "
                   "exact gradient norms (which scale with |A|) cannot be computed")
+
+
+def advantages_or_unit(records) -> tuple[list[float], str]:
+    """The analysis advantages (:func:`resolve_advantages`), or A = 1 for every response (``view``, demo)."""
+    advantages, source = resolve_advantages(records)
+    if advantages is None:
+        return [1.0] * len(records), UNIT_ADVANTAGE_SOURCE
+    return advantages, source
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -207,8 +217,6 @@ def forking_tokens(token_ids: torch.Tensor, selected: torch.Tensor, *, top: int 
 
 def _registry_scores(scores, advantages: Sequence[float], name: str) -> list[torch.Tensor]:
     """The registered score ``name`` of each answer's tokens (on-policy), float64, via the training builder."""
-    from verl_tokensel.analysis.selection import per_response, scored_batch
-
     if not scores:
         return []
     batch = scored_batch(scores, advantages, name)
@@ -341,6 +349,8 @@ def compare_entropies(scores_a, scores_b, *, top_ratio: float = TOP_RATIO) -> di
 __all__ = [
     "LOW_ENTROPY",
     "PERCENTILES",
+    "UNIT_ADVANTAGE_SOURCE",
+    "advantages_or_unit",
     "build_report",
     "compare_entropies",
     "exact_grad_norms",

@@ -94,7 +94,7 @@ def run(args) -> int:
 
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.page import build_page
-    from verl_tokensel.analysis.selection import advantages_or_unit
+    from verl_tokensel.analysis.stats import advantages_or_unit
 
     try:
         records = io.load_records(data)

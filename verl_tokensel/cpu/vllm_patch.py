@@ -42,7 +42,7 @@ import logging
 import sys
 from typing import Any, Iterable, Optional
 
-from verl_tokensel.cpu.import_hook import patch_after_import
+from verl_tokensel.import_hook import after_import
 
 logger = logging.getLogger(__name__)
 
@@ -152,11 +152,7 @@ def keep_live_weight_gemm_dispatch(module: Any) -> bool:
 
 
 def _install_gemm_fix() -> None:
-    module = sys.modules.get(GEMM_MODULE)
-    if module is not None:
-        keep_live_weight_gemm_dispatch(module)
-        return
-    patch_after_import("vllm_gemm", lambda name: name == GEMM_MODULE, keep_live_weight_gemm_dispatch)
+    after_import(GEMM_MODULE, keep_live_weight_gemm_dispatch, once=False)
 
 
 def install() -> None:
