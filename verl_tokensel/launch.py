@@ -2,77 +2,17 @@
 
 Why one file over 400 lines: the launcher is one process-lifecycle story read top to bottom (command,
 process group, optional Ray head and job submission, timeout and kill escalation, metrics), used by
-``python -m verl_tokensel.launch``, the demo and the end-to-end tests; about 60 lines are this docstring.
+``python -m verl_tokensel.launch``, the demo and the end-to-end tests.
 
-Why: two failure modes of the verl pipeline hang instead of failing (a weight-sync error inside the
-vLLM server, and Ray resources that never become available, see ``shared/design/verl-0.9.md`` item
-10). Anything that launches the pipeline unattended (tests, ``verl-tokensel demo``) goes through
-:func:`run_main_ppo`, which always ends: on success, on failure, on timeout and on Ctrl-C.
+Why: two failure modes of the verl pipeline hang instead of failing (a weight-sync error inside the vLLM
+server, and Ray resources that never become available). :func:`run_main_ppo` always ends, on success,
+failure, timeout or Ctrl-C, killing every process the run started (its process group and every process
+carrying its marker variable, never anything else), and returns a :class:`RunResult` with the per-step
+metrics, the last pipeline stage seen and, for a failed run, the process whose death ended it
+(:data:`DEATHS`). :func:`start_ray_head` / :meth:`RayHead.add_node` start a private one- or two-node Ray
+cluster on this host. Every argument, with examples: ``docs/cpu.md`` ("Unattended runs: the launcher").
 
-API::
-
-    from pathlib import Path
-    from verl_tokensel.launch import run_main_ppo
-
-    result = run_main_ppo(
-        ["actor_rollout_ref.model.path=/tmp/tiny", "data.train_files=/tmp/d/train.parquet", ...],
-        timeout_s=600, log_path=Path("/tmp/run/main_ppo.log"),   # cpu=True adds trainer.device=cpu
-    )
-    result.ok                 # exit code 0 and not timed out
-    result.raise_for_status() # RuntimeError with the reason and the log tail otherwise
-    result.steps              # [{"step": 1, "actor/pg_loss": ..., "actor/tokensel/selected_fraction": ...}, ...]
-    result.metric("critic/score/mean")   # one float per logged step (missing steps skipped)
-    result.last_stage         # e.g. "waiting for the vLLM server": where a timed-out run was stuck
-    result.died               # e.g. "the Ray actor WorkerDict x_0:0 (pid 4242, node 10.0.0.7) died", or None
-
-:func:`run_main_ppo` arguments:
-
-* ``overrides``: Hydra overrides, exactly as on the command line.
-* ``timeout_s``: wall-clock limit of the whole run (Ray start, model load, training, shutdown).
-* ``log_path``: stdout+stderr of the run go there (line-buffered, kept after the run).
-* ``cpu`` (default True): add the one CPU switch ``trainer.device=cpu`` (see
-  :mod:`verl_tokensel.cpu.pipeline`) unless ``trainer.device`` is already in ``overrides``.
-* ``metrics_path``: where verl's ``file`` logger writes one JSON line per step (default:
-  ``<log_path stem>.metrics.jsonl`` next to the log). ``file`` is added to a ``trainer.logger`` override
-  (``trainer.logger=[console,file]`` when there is none); the path reaches the TaskRunner
-  (where verl's ``Tracking`` lives) through the Ray runtime env (``VERL_FILE_LOGGER_PATH``).
-* ``entry``: the module run with ``python -m``: ``verl_tokensel.main_ppo`` (default), or, with
-  ``cpu=False`` only, verl's ``verl.trainer.main_ppo`` plus ``--config-path=pkg://verl_tokensel.config
-  --config-name=tokensel_trainer`` in ``overrides`` (verl's driver cannot apply the CPU switch).
-* ``ray_address``: ``"local"`` (default) starts a private Ray instance even if another one runs on
-  this host (Ray's default would join the newest local cluster); ``None`` leaves Ray's own lookup
-  (``RAY_ADDRESS``, then the newest local cluster); any other value is passed as ``ray_init.address``.
-* ``ray_job_address``: submit the run as a Ray job (``ray job submit --address <it> -- python -m <entry>
-  ...``) to a running cluster's dashboard address, e.g. ``http://127.0.0.1:8265``, instead of starting
-  it here. The job's driver runs on the head node (``verl_tokensel`` must be installed there: image, or
-  ``runtime_env`` pip); the timeout then covers submission, the whole job and log tailing. Use with
-  :func:`start_ray_head` for a local single-node cluster (tests). The job gets the submission id
-  ``tokensel-<run id>``; on timeout or Ctrl-C it is stopped with ``ray job stop`` as well.
-* ``job_runtime_env`` / ``job_working_dir``: with ``ray_job_address``, the job's ``--runtime-env-json``
-  (e.g. ``{"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/verl_tokensel-<v>-py3-none-any.whl"]}``: every node
-  pip-installs the plugin into the job's environment; no ``env_vars``, which the job's driver sets itself) and
-  ``--working-dir``. The job then runs ``python -m <entry>`` with the runtime env's interpreter.
-* ``env``: extra environment variables for the run (str values).
-* ``echo``: also copy the run's output to this process's stdout as it arrives.
-
-On timeout or Ctrl-C the run's whole process group gets SIGTERM, then SIGKILL after ``kill_grace_s``,
-and so does every other process that carries this run's marker variable (``VERL_TOKENSEL_RUN_ID``,
-inherited by the Ray head, raylet and Ray workers it started even when they left the process group);
-nothing else on the host is touched. A timed-out run returns ``timed_out=True`` and
-``returncode=124``; Ctrl-C (or any exception raised while waiting) kills, then re-raises.
-
-A failed run's :attr:`RunResult.died` (also in :meth:`RunResult.describe`) names the most specific process death
-its log reports (:data:`DEATHS`: Ray's OOM killer; a Ray actor with class, name, pid and node; vLLM's engine
-process; a Ray worker with its pid; a Ray node), since verl's own final error is often a consequence
-(e.g. "no materializable trajectories" after the vLLM engine died).
-
-:func:`start_ray_head` starts a private single-node Ray head (free ports, own temp dir, logical
-``--num-gpus`` for the CPU platform) and returns a :class:`RayHead` whose ``stop()`` ends exactly the
-processes it started (by marker; never ``ray stop``, which would stop every Ray instance on the host).
-:meth:`RayHead.add_node` joins a second node on the same host (its own loopback IP such as 127.0.0.2, ports
-and temp dir, custom resources): a multi-node cluster on one machine, for tests and rehearsals.
-
-Command line (same thing, exit code 124 on timeout)::
+Command line (exit code 124 on timeout)::
 
     python -m verl_tokensel.launch --timeout 900 --log /tmp/run.log -- <hydra overrides>
 """

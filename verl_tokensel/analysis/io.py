@@ -1,25 +1,16 @@
-"""Input side of ``verl-tokensel analyze`` / ``compare``: responses from files, tokenisation, models.
+"""Input side of the analysis subcommands: responses from files, tokenisation, models.
 
-Accepted inputs (:func:`load_records`):
-
-* a verl rollout dump directory (``trainer.rollout_data_dir``: one ``<step>.jsonl`` per step) or one
-  such ``.jsonl`` file: one JSON object per line with ``input`` (decoded prompt), ``output`` (decoded
-  response), ``score`` (reward), ``step`` and, with the V1 driver, ``uid`` = ``<sample>_<rollout>_<output>``.
-  Responses of one prompt share ``<sample>``; without ``uid`` (v0 driver) they are grouped by identical
-  ``input`` text. Groups never span steps.
-* a ``.parquet`` or ``.jsonl`` table with string columns ``prompt`` and ``response`` and optional
-  ``reward`` (or ``score``), ``advantage`` and ``uid`` (or ``group``); without a group column,
-  responses are grouped by identical prompt text.
-
-Every problem is raised as :class:`AnalysisInputError` naming the file (and the rows) before anything
+:func:`load_records` reads a verl rollout dump (``trainer.rollout_data_dir``: ``<step>.jsonl`` files with
+``input``, ``output``, ``score``, ``step`` and, with the V1 driver, ``uid``), or a ``.parquet`` / ``.jsonl``
+table with ``prompt``, ``response`` and optional ``reward`` (or ``score``), ``advantage``, ``uid`` (or
+``group``). Responses are grouped by prompt (``uid``'s sample part, else identical prompt text; never across
+steps). Every problem is raised as :class:`AnalysisInputError` naming the file (and the rows) before anything
 is scored or written.
 
-Tokenisation (:func:`tokenize_records`): prompt ids = ``tokenizer(prompt, add_special_tokens=False)``
-and response ids likewise. verl decodes its dumps with ``skip_special_tokens=True``, so the chat
-template's special tokens (``<|im_start|>``, ``<|im_end|>``, the EOS, padding) are not in the text and
-are not scored; re-tokenising decoded text may also split a few tokens differently from the rollout.
-The scores are therefore those of the visible text, which is what the entropy statistics of the
-papers describe.
+:func:`tokenize_records` re-tokenises prompt and response with ``add_special_tokens=False``. verl decodes its
+dumps with ``skip_special_tokens=True``, so chat-template special tokens are not scored, and a few tokens may
+split differently from the rollout: the scores are those of the visible text, which is what the papers'
+entropy statistics describe. Formats in full: ``docs/analysis.md``.
 """
 
 from __future__ import annotations

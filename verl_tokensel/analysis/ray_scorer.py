@@ -1,22 +1,14 @@
 """A Ray worker group that scores responses under a local HF checkpoint, sharded across workers.
 
-Each worker loads the model once and runs :func:`verl_tokensel.analysis.scorer.score_responses`
-(chunked over the vocabulary) on its shard; the driver scatters ``(prompt_ids, response_ids)`` pairs
-in contiguous, length-balanced shards and gathers the per-token scores back in input order.
-
-Placement follows verl's convention: one worker per accelerator (``resources={"GPU": 1}`` by
-default when the cluster has GPUs; ``{"CPU": 1}`` otherwise), optionally pinned to a Ray
-placement group so the scorers sit where verl's own workers do.
+Each worker loads the model once and runs :func:`verl_tokensel.analysis.scorer.score_responses` on its
+shard; the driver scatters ``(prompt_ids, response_ids)`` pairs in contiguous, length-balanced shards and
+gathers the scores back in input order. One worker per accelerator (``{"GPU": 1}`` when the cluster has GPUs,
+else ``{"CPU": 1}``), optionally in a placement group. Used on the driver for the ``ref_entropy`` score.
 
 Failure is loud, never a hang: every ``ray.get`` has a deadline; a dead worker raises
-:class:`ScoreWorkerError` naming the worker and the shard it held.
+:class:`ScoreWorkerError` naming the worker, its pid and the shard it held. Example::
 
-Example::
-
-    import ray
-    from verl_tokensel.analysis.ray_scorer import RayScorerGroup
-    ray.init()
-    group = RayScorerGroup("/ckpt/Qwen3-8B-Base", num_workers=8)
+    group = RayScorerGroup("/ckpt/Qwen3-8B-Base", num_workers=8)   # after ray.init()
     scores = group.score(pairs)              # list[TokenScores], same order as pairs
     group.shutdown()
 """

@@ -1,35 +1,16 @@
-"""Per-token scores of responses under a causal LM, chunked over the vocabulary.
+"""Per-token scores of responses under a causal LM, chunked over the vocabulary (``analyze``, ``compare``, ``view``).
 
-Memory stays bounded: the full ``(tokens, vocab)`` logits are never materialised. The LM head is
-applied one vocabulary chunk at a time and an online (streaming) softmax accumulates, per token,
+Memory stays bounded: the full ``(tokens, vocab)`` logits are never materialised. The LM head is applied
+one vocabulary chunk at a time and an online (streaming) softmax accumulates, per token, the max, the
+partition sum and the sums that give the entropy H (nats), sum_j p_j^2 and log p_a; the combine over chunks is
+float64, so the result matches a float64 full softmax to ~1e-6 relative, and a near-certain token keeps a
+relative-accurate ``log p`` and ``H``. Two ``(tokens, chunk_size)`` float32 buffers are reused, so the extra
+peak memory is ``2 x tokens x chunk_size`` floats (``DEFAULT_CHUNK = 2048``, the fastest on CPU at
+V = 151936). The maths and the measured cost: ``docs/analysis.md`` ("The scorer"), ``benchmarks/bench_scorer.py``.
 
-    m = max_j z_j,  s = sum_j e^(z_j - m),  u = sum_j e^(z_j - m) (z_j - m),  q = sum_j e^(2(z_j - m))
-
-(rescaled whenever m grows), from which, with z = logits / T (and m, s, u, q of z):
-
-    log Z = m + log s,   H = log s - u / s  (nats),   sum_j p_j^2 = q / s^2,   log p_a = z_a - log Z.
-
-Per-element work is float32 and relative to each chunk's own max ``c``: ``e = exp((z - c) / T)``
-in ``(0, 1]`` and the chunk sums ``sum e``, ``sum e (z - c) / T``, ``sum e^2`` (float32 over at most
-``chunk_size`` terms, all of one sign, so no cancellation). Only the combine is float64, on
-``(tokens,)`` vectors: both the running sums and the chunk's sums are rescaled to the new max, so
-the streaming result matches a float64 full softmax to ~1e-6 relative. Differences ``z - c`` are taken
-on the raw logits before dividing by T, so large logits lose nothing to the temperature. A chunk
-whose max dominates it (``sum e = 1 + eps``) gets ``eps`` summed without the max term, so a
-near-certain token keeps a relative-accurate ``log p`` and ``H``; ``s`` itself is carried as
-``s - 1`` (``log s = log1p(s - 1)``) so that precision survives the float64 combine too.
-
-Two ``(tokens, chunk_size)`` float32 buffers are allocated once and reused (a fresh multi-MB
-allocation per chunk page-faults on CPU), so peak extra memory is ``2 x tokens x chunk_size`` floats
-instead of the naive path's several ``tokens x vocab`` tensors. ``DEFAULT_CHUNK = 2048`` was the
-fastest of 1024..16384 on CPU at V=151936 (1 thread, hidden 64..1024, tokens 512..2048; 4096 is within a
-few %, 8192+ is 2-35% slower as the buffers fall out of cache). Against the naive full-vocabulary
-softmax (``benchmarks/bench_scorer.py``: V=151936, 2048 tokens, fp32, 1 thread) it needs 0.007x the
-extra peak memory (32 MB vs 4.75 GB) at 1.5x (hidden 1024) to 2.7x (hidden 256) the throughput.
-
-Supported models: those whose logits are ``lm_head(hidden)`` (+ optional bias) of the base model's
-last hidden state (Qwen2/3, Llama, Mistral, ...). Models with logit soft-capping or scaling are
-refused with a clear error rather than scored wrongly.
+Supported models: those whose logits are ``lm_head(hidden)`` (+ optional bias) of the base model's last
+hidden state (Qwen2/3, Llama, Mistral, ...). Models with logit soft-capping or scaling are refused with a
+clear error rather than scored wrongly.
 """
 
 from __future__ import annotations

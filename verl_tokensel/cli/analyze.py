@@ -1,25 +1,20 @@
-"""Per-token entropy / gradient-norm analysis of responses under a local model, with a report.
+"""``verl-tokensel analyze``: per-token entropy / gradient-norm analysis of responses under a local model.
 
 Scores every response token of the data with the model (chunked over the vocabulary, so memory stays
-bounded) and writes ``report.json``, ``report.md`` and PNG plots into ``--out``: entropy percentiles
-and the share of near-zero-entropy tokens, the most frequent forking tokens (top 20% by entropy),
-Spearman correlation of entropy with the exact per-token gradient norm within vs across answers
-(the GMTS argument), and the overlap of the entropy and GMTS top-20% sets.
-
-``--data`` is a verl rollout dump directory (``trainer.rollout_data_dir``), one dump ``<step>.jsonl``,
-or a ``.parquet`` / ``.jsonl`` with string columns ``prompt`` and ``response`` and optional
-``reward`` (or ``score``), ``advantage``, ``uid`` (or ``group``). Advantages: the ``advantage`` column,
-else GRPO from the rewards per prompt group, else none (then the GMTS statistics are omitted). Dumps
-are decoded with ``skip_special_tokens``, so chat-template special tokens are not scored.
+bounded) and writes ``report.json``, ``report.md`` and PNG plots into ``--out``: entropy percentiles and the
+share of near-zero-entropy tokens, the most frequent forking tokens (top 20% by entropy), the Spearman
+correlation of entropy with the exact per-token gradient norm within vs across answers (the GMTS argument),
+and the overlap of the entropy and GMTS top-20% sets. ``--data``: a verl rollout dump or a ``.parquet`` /
+``.jsonl`` table; advantages from its ``advantage`` column, else GRPO from the rewards per prompt group, else
+none (then the GMTS statistics are omitted). Inputs in full: ``docs/analysis.md``.
 
 Examples::
 
-    # the embedded tiny model (random weights, no download) on a rollout dump
-    python -c "from verl_tokensel.cpu.tiny_model import build_tiny_model_dir; print(build_tiny_model_dir('/tmp/tiny'))"
-    verl-tokensel analyze --model /tmp/tiny --data /path/to/rollout_data_dir --out /tmp/tiny_report
+    verl-tokensel tiny-model --out /tmp/tiny      # the embedded tiny model (random weights, no download)
+    verl-tokensel analyze --model /tmp/tiny --data examples/data/rollouts --out /tmp/tiny_report
 
     # a real checkpoint on a GPU, bf16, the first 2000 responses of a parquet table
-    verl-tokensel analyze --model Qwen3-8B/ --data samples.parquet --out report/ \\
+    verl-tokensel analyze --model Qwen3-8B/ --data samples.parquet --out report/ \
         --device cuda --dtype bfloat16 --max-responses 2000 --chunk-size 16384
 """
 

@@ -1,26 +1,20 @@
-"""Warm-start a tiny local model, then real verl GRPO on it, one run per token selector, then a comparison (CPU).
+"""``verl-tokensel demo``: warm-start a tiny local model, then real verl GRPO on it per token selector (CPU).
 
 The embedded-default main job. With no network and no GPU it:
 
-1. builds a tiny Qwen2 and a byte-level BPE tokenizer locally, then warms it up with plain supervised
-   next-token loss on templated traces whose route word (``think``, then the correct value, or ``guess``,
-   then a near miss) is the one uncertain choice that decides the answer (:mod:`verl_tokensel.demo.task`,
-   :mod:`verl_tokensel.demo.warmup`; under a minute on an idle 2-core machine, cached by its settings under
-   ``--cache-dir``), so the model is partly right and its forking tokens are real;
+1. builds a tiny Qwen2 and a byte-level BPE tokenizer locally and warms it up with supervised next-token loss
+   on templated traces whose route word (``think``, then the correct value, or ``guess``, then a near miss) is
+   the one uncertain choice that decides the answer (:mod:`verl_tokensel.demo.task`,
+   :mod:`verl_tokensel.demo.warmup`; under a minute, cached by its settings under ``--cache-dir``);
 2. writes the verifiable arithmetic dataset in verl's RL parquet format (``<out>/data``);
-3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor,
-   GRPO advantages, math-verify reward from ``verl_tokensel.demo.reward``) for ``--steps`` steps once per
-   preset, one after another (logs in ``<out>/logs/<preset>.log``, rollouts in ``<out>/rollouts``, the
-   final policy as a HF folder under ``<out>/checkpoints``);
-4. scores each run's last-step rollouts under its final policy (:mod:`verl_tokensel.demo.rollouts`) and
-   prints a table per preset: reward at the first and last step and whether the rise exceeds its
-   sampling noise, the last step's share of answers on the ``think`` route, the share of response tokens
-   under 0.01 nats and the 80th-percentile entropy, the share of selected tokens on the decisions (route
-   word, value) vs the decisions' share of all tokens; writes
-   ``<out>/demo.png`` (reward curves), ``<out>/view_<preset>.html`` (``verl-tokensel view`` page of the
-   last step's rollouts, selected tokens marked) and ``<out>/results.json``.
+3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor, GRPO,
+   math-verify reward) for ``--steps`` steps once per preset (logs, rollouts and final policy under ``<out>``);
+4. scores each run's last-step rollouts under its final policy and prints one table row per preset (reward
+   first / last and whether it rose beyond its noise, ``think`` share, entropy statistics, selected share on
+   the decisions), and writes ``demo.png``, ``view_<preset>.html`` and ``results.json``.
 
-Exits 1 naming the preset, its log and the log's last lines if a run fails.
+Exits 1 naming the preset, its log and the log's last lines if a run fails. Measured results:
+``docs/benchmarks.md``.
 
 Examples::
 

@@ -1,26 +1,18 @@
-"""Render scored responses as one self-contained HTML page: every response token shaded by a score,
-the tokens a preset would train on marked.
+"""``verl-tokensel view``: scored responses as one self-contained HTML page, every response token shaded by a
+score and the tokens a preset would train on marked.
 
-The responses are scored with the model (entropy, log-prob, exact logit-gradient norm per token,
-chunked over the vocabulary) and the preset's selection is applied with the same selector the loss
-uses, on-policy (ratio r = 1, nothing clipped):
-
-* scope ``micro_batch`` (every preset's default; also ``micro_batch_dp``): all rendered responses form
-  one pool, as if they were one micro-batch, and exactly ceil(ratio * N) of its N tokens are kept;
-  ``--scope sequence``: ceil(ratio * n) per response;
-* advantages: the data's ``advantage`` column, else GRPO from ``reward``/``score`` per prompt group
-  exactly as verl computes it ((r - mean) / (std + 1e-6), unbiased std, a group of one gets A = r),
-  else A = 1 (the page says which);
-* the ``random`` score uses the seeded per-token draw of the loss, keyed by the prompt + response ids.
-
-Inputs: a verl rollout dump (``trainer.rollout_data_dir``, or one ``<step>.jsonl``: input/output/score/uid)
-or a ``.jsonl``/``.parquet`` with prompt/response and optional reward/advantage/uid. The page has no
-external request; hover a token for its numbers.
+The responses are scored with the model (entropy, log-prob, exact logit-gradient norm per token, chunked over
+the vocabulary) and the preset's selection is applied with the selector the loss uses, on-policy (ratio r = 1,
+nothing clipped). The pool: a preset whose scope is ``sequence`` keeps ceil(ratio * n) per response; every
+other preset (whatever its training scope) is shown with all rendered responses as one pool, as if one
+micro-batch; ``--scope`` / ``--ratio`` override. Advantages: the data's ``advantage`` column, else GRPO from
+``reward`` / ``score`` per prompt group as verl computes it, else A = 1 (the page says which). The ``random``
+score uses the loss's seeded draw, keyed by the prompt + response ids. Inputs and page: ``docs/analysis.md``.
 
 Examples::
 
     verl-tokensel view --model ./Qwen3-8B --data rollouts/12.jsonl --out step12.html   # local HF folder
-    verl-tokensel view --model ./ckpt --data rollouts/ --out gmts.html --preset gmts --shade entropy \\
+    verl-tokensel view --model ./ckpt --data rollouts/ --out gmts.html --preset gmts --shade entropy \
         --max-responses 32 --device cuda --dtype bfloat16
     verl-tokensel view --model ./ckpt --data answers.parquet --out seq.html --scope sequence --shade logp
 """

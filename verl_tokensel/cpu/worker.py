@@ -1,51 +1,20 @@
-"""Run verl 0.9's REAL actor training path on CPU, in-process (helper module, not a test file).
+"""verl 0.9's REAL actor training path, in-process on CPU (or one GPU): the harness behind ``cpu-step``.
 
 Why one file over 400 lines: process set-up, config, the worker, the old-log-prob pass and the training
-step share :class:`CpuActor` and the env priming that must run before verl is imported; about 45 lines
-are this docstring. Batches are in :mod:`verl_tokensel.cpu.batches`.
+step share :class:`CpuActor` and the env priming that must run before verl is imported. Batches are in
+:mod:`verl_tokensel.cpu.batches`.
 
-What it drives: ``verl.workers.engine_workers.TrainingWorker`` (the actor that
-``ActorRolloutRefWorker.init_model`` builds) with the FSDP2 engine (``engine="megatron"``: verl's Megatron engine
-on the test bed of :mod:`verl_tokensel.cpu.megatron`), fed with the ``TensorDict`` that verl's
-drivers send to ``update_actor`` (``TrainingWorker.train_mini_batch``), with a loss function set through
-``set_loss_fn`` exactly as ``init_model`` does (``partial(ppo_loss, config=actor_config)`` by default).
-
-Typical use (one process, world size 1)::
+:func:`make_training_worker` builds ``verl.workers.engine_workers.TrainingWorker`` (what
+``ActorRolloutRefWorker.init_model`` builds) with the FSDP2 engine, or verl's Megatron engine on the test bed of
+:mod:`verl_tokensel.cpu.megatron` (``engine="megatron"``), from verl's own Hydra tree with CPU settings; the
+loss is set through ``set_loss_fn`` as ``init_model`` does. :func:`run_train_step` feeds it what the drivers
+send to ``update_actor``. Use, side effects (importing this module selects the CPU platform and imports verl)
+and the GPU mode (``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` before the import): ``docs/cpu.md``::
 
     from verl_tokensel.cpu.batches import make_update_batch
     from verl_tokensel.cpu.worker import make_training_worker, run_train_step
     actor = make_training_worker(model_dir, use_dynamic_bsz=True, use_remove_padding=False)
-    batch = make_update_batch(actor, n=8, seed=0)                # what the driver sends
-    result = run_train_step(actor, batch, loss_fn=my_loss, capture_grads=True)
-    result.loss, result.metrics, result.grads["lm_head.weight"], result.param_delta
-
-GPU: with ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` in the environment BEFORE this module is imported, none
-of the CPU set-up below happens and verl resolves its own CUDA platform (nccl); pass
-``dtype="bf16"``, ``attn_implementation="sdpa"``/``"flash_attention_2"`` and
-``gradient_checkpointing=True`` to :func:`make_training_worker` for verl's usual GPU settings
-(``benchmarks/gpu_check.py`` does).
-
-Side effects: importing this module sets ``VERL_PLATFORM=cpu``, ``VERL_ENGINE_DEVICE=cuda`` and prepends
-``verl_tokensel.cpu.platform`` to ``VERL_USE_EXTERNAL_MODULES`` in ``os.environ``, then imports
-verl (so test modules must skip on a missing verl BEFORE importing this one, e.g. with
-``importlib.util.find_spec``); building a worker sets ``torch.set_num_threads(1)`` (``num_threads``) and
-creates the process-wide default gloo group, which later workers in the process reuse.
-
-Steps this takes care of (see :func:`setup_cpu_process`):
-
-* ``enable_cpu_mode()`` from :mod:`verl_tokensel.cpu.platform` (``VERL_PLATFORM=cpu``,
-  ``VERL_ENGINE_DEVICE=cuda``, the ``cpu:gloo,cpu:gloo`` backend fix) BEFORE verl's workers are imported.
-* The env vars ``verl.single_controller.base.Worker.__init__`` reads: ``RANK``, ``WORLD_SIZE``,
-  ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (a free port); ``TrainingWorker``
-  then calls ``initialize_global_process_group_ray`` itself (``init_method`` from ``DIST_INIT_METHOD``,
-  default ``env://``), once per process: later workers in the same process reuse the group.
-* Config from verl's own Hydra tree (``verl/trainer/config/ppo_trainer.yaml``), converted with verl's
-  ``omega_conf_to_dataclass`` into ``FSDPActorConfig`` / ``HFModelConfig``, with CPU settings:
-  ``strategy=fsdp2``, fp32 (``model_dtype`` and ``mixed_precision``), eager attention
-  (``model.override_config.attn_implementation``; verl's default is flash_attention_2),
-  ``use_torch_compile=False``, no gradient checkpointing. The engine fields that ``init_model`` copies from
-  the actor config (``use_dynamic_bsz``, ``max_token_len_per_gpu``, ``micro_batch_size_per_gpu``,
-  ``use_remove_padding``) are copied the same way.
+    result = run_train_step(actor, make_update_batch(actor, n=8, seed=0), loss_fn=my_loss, capture_grads=True)
 """
 
 from __future__ import annotations

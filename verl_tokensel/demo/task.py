@@ -5,25 +5,17 @@ Every answer to ``What is a op b?`` follows one template (:data:`TEMPLATE`) and 
     Compute 3 + 4. Let's think step by step. 3 + 4 = 7. So the answer is \\boxed{7}.
     Compute 3 + 4. Let's guess. 3 + 4 = 9. So the answer is \\boxed{9}.
 
-Everything but two places is determined by the prompt or by what came before: the fixed wording, the
-restated operands, and the final answer copied from the written value. The two decisions:
+Everything but two places follows from the prompt or what came before. The two decisions: the **route**
+(``think`` or ``guess`` after ``Let's``), a forking token in the 80/20 paper's sense, with the same context in
+every problem, so what RL learns there carries over to all of them; and the **value** after ``=`` (the
+computed result after ``think``, a near miss after ``guess``). The warm-up (:mod:`.warmup`) draws the route
+with :func:`warmup_route` and the value with :func:`warmup_value`, so the warmed model is near-deterministic
+on the template, spread at the route and partly right: the structure the 80/20 paper measures in real chains
+of thought, with a reward that depends on the forking token.
 
-- the **route** (``think`` or ``guess`` after ``Let's``): a forking token in the 80/20 paper's sense, a
-  high-entropy token that decides where the trace goes. It has the same context in every problem, so what
-  RL learns there carries over to every problem at once;
-- the **value** after ``=``: after ``think`` it is the computed result (near-deterministic once the
-  problems are learned), after ``guess`` a near miss (spread over a few values, and wrong).
-
-The supervised warm-up (:mod:`.warmup`) draws the route from :func:`warmup_route` (``think`` with
-probability ``q``) and writes the correct value after ``think`` and a near miss after ``guess``
-(:func:`warmup_value`), so the warmed model is near-deterministic on the template, spread at the route, and
-partly right (about ``q`` times the share of problems it has learned): the structure the 80/20 paper
-measures in real chains of thought (most tokens < 0.01 nats, a few forking tokens), with a reward that
-depends on the forking token.
-
-:func:`decision_spans` finds the route word's and the value's characters in any response that follows the
-template, and :func:`decision_token_mask` maps them onto response tokens, so the demo can say which share of
-the selected tokens sits on decisions.
+:func:`decision_spans` finds the route word's and the value's characters in a response, and
+:func:`decision_token_mask` maps them onto response tokens, so the demo can say which share of the selected
+tokens sits on decisions.
 """
 
 from __future__ import annotations
