@@ -1,14 +1,16 @@
 """Every example in ``examples/`` runs here, the way its header tells a user to run it, so none goes stale.
 
 - ``custom_score.py`` and ``custom_preset.py`` run as scripts (seconds each); ``custom_score.py``'s score and
-  preset also go through the real selecting loss (in-process; the registries are restored afterwards).
+  preset also go through the real selecting loss (in-process; the registries are restored afterwards), and
+  ``custom_preset.py`` is installed as a package with the ``verl.plugins`` entry point its docstring shows.
 - ``run_dapo.sh``: one real DAPO step of verl's whole pipeline on CPU (tiny model, 4 prompts x 4 answers of
-  up to 16 tokens: the smallest batch of ``test_e2e_on_cpu.py``; ~2.5 min on 2 cores), selecting with the
+  up to 16 tokens: the smallest batch of ``test_e2e_on_cpu.py``; 106 s measured on 2 cores), selecting with the
   preset of ``custom_preset.py``, which ``VERL_USE_EXTERNAL_MODULES`` makes available to the driver, the
   TaskRunner and the actor worker as that file's docstring says. The run must finish its step with the
   preset's budget (10%) in the actor worker, and the composed config must be DAPO's.
-- ``multi_node.sh`` (slow, see the test): the 80/20 DAPO recipe submitted to a two-node Ray cluster whose
-  nodes get the plugin only from the wheel shipped with the job.
+- ``multi_node.sh``: its refusal without ``RAY_ADDRESS``; and (slow, the reason is at the test) the 80/20
+  DAPO recipe, CPU-sized, submitted to a two-node Ray cluster whose nodes get the plugin only from the wheel
+  shipped with the job.
 - ``quickstart.md`` / ``multi_node.md``: every ``pip install`` line installs from the checkout or the built
   wheel (no package index serves verl-tokensel), and every file they name exists.
 - :data:`EXAMPLES` lists the examples this module runs; a file added to ``examples/`` without a test fails.
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +37,8 @@ EXAMPLES_DIR = ROOT / "examples"
 #: every example and the test(s) that run it
 EXAMPLES = {
     "custom_score.py": ["test_custom_score_runs_as_a_script", "test_custom_score_selects_low_probability_tokens"],
-    "custom_preset.py": ["test_custom_preset_runs_as_a_script", "test_dapo_example_with_the_custom_preset"],
+    "custom_preset.py": ["test_custom_preset_runs_as_a_script", "test_dapo_example_with_the_custom_preset",
+                         "test_custom_preset_loads_from_a_verl_plugins_entry_point"],
     "run_dapo.sh": ["test_dapo_example_with_the_custom_preset", "test_dapo_example_names_a_missing_variable"],
     "multi_node.sh": ["test_multi_node_example_on_two_ray_nodes", "test_multi_node_example_needs_ray_address"],
     "quickstart.md": ["test_docs_install_from_the_checkout_or_the_wheel", "test_docs_name_existing_files"],
@@ -70,6 +75,32 @@ def test_custom_preset_runs_as_a_script():
     out = _script(EXAMPLES_DIR / "custom_preset.py")
     assert ("token_selector=entropy_top10 -> Selection(score='entropy', ratio=0.1, direction='top', "
             "scope='micro_batch', normaliser='all'") in out, out
+
+
+def test_custom_preset_loads_from_a_verl_plugins_entry_point(tmp_path):
+    """The entry-point route of ``custom_preset.py``'s docstring: a package whose ``pyproject.toml`` holds the
+    docstring's lines, installed (``pip install --target``), registers the preset on ``import verl``."""
+    doc = (EXAMPLES_DIR / "custom_preset.py").read_text()
+    lines = doc.split('[project.entry-points."verl.plugins"]', 1)[1].split("\n\n", 1)[0]
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    shutil.copy(EXAMPLES_DIR / "custom_preset.py", pkg / "custom_preset.py")
+    (pkg / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=64"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        '[project]\nname = "my-presets"\nversion = "0.0.1"\n\n[tool.setuptools]\npy-modules = ["custom_preset"]\n\n'
+        '[project.entry-points."verl.plugins"]\n' + "\n".join(line.strip() for line in lines.splitlines()) + "\n")
+    site = tmp_path / "site"
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", str(site), str(pkg)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    probe = "import verl; from verl_tokensel.core.config import PRESETS; print(sorted(PRESETS))"
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "PYTHONPATH")}
+    loaded = subprocess.run([sys.executable, "-c", probe], env={**env, "PYTHONPATH": str(site)}, cwd=str(tmp_path),
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0 and "'entropy_top10'" in loaded.stdout, loaded.stdout + loaded.stderr[-3000:]
+    from verl_tokensel.core.config import PRESETS
+
+    assert "entropy_top10" not in PRESETS  # the control: verl-tokensel alone does not have it
 
 
 @pytest.fixture
@@ -218,8 +249,10 @@ def test_multi_node_example_needs_ray_address():
     assert res.returncode == 2 and "environment variable RAY_ADDRESS is not set" in res.stderr, res
 
 
-@pytest.mark.slow  # a second two-node Ray cluster, a wheel build and a pipeline run: ~5 min on 2 cores, more than
-# the default suite can add; the default suite runs the same cluster set-up in test_multi_node_on_cpu.py
+# slow: a second two-node Ray cluster and one more pipeline run, 126 s measured on 2 cores (wheel built in the
+# session): with the DAPO run above the examples would add ~4 min to a default suite already at its CI budget. The
+# default suite runs this cluster set-up (the wheel route on two nodes) in test_multi_node_on_cpu.py.
+@pytest.mark.slow
 def test_multi_node_example_on_two_ray_nodes(built_wheel, tiny_run_inputs, tmp_path):
     """``multi_node.sh`` with the wheel route against a head (no GPU) and a second node on 127.0.0.2 (one
     logical GPU), whose Python has verl but not verl-tokensel: every worker lands on the second node and runs
@@ -227,6 +260,7 @@ def test_multi_node_example_on_two_ray_nodes(built_wheel, tiny_run_inputs, tmp_p
     _requires_pipeline()
     from helpers.pipeline import loss_announcements
     from helpers.scripts import run_script
+    from helpers.tiny_recipe import TINY_DAPO_RECIPE_SIZES
     from helpers.wheel import make_venv
     from verl_tokensel.launch import start_ray_head
 
@@ -235,19 +269,13 @@ def test_multi_node_example_on_two_ray_nodes(built_wheel, tiny_run_inputs, tmp_p
     py, env, cwd, _ = make_venv(tmp_path / "nodes")
     probe = subprocess.run([str(py), "-c", "import verl_tokensel"], env=env, cwd=str(cwd), capture_output=True)
     assert probe.returncode != 0, "the nodes' Python must not see the checkout's verl_tokensel"
-    sizes = ["trainer.nnodes=1", "trainer.n_gpus_per_node=1", "data.train_batch_size=4", "data.gen_batch_size=4",
-             "data.max_prompt_length=32", "data.max_response_length=16", "actor_rollout_ref.rollout.n=4",
-             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "reward.reward_kwargs.max_resp_len=16",
-             "reward.reward_kwargs.overlong_buffer_cfg.len=4", "actor_rollout_ref.rollout.val_kwargs.n=1",
-             "actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size=1",
-             "actor_rollout_ref.ref.fsdp_config.ulysses_sequence_parallel_size=1",
-             "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "trainer.total_training_steps=1"]
     with start_ray_head(num_cpus=2, num_gpus=0, python=str(py), env=env) as head:
         node = head.add_node(num_cpus=16, num_gpus=1, node_ip=NODE2_IP)
         job_env = {**env, **head.client_env, "RAY_ADDRESS": head.address, "TOKENSEL_WHEEL": str(wheel),
                    "TOKENSEL_MODEL_PATH": str(model), "TOKENSEL_TRAIN_FILES": str(train),
                    "TOKENSEL_VAL_FILES": str(val)}
-        result = run_script([EXAMPLES_DIR / "multi_node.sh", *sizes, *_tiny_cpu_overrides(tmp_path, reward)],
+        overrides = [*TINY_DAPO_RECIPE_SIZES, "trainer.total_training_steps=1", *_tiny_cpu_overrides(tmp_path, reward)]
+        result = run_script([EXAMPLES_DIR / "multi_node.sh", *overrides],
                             env=job_env, inherit_env=False, timeout_s=RUN_TIMEOUT_S,
                             log_path=tmp_path / "multi_node.log", cwd=cwd)
         log = result.log_path.read_text(errors="replace")
