@@ -119,10 +119,10 @@ def test_supported_verl_matches_install_requires():
 
 
 def test_plugin_failure_names_the_cause(site):
-    import verl_tokensel.plugin as plugin
+    from verl_tokensel.switches import load_failure_diagnosis
 
     _fake_dist(site, "torchvision", "0.28.0", ["torch (==2.13.0)"], version_py="0.28.0+cu130")
-    assert plugin._diagnosis().startswith("verl-tokensel: broken environment: torchvision: ")
+    assert load_failure_diagnosis().startswith("verl-tokensel: broken environment: torchvision: ")
 
 
 def _run_broken(tmp_path, *argv):
