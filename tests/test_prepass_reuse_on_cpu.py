@@ -96,3 +96,21 @@ def test_no_old_entropy_or_a_checkpoint_load_means_a_forward(model_dir, tmp_path
     cfg = H.selecting_actor_config(actor, "gmts")
     r = H.run_train_step(actor, batch, loss_fn=SelectingLoss(cfg), capture_params=False)
     assert _reused(r.metrics) == [0.0]
+
+
+@pytest.mark.parametrize("log_prob_micro", [1, 16])
+def test_the_prepass_batches_a_mini_batch_as_the_update_does(model_dir, log_prob_micro):
+    """The old-log-prob pass's micro-batch size (smaller than, or larger than, a mini-batch) is verl's setting for the
+    whole batch; the pre-pass forward over one update mini-batch follows the update's micro-batching, as stock verl
+    runs these settings."""
+    log_prob_key = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+    actor = H.make_training_worker(model_dir, ppo_mini_batch_size=N, **WORKER_KW,
+                                   overrides=[f"{log_prob_key}={log_prob_micro}"])
+    assert actor.worker.engine_config.infer_micro_batch_size_per_gpu == log_prob_micro
+    batch = B.make_update_batch(actor, n=2 * N, seed=13, resp_len=(3, 9), group_size=4)  # two mini-batches
+    H.compute_old_log_probs(actor, batch)
+    cfg = H.selecting_actor_config(actor, "gmts", prepass_reuse=False)
+    r = H.run_train_step(actor, batch, loss_fn=SelectingLoss(cfg), capture_params=False)
+    assert r.loss == r.loss and _reused(r.metrics) == [0.0, 0.0]
+    fractions = r.metrics["tokensel/prepass/selected_fraction"]
+    assert all(0.2 <= float(f) < 0.5 for f in (fractions if isinstance(fractions, list) else [fractions]))

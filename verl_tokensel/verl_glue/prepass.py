@@ -99,12 +99,14 @@ def _forward_no_grad(worker: TrainingWorker, data: TensorDict, sel: Selection) -
         compute_loss=False,
     )
     engine, model_config, engine_config = worker.engine, worker.model_config, worker.engine_config
-    # what TrainingWorker.infer_batch fills in: the log-prob pass's micro-batching
+    # what TrainingWorker.train_batch fills in: the data is one update mini-batch, so the update's micro-batching
+    # (which verl checked against the mini-batch), not the old-log-prob pass's (set for the whole batch: a
+    # log-prob micro-batch larger than a mini-batch is valid in verl and would not divide it)
     defaults = dict(
         use_remove_padding=model_config.get("use_remove_padding", False),
         use_dynamic_bsz=engine_config.use_dynamic_bsz,
-        max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
-        micro_batch_size_per_gpu=engine_config.infer_micro_batch_size_per_gpu,
+        max_token_len_per_gpu=engine_config.max_token_len_per_gpu,
+        micro_batch_size_per_gpu=engine_config.micro_batch_size_per_gpu,
         use_fused_kernels=engine_config.use_fused_kernels,
     )
     tu.assign_non_tensor(probe, **{k: v for k, v in defaults.items() if k not in probe.keys()})
