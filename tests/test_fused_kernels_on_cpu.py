@@ -10,7 +10,7 @@ is refused on the driver (``test_config_on_cpu``).
 
 The model has tied embeddings. With untied ones, stock verl 0.9.1's FSDP2 wraps ``lm_head`` as its own FSDP unit and
 its fused forward multiplies the plain hidden states by the still-sharded weight ("aten.mm.default got mixed
-torch.Tensor and DTensor"), for every preset including ``none``: a verl limitation, written up in the README.
+torch.Tensor and DTensor"), for every preset including ``none``: a verl limitation, written up in docs/cost.md.
 
 verl's fused patch replaces the model CLASS's ``forward`` for the whole process: the unfused worker runs first, and
 the class's own ``forward`` is put back afterwards so later tests in this process get stock verl.

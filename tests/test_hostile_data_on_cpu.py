@@ -1,7 +1,7 @@
 """Hostile data through the REAL selecting loss and verl's REAL FSDP2 engine (``TrainingWorker``, CPU).
 
 Every case: the loss and every parameter gradient are finite, nothing hangs, the selection is the documented
-one, and ``tokensel/nan_scores`` counts the tokens that were dropped. The cases (README "Reliability"):
+one, and ``tokensel/nan_scores`` counts the tokens that were dropped. The cases (docs/reliability.md):
 
 - a masked vocabulary (``-inf`` logits on part of the vocabulary, as a logits processor or a padded vocabulary
   writes them): verl's own entropy is NaN there (``0 x -inf``, asserted below, so the claim stays true); the
@@ -167,7 +167,7 @@ def test_masked_vocabulary(actor, preset):
 
 
 def test_stock_verl_entropy_is_nan_on_a_masked_vocabulary(actor):
-    """What the README says of stock verl: its old-pass entropy on -inf logits is NaN (so the claim stays true)."""
+    """What docs/reliability.md says of stock verl: its old-pass entropy on -inf logits is NaN (so the claim stays true)."""
     actor.set_loss_fn(H.default_loss_fn(actor.actor_config))
     batch = B.make_update_batch(actor, n=N, seed=3, calculate_entropy=True)
     handle, _ = _mask_vocab_hook(actor, batch)

@@ -1,8 +1,8 @@
 """Each preset against its reference's documented semantics, restated here (our own statement of each rule, not
 the references' code), on the same inputs; and the ``token_selection.pool`` knob.
 
-The rows of the README tables "Coming from another implementation" and "How each preset differs from its
-reference":
+The rows of the tables of docs/fidelity.md, "Coming from another implementation" and "How each preset differs
+from its reference":
 
 - the 80/20 released code's mask (``entropy_top_ratio``): top ``int(N * r + 0.9999)`` entropies of each
   micro-batch's valid tokens = ``forking``;

@@ -144,7 +144,7 @@ class Selection:
             )
 
 
-# Presets. Each mirrors one reference semantics; see prior-art notes in the README.
+# Presets. Each mirrors one reference semantics; docs/fidelity.md says how each differs from it.
 PRESETS: dict[str, Optional[Selection]] = {
     # stock verl: no selection, loss and gradient bit-identical to verl's ppo_loss
     "none": None,
@@ -227,8 +227,9 @@ class TokenSelectionConfig:
     )
     seed: Optional[int] = field(
         default=None,
-        metadata={"help": "Seed of the random score; the draw depends only on (seed, response tokens, "
-                  "position), so every rank and rerun draws the same.", "paper": "n/a"},
+        metadata={"help": "Seed of the random score; a token's draw depends only on (seed, the token ids of its "
+                  "prompt and response, its position), so every rank, micro-batch split and rerun draws the same.",
+                  "paper": "n/a"},
     )
     mask_entropy_bonus: Optional[bool] = field(
         default=None,

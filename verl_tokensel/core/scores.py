@@ -7,7 +7,7 @@ Provenance:
 - entropy: "Beyond the 80/20 Rule", arXiv 2506.01939, Sec. 3 (forking tokens).
 - omega and ``gmts`` = H * |omega|: GMTS, arXiv 2608.30632 (the paper's delta; unlike the released code,
   omega is 0 in verl's dual-clip branch A < 0, r > clip_ratio_c, where verl's loss has no gradient; see the
-  README table "How each preset differs from its reference").
+  docs/fidelity.md, "How each preset differs from its reference").
 - ``grad_norm``: the exact norm of the logit gradient of the token's loss,
   ``|omega| * ||e_a - p|| / T``; ``||e_a - p||^2 = (1 - p_a)^2 + sum_{j != a} p_j^2``.
 
