@@ -21,7 +21,8 @@ Compares ``verl_tokensel.analysis.scorer.streaming_token_stats`` (default ``chun
 
 Last run (2026-12-02, 2 shared cores, tokens=2048, chunk_size=2048, 1 thread): memory 0.007x at both hidden
 sizes; throughput 2.41x (hidden 1024) and 4.28x (hidden 256). Under CPU oversubscription (load > cores)
-multi-threaded runs of the chunked scorer can collapse (each of its many small parallel regions waits for a descheduled OpenMP thread): use 1 thread.
+multi-threaded runs of the chunked scorer can collapse (each of its many small parallel regions waits for a
+descheduled OpenMP thread): use 1 thread.
 
 Options: ``--tokens N`` (default 2048), ``--vocab V`` (151936), ``--hidden 1024,256``, ``--threads 1``
 (torch intra-op threads for the timing; e.g. ``1,2``. On a shared, busy CPU OpenMP spin-waits can

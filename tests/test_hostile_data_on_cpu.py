@@ -167,7 +167,7 @@ def test_masked_vocabulary(actor, preset):
 
 
 def test_stock_verl_entropy_is_nan_on_a_masked_vocabulary(actor):
-    """What docs/reliability.md says of stock verl: its old-pass entropy on -inf logits is NaN (the claim stays true)."""
+    """What docs/reliability.md says of stock verl: its old-pass entropy on -inf logits is NaN (claim checked)."""
     actor.set_loss_fn(H.default_loss_fn(actor.actor_config))
     batch = B.make_update_batch(actor, n=N, seed=3, calculate_entropy=True)
     handle, _ = _mask_vocab_hook(actor, batch)
