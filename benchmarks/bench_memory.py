@@ -1,40 +1,56 @@
 """Peak memory and step time of token selection vs stock verl at a real vocabulary (CPU), printed as ratios.
 
-Run (from the repository root; about 10 minutes at the defaults on a 2-core machine)::
+Run (from the repository root; on a 2-core machine about 15 minutes per shape at hidden 128, 35 at 1024)::
 
-    python benchmarks/bench_memory.py                      # hidden 128 and 1024
-    python benchmarks/bench_memory.py --hidden 128 --steps 3
+    python benchmarks/bench_memory.py --grid                          # every shape below, hidden 128 and 1024
+    python benchmarks/bench_memory.py --hidden 128 --shapes 4608x1,2304x2
+    python benchmarks/bench_memory.py                                 # 2304x2 at hidden 128 and 1024
 
 What runs: one real verl actor update per step (``TrainingWorker.train_mini_batch``, FSDP2 engine,
 ``use_remove_padding``) of a random Qwen2 with a vocabulary of 151,936 (Qwen3's), 2 layers, tied embeddings
-and ``--hidden`` units; 4 responses per step in 2 PPO mini-batches (``ppo_mini_batch_size=2``), each one
-micro-batch of ``--tokens`` tokens or more (prompt + response), old log-probs from the real log-prob pass
-(on-policy). Two mini-batches so that ``gmts``'s pre-pass shows both cases: on the first mini-batch the
-weights are those the old-log-prob pass measured, and the pre-pass reuses its values
-(``token_selection.prepass_reuse``); on the second the weights have changed (one optimizer step), and it runs
-its no-grad forward. The table reports the share of mini-batches that reused the old pass. Each variant runs in a FRESH
-process for its peak memory: a warm-up step, then two measured steps; right before each update freed heap is
-returned to the system (``malloc_trim``) and the peak-RSS mark is reset (``/proc/self/clear_refs``, after the
-old-log-prob pass, which verl runs as a separate call), so the peak is the RSS high-water mark (``VmHWM``) of
-the update itself, max over the two steps. Step times come from one more process
-that runs every variant on one worker, interleaved, ``--steps`` rounds after a warm-up round (median per
-variant), so machine noise hits all variants alike.
+and ``--hidden`` units. A shape ``TxM`` is T tokens per micro-batch (T / 1152 responses of 128 prompt + 1024
+response tokens, in GRPO groups of 2) and M PPO mini-batches per step, each one micro-batch; the grid is
+T in 2304, 4608, 9216 and M in 1, 2. Old log-probs come from the real log-prob pass (on-policy). With M = 2,
+``gmts``'s pre-pass shows both cases: on the first mini-batch the weights are those the old-log-prob pass
+measured and the pre-pass reuses its values (``token_selection.prepass_reuse``); on the second the weights
+have changed (one optimizer step) and it runs its no-grad forward; with M = 1 it always reuses. The table
+reports the share of mini-batches that reused the old pass.
+
+Memory: each variant runs in a FRESH process: a warm-up step, then ``--mem-steps`` measured steps. Two peaks:
+``update peak``: right before each update freed heap is returned to the system (``malloc_trim``) and the
+RSS high-water mark is reset (``/proc/self/clear_refs``, after the old-log-prob pass, which verl runs as a
+separate call), so it is the ``VmHWM`` of the update itself (max over the measured steps); ``process peak``:
+the ``VmHWM`` of the whole process, never reset (the mark reached before each reset is kept), so it also
+counts the model build, the old-log-prob passes and whatever a phase leaves allocated for the next one.
+Time: one more process runs every variant on one worker, interleaved, ``--steps`` rounds after a warm-up
+round (median per variant), so machine noise hits all variants alike. It also times the log-prob kernel
+(forward, plus its backward from the arrival of its output's gradient to the completion of its logits'
+gradient) and names it.
+
+Two baselines. Stock verl on CPU (no flash-attn, no NPU) computes the update's log-prob with
+``verl.utils.torch_functional.logprobs_from_logits_v2`` (one ``logsumexp`` per row, a tokens x vocab gradient
+buffer in the backward). A selecting loss whose update computes the entropy (``forking``, score source
+``current``) runs ``no_graph.logprobs_from_lse`` instead (the row ``logsumexp`` of its chunked no-graph entropy
+pass, backward in place), and under a selecting loss every pass's entropy is the chunked no-graph one (the
+old-log-prob pass's included). The other selectors' updates (``gmts``, ``grad_norm``, ``forking_paper``) run
+verl's kernel, as the ``log-prob kernel`` column shows. ``none(same kernel)`` is verl's stock loss
+(``ppo_loss``) with the selectors' engine functions: the no-graph entropy in every pass and, in the update,
+``logprobs_from_lse`` after the same chunked pass ``forking`` runs; ratios to it isolate the selection's own cost.
+Every ratio is printed against both baselines (``vs none | vs none(same kernel)``).
 
 Variants (as a recipe would run them):
 
 - ``none``: stock verl (``calculate_entropy=false`` in the update, verl's default);
-- ``none+entropy``: stock verl with ``calculate_entropy=true`` (verl computes the entropy with its graph);
-  a reference for what the graph costs, not a selector;
+- ``none(same kernel)``: the second baseline above;
+- ``none+entropy`` (reference, opt-in): stock verl with ``calculate_entropy=true`` (verl's entropy with its graph);
 - ``forking``, ``grad_norm`` (``score_source=current``; forking turns on ``calculate_entropy``),
-  ``gmts`` (``score_source=prepass``: the step includes its no-grad pre-pass, a forward on the second
-  mini-batch), ``forking_paper``
+  ``gmts`` (``score_source=prepass``: the step includes its no-grad pre-pass), ``forking_paper``
   (``score_source=rollout``: the mask comes from the driver, whose selection time is added);
-- ``forking(graph)``: ``forking`` with ``token_selection.no_grad_scores=false`` (verl's graph kept), a
-  reference for the before/after of the no-graph path.
+- ``forking(graph)`` (reference, opt-in): ``forking`` with ``token_selection.no_grad_scores=false``.
 
-Targets (issue "no extra memory"): every selector <= 1.05x ``none`` in peak memory; step time <= 1.10x at
-hidden 128 and <= 1.03x at hidden 1024; ``gmts`` <= 1.25x. The last line is
-``worst selector peak-memory ratio: X.XXx`` (the worst of the selectors over all hidden sizes).
+Targets: every selector <= 1.05x in peak memory (update and process); step time <= 1.10x at hidden 128 and
+<= 1.03x at hidden 1024, ``gmts`` <= 1.25x. After the tables, one ``summary:`` line per target and baseline:
+the worst selector over all shapes run, and whether the target is met.
 Absolute numbers are printed for the record only: this machine is shared and noisy.
 """
 
@@ -52,11 +68,32 @@ from pathlib import Path
 
 VOCAB = 151_936
 SELECTORS = ["forking", "gmts", "grad_norm", "forking_paper"]
+BASELINES = ["none", "none(same kernel)"]
 REFERENCES = ["none+entropy", "forking(graph)"]
-VARIANTS = ["none", "none+entropy", "forking", "forking(graph)", "gmts", "grad_norm", "forking_paper"]
+VARIANTS = ["none", "none(same kernel)", "none+entropy", "forking", "forking(graph)", "gmts", "grad_norm",
+            "forking_paper"]
+DEFAULT_VARIANTS = ["none", "none(same kernel)", "forking", "gmts", "grad_norm", "forking_paper"]
 TARGET_MEM = 1.05
 TARGET_TIME = {128: 1.10, 1024: 1.03}
 TARGET_GMTS = 1.25
+PROMPT, RESPONSE = 128, 1024  # tokens per response: a micro-batch of T tokens holds T // 1152 responses
+GRID_SHAPES = ["2304x1", "2304x2", "4608x1", "4608x2", "9216x1", "9216x2"]
+GRID_HIDDEN = [128, 1024]
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``TOKENSxMINIBATCHES`` (``4608x1``): tokens per micro-batch (a multiple of 2 x 1152: whole GRPO groups of
+    two responses of 128 + 1024 tokens) and PPO mini-batches per step (one micro-batch each)."""
+    try:
+        tokens, mbs = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shapes {text!r}: expected TOKENSxMINIBATCHES such as 4608x1; valid tokens: multiples "
+                         f"of {2 * (PROMPT + RESPONSE)}, mini-batches >= 1") from None
+    if tokens <= 0 or tokens % (2 * (PROMPT + RESPONSE)) or mbs < 1:
+        raise SystemExit(f"--shapes {text!r}: tokens must be a positive multiple of {2 * (PROMPT + RESPONSE)} "
+                         f"(groups of 2 responses of {PROMPT} + {RESPONSE} tokens) and mini-batches >= 1; "
+                         f"e.g. 2304x2, 4608x1, 9216x2")
+    return tokens, mbs
 
 
 def build_model_dir(root: Path, hidden: int) -> str:
@@ -94,12 +131,17 @@ def _hwm_kb() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+_PROCESS_PEAK = [0]  # the process's RSS high-water mark so far, kept across the resets below
+
+
 def _reset_hwm() -> None:
     """Return freed heap pages to the system (glibc ``malloc_trim``), then reset the RSS high-water mark, so the
-    next peak counts what the update allocates, not what earlier phases left mapped."""
+    next peak counts what the update allocates, not what earlier phases left mapped. The mark reached so far
+    is kept first (:data:`_PROCESS_PEAK`: the whole process's peak is the max of the marks between resets)."""
     import ctypes
     import gc
 
+    _PROCESS_PEAK[0] = max(_PROCESS_PEAK[0], _hwm_kb())
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -108,77 +150,180 @@ def _reset_hwm() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
+def process_peak_kb() -> int:
+    """VmHWM of the whole process (model build, old-log-prob passes, updates), resets included."""
+    return max(_PROCESS_PEAK[0], _hwm_kb())
+
+
+# --- the log-prob kernel: which one runs, and its time ---------------------------------------------------------
+
+_KERNEL = {"seconds": 0.0, "calls": [], "same": False}
+
+
+def _timed_kernel(name: str, fn):
+    """``fn`` (a log-prob kernel) timed: forward wall time, plus backward from the moment the gradient of its
+    output arrives until the gradient of its logits is complete (tensor hooks; autograd runs one node at a time
+    on CPU, so this is the kernel's backward)."""
+    def wrapper(logits, labels, *args, **kwargs):
+        import torch
+
+        t0 = time.perf_counter()
+        out = fn(logits, labels, *args, **kwargs)
+        _KERNEL["seconds"] += time.perf_counter() - t0
+        _KERNEL["calls"].append(name)
+        if torch.is_grad_enabled() and out.requires_grad and logits.requires_grad:
+            t = {}
+            out.register_hook(lambda g: t.__setitem__("t", time.perf_counter()))
+
+            def done(g):
+                if "t" in t:
+                    _KERNEL["seconds"] += time.perf_counter() - t.pop("t")
+            logits.register_hook(done)
+        return out
+    return wrapper
+
+
+def _install_kernel_probes(actor) -> None:
+    """Time both log-prob kernels the update can run (module globals, looked up at call time):
+    verl's CPU fallback ``logprobs_from_logits_v2`` (stock verl on CPU: no flash-attn, no NPU) and
+    ``no_graph.logprobs_from_lse`` (a selecting loss whose update computes the entropy without a graph);
+    and wrap the engine's ``prepare_model_outputs`` for ``none(same kernel)`` (:func:`_same_kernel`)."""
+    import verl.utils.torch_functional as verl_F
+
+    from verl_tokensel.verl_glue import no_graph
+
+    if not getattr(verl_F, "_bench_timed", False):
+        verl_F.logprobs_from_logits_v2 = _timed_kernel("logprobs_from_logits_v2", verl_F.logprobs_from_logits_v2)
+        no_graph.logprobs_from_lse = _timed_kernel("logprobs_from_lse", no_graph.logprobs_from_lse)
+        verl_F._bench_timed = True
+    engine = actor.engine
+    if getattr(engine, "_bench_same_kernel", None) is None:
+        base = engine.prepare_model_outputs
+
+        def prepare_model_outputs(*args, **kwargs):
+            if not _KERNEL["same"]:
+                return base(*args, **kwargs)
+            with _same_kernel(engine):
+                return base(*args, **kwargs)
+
+        engine._bench_same_kernel = base
+        engine.prepare_model_outputs = prepare_model_outputs
+
+
+def _same_kernel(engine):
+    """Stock loss, the selectors' engine functions: every entropy from ``no_graph.entropy_no_graph`` (old-log-prob
+    pass included, as under a selecting loss) and, in the update, the log-prob from the row ``logsumexp`` of that
+    same chunked pass (``logprobs_from_lse``, backward in place): exactly what ``forking``'s update runs, with
+    verl's ``ppo_loss`` and no selection."""
+    import contextlib
+
+    import torch
+
+    from verl.workers.engine.fsdp import transformer_impl
+    from verl_tokensel.verl_glue import no_graph
+
+    @contextlib.contextmanager
+    def ctx():
+        with no_graph._no_graph_functions(engine, log_prob=False):
+            stock = transformer_impl.logprobs_from_logits
+
+            def logprobs(logits, labels, inplace_backward=True):
+                if torch.is_grad_enabled() and logits.dim() == 2 and labels.shape == logits.shape[:1]:
+                    cache = no_graph._LseCache()
+                    no_graph.entropy_no_graph(logits, cache=cache)
+                    return no_graph.logprobs_from_lse(logits, labels, cache.lse, inplace=True)
+                return stock(logits=logits, labels=labels, inplace_backward=inplace_backward)
+
+            transformer_impl.logprobs_from_logits = logprobs
+            try:
+                yield
+            finally:
+                transformer_impl.logprobs_from_logits = stock
+    return ctx()
+
+
 class _Variant:
     """One variant on a worker: its loss, whether the update computes entropy, its selection config."""
 
-    def __init__(self, actor, variant: str):
+    def __init__(self, actor, variant: str, tokens: int, mini_batches: int):
         from verl_tokensel.cpu import worker as H
         from verl_tokensel.verl_glue.loss import SelectingLoss
 
         preset = {"forking(graph)": "forking"}.get(variant, variant)
         knobs = {"no_grad_scores": False} if variant == "forking(graph)" else {}
-        stock = variant in ("none", "none+entropy")
+        stock = variant in ("none", "none+entropy", "none(same kernel)")
         self.name = variant
         self.actor = actor
+        self.per_mb = tokens // (PROMPT + RESPONSE)
+        self.n = self.per_mb * mini_batches
         self.config = None if stock else H.selecting_actor_config(actor, preset, **knobs)
         self.loss_fn = H.default_loss_fn(actor.actor_config) if stock else SelectingLoss(self.config)
         needs = bool(self.config is not None and self.config.needs_entropy)
         self.entropy_in_update = variant == "none+entropy" or needs
 
-    def step(self, resp: int) -> tuple[float, int, float]:
-        """One update (after its old-log-prob pass): (seconds incl. the driver's selection, the update's peak KiB,
-        the share of its mini-batches whose pre-pass reused the old pass's values; NaN without a pre-pass)."""
+    def step(self) -> dict:
+        """One update (after its old-log-prob pass): seconds incl. the driver's selection, the update's peak KiB,
+        the log-prob kernel's seconds and name, the share of mini-batches whose pre-pass reused the old pass."""
         from verl_tokensel.cpu import batches as B, worker as H
 
         from verl.utils import tensordict_utils as tu
 
-        batch = B.make_update_batch(self.actor, n=4, seed=0, prompt_len=(128, 128), resp_len=(resp, resp),
-                                    group_size=2)
-        H.compute_old_log_probs(self.actor, batch)  # the real old-log-prob pass (keeps `entropy` for the driver)
-        tu.assign_non_tensor(batch, calculate_entropy=self.entropy_in_update)
-        extra = 0.0
-        _reset_hwm()  # the update's own peak from here (the old-log-prob pass is another call in verl)
-        if self.config is not None and self.config.selection.score_source == "rollout":
-            extra = _driver_select(self.config, batch)
-        r = H.run_train_step(self.actor, batch, loss_fn=self.loss_fn, capture_params=False)
+        _KERNEL["same"] = self.name == "none(same kernel)"
+        try:
+            batch = B.make_update_batch(self.actor, n=self.n, seed=0, prompt_len=(PROMPT, PROMPT),
+                                        resp_len=(RESPONSE, RESPONSE), group_size=2)
+            H.compute_old_log_probs(self.actor, batch)  # the real old-log-prob pass (keeps `entropy` for the driver)
+            tu.assign_non_tensor(batch, calculate_entropy=self.entropy_in_update)
+            extra = 0.0
+            _reset_hwm()  # the update's own peak from here (the old-log-prob pass is another call in verl)
+            _KERNEL["seconds"], _KERNEL["calls"] = 0.0, []
+            if self.config is not None and self.config.selection.score_source == "rollout":
+                extra = _driver_select(self.config, batch)
+            r = H.run_train_step(self.actor, batch, loss_fn=self.loss_fn, capture_params=False)
+        finally:
+            _KERNEL["same"] = False
         assert r.loss == r.loss, f"{self.name}: NaN loss"
         reused = r.metrics.get("tokensel/prepass/reused_old_pass")
         share = statistics.fmean(map(float, reused)) if isinstance(reused, list) and reused else float("nan")
-        return r.seconds + extra, _hwm_kb(), share
+        return {"seconds": r.seconds + extra, "update_peak_kb": _hwm_kb(), "kernel_seconds": _KERNEL["seconds"],
+                "kernel": ",".join(sorted(set(_KERNEL["calls"]))) or "-", "prepass_reused_share": share}
 
 
-def _actor(model_dir: str, tokens: int):
+def _actor(model_dir: str, tokens: int, mini_batches: int):
     from verl_tokensel.cpu import worker as H  # selects verl's CPU platform first
 
-    return H.make_training_worker(model_dir, use_remove_padding=True, ppo_mini_batch_size=2,
-                                  ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=4 * tokens,
-                                  lr=0.0, clip_grad=1e9, num_threads=None)
+    per_mb = tokens // (PROMPT + RESPONSE)
+    actor = H.make_training_worker(model_dir, use_remove_padding=True, ppo_mini_batch_size=per_mb,
+                                   ppo_micro_batch_size_per_gpu=per_mb, ppo_max_token_len_per_gpu=4 * tokens,
+                                   lr=0.0, clip_grad=1e9, num_threads=None)
+    _install_kernel_probes(actor)
+    return actor
 
 
-def child_memory(variant: str, model_dir: str, tokens: int) -> dict:
-    """Peak RSS of one variant's update, in this fresh process (a warm-up step, then the max over two measured
-    steps: one step's RSS peak varies with what the allocator kept from earlier phases)."""
-    v = _Variant(_actor(model_dir, tokens), variant)
-    v.step(tokens // 2)  # warm-up: optimizer state, allocator pools
-    peak = max(v.step(tokens // 2)[1] for _ in range(2))
-    return {"variant": variant, "peak_kb": peak}
+def child_memory(variant: str, model_dir: str, tokens: int, mini_batches: int, mem_steps: int) -> dict:
+    """Peak RSS of one variant in this fresh process: the update's (a warm-up step, then the max over
+    ``mem_steps`` measured steps, each from a reset mark) and the whole process's (every phase, no reset)."""
+    v = _Variant(_actor(model_dir, tokens, mini_batches), variant, tokens, mini_batches)
+    v.step()  # warm-up: optimizer state, allocator pools
+    peak = max(v.step()["update_peak_kb"] for _ in range(mem_steps))
+    return {"variant": variant, "peak_kb": peak, "process_peak_kb": process_peak_kb()}
 
 
-def child_time(variants: list[str], model_dir: str, tokens: int, steps: int) -> dict:
+def child_time(variants: list[str], model_dir: str, tokens: int, mini_batches: int, steps: int) -> dict:
     """Step time of every variant on ONE worker, interleaved (v1, v2, ..., v1, v2, ...): median per variant."""
-    actor = _actor(model_dir, tokens)
-    vs = [_Variant(actor, v) for v in variants]
+    actor = _actor(model_dir, tokens, mini_batches)
+    vs = [_Variant(actor, v, tokens, mini_batches) for v in variants]
     for v in vs:  # warm-up
-        v.step(tokens // 2)
-    times: dict = {v.name: [] for v in vs}
-    reused: dict = {v.name: [] for v in vs}
+        v.step()
+    runs: dict = {v.name: [] for v in vs}
     for _ in range(steps):
         for v in vs:
-            seconds, _, share = v.step(tokens // 2)
-            times[v.name].append(seconds)
-            reused[v.name].append(share)
-    return {k: {"seconds": statistics.median(t), "prepass_reused_share": statistics.fmean(reused[k])}
-            for k, t in times.items()}
+            runs[v.name].append(v.step())
+    return {k: {"seconds": statistics.median(r["seconds"] for r in rs),
+                "kernel_seconds": statistics.median(r["kernel_seconds"] for r in rs),
+                "kernel": rs[-1]["kernel"],
+                "prepass_reused_share": statistics.fmean(r["prepass_reused_share"] for r in rs)}
+            for k, rs in runs.items()}
 
 
 def _driver_select(config, batch) -> float:
@@ -190,81 +335,137 @@ def _driver_select(config, batch) -> float:
     return time.perf_counter() - t0
 
 
+def _verdict(variant: str, hidden: int, m: float, pm: float, t: float) -> str:
+    t_target = TARGET_GMTS if variant == "gmts" else TARGET_TIME.get(hidden)
+    bad = [s for s, ok in (("update memory", m <= TARGET_MEM), ("process memory", pm <= TARGET_MEM),
+                           ("time", t_target is None or t != t or t <= t_target)) if not ok]
+    return "ok" if not bad else "NOT MET: " + ", ".join(bad)
+
+
+def report(results: dict, variants: list[str]) -> list[str]:
+    """The tables (one per shape, ratios to both baselines side by side) and the summary lines per target."""
+    lines = []
+    worst: dict = {}  # (target, baseline) -> (ratio, variant, shape)
+    for key, rows in results.items():
+        hidden = int(key.split("/")[0][1:])
+        t_target = TARGET_TIME.get(hidden)
+        base = rows["none"]
+        lines.append(f"\n{key} (hidden/tokens per micro-batch x mini-batches), vocabulary {VOCAB}; stock none: update "
+                     f"peak {base['peak_kb'] / 2**20:.2f} GiB, process peak {base['process_peak_kb'] / 2**20:.2f} "
+                     f"GiB, step {base['seconds']:.1f} s, log-prob kernel {base['kernel_seconds']:.1f} s")
+        lines.append(f"targets: memory <= {TARGET_MEM:.2f}x, time <= "
+                     f"{t_target if t_target else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x); "
+                     "each ratio as vs none | vs none(same kernel)")
+        lines.append(f"{'variant':<18} {'update peak':>13} {'process peak':>13} {'step time':>13} "
+                     f"{'kernel s':>8}  {'log-prob kernel':<25} {'reused':>6}  verdict (vs none | vs same kernel)")
+        for v in variants:
+            r = rows[v]
+            cols, ratios = [], {}
+            for field in ("peak_kb", "process_peak_kb", "seconds"):
+                pair = []
+                for b in BASELINES:
+                    if b in rows and rows[b][field] == rows[b][field] and rows[b][field]:
+                        pair.append(r[field] / rows[b][field])
+                    else:
+                        pair.append(float("nan"))
+                ratios[field] = pair
+                cols.append(f"{pair[0]:.2f}|{pair[1]:.2f}".replace("nan", " - "))
+            r["ratios"] = {f: dict(zip(BASELINES, p)) for f, p in ratios.items()}
+            note = "(baseline)" if v in BASELINES else "(reference)" if v in REFERENCES else ""
+            if v in SELECTORS:
+                vs = [_verdict(v, hidden, ratios["peak_kb"][i], ratios["process_peak_kb"][i], ratios["seconds"][i])
+                      for i in range(2)]
+                note = " | ".join(vs)
+                for i, b in enumerate(BASELINES):
+                    for tgt, val in (("update peak memory", ratios["peak_kb"][i]),
+                                     ("process peak memory", ratios["process_peak_kb"][i]),
+                                     (f"step time ({'gmts' if v == 'gmts' else 'other selectors'})",
+                                      ratios["seconds"][i])):
+                        if tgt.startswith("step time (other") and t_target is None:
+                            continue
+                        cur = worst.get((tgt, b, hidden if tgt.startswith("step time (other") else None))
+                        if val == val and (cur is None or val > cur[0]):
+                            worst[(tgt, b, hidden if tgt.startswith("step time (other") else None)] = (val, v, key)
+            share = r.get("prepass_reused_share", float("nan"))
+            lines.append(f"{v:<18} {cols[0]:>13} {cols[1]:>13} {cols[2]:>13} {r['kernel_seconds']:>8.1f}  "
+                         f"{r.get('kernel', '-'):<25} {f'{share:.0%}' if share == share else '-':>6}  {note}")
+    lines.append("")
+    limits = {"update peak memory": TARGET_MEM, "process peak memory": TARGET_MEM,
+              "step time (gmts)": TARGET_GMTS}
+    for (tgt, b, hidden), (val, v, key) in sorted(worst.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
+        limit = limits.get(tgt, TARGET_TIME.get(hidden))
+        where = f" at hidden {hidden}" if hidden else ""
+        lines.append(f"summary: {tgt}{where} vs {b}: worst {val:.2f}x ({v}, {key}), target <= {limit:.2f}x: "
+                     f"{'met' if val <= limit else 'NOT MET'}")
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--hidden", type=int, nargs="+", default=[128, 1024], help="hidden sizes (default 128 1024)")
-    ap.add_argument("--tokens", type=int, default=2304, help="tokens per micro-batch (default 2304: 2 x (128 + 1024))")
+    ap.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden sizes (default 128 1024)")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated TOKENSxMINIBATCHES: tokens per micro-batch, PPO mini-batches per step "
+                         "(default 2304x2; --grid: " + ",".join(GRID_SHAPES) + ")")
+    ap.add_argument("--grid", action="store_true",
+                    help="every shape of the grid (" + ",".join(GRID_SHAPES) + ") at hidden 128 and 1024")
     ap.add_argument("--steps", type=int, default=3, help="interleaved timing rounds after a warm-up round (default 3)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--mem-steps", type=int, default=2,
+                    help="measured steps per memory process after its warm-up step (default 2)")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help="comma-separated subset of: " + ", ".join(VARIANTS) + " (default: all but the references "
+                         + ", ".join(REFERENCES) + ")")
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "verl_tokensel_bench_memory"))
-    ap.add_argument("--json", default=None, help="also write the measurements here")
+    ap.add_argument("--json", default=None, help="also write the measurements here (rewritten after each shape)")
     ap.add_argument("--no-time", action="store_true", help="measure peak memory only (skip the timing process)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--mini-batches", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child == "time":
-        print(json.dumps(child_time(args.variants.split(","), args.model, args.tokens, args.steps)))
+        print(json.dumps(child_time(args.variants.split(","), args.model, args.tokens, args.mini_batches,
+                                    args.steps)))
         return 0
     if args.child:
-        print(json.dumps(child_memory(args.child, args.model, args.tokens)))
+        print(json.dumps(child_memory(args.child, args.model, args.tokens, args.mini_batches, args.mem_steps)))
         return 0
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
     if bad or "none" not in variants:
         ap.error(f"--variants {args.variants!r}: must include none; valid: {', '.join(VARIANTS)}")
+    hiddens = args.hidden or GRID_HIDDEN
+    shapes = [parse_shape(s) for s in (args.shapes or (",".join(GRID_SHAPES) if args.grid else "2304x2")).split(",")]
     root = Path(args.work_dir)
     root.mkdir(parents=True, exist_ok=True)
     results: dict = {}
-    worst = 0.0
-    for hidden in args.hidden:
+    for hidden in hiddens:
         model_dir = build_model_dir(root, hidden)
-        rows = {}
+        for tokens, mbs in shapes:
+            key = f"h{hidden}/{tokens}x{mbs}"
 
-        def run_child(*extra, label):
-            t0 = time.time()
-            proc = subprocess.run([sys.executable, __file__, "--model", model_dir, "--tokens", str(args.tokens),
-                                   "--steps", str(args.steps), *extra], capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
-                raise SystemExit(f"{label} (hidden {hidden}) failed with exit code {proc.returncode}")
-            print(f"  hidden {hidden} {label}: done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-            return json.loads(proc.stdout.strip().splitlines()[-1])
+            def run_child(*extra, label):
+                t0 = time.time()
+                proc = subprocess.run([sys.executable, __file__, "--model", model_dir, "--tokens", str(tokens),
+                                       "--mini-batches", str(mbs), "--steps", str(args.steps),
+                                       "--mem-steps", str(args.mem_steps), *extra], capture_output=True, text=True)
+                if proc.returncode != 0:
+                    print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
+                    raise SystemExit(f"{label} ({key}) failed with exit code {proc.returncode}")
+                print(f"  {key} {label}: done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+                return json.loads(proc.stdout.strip().splitlines()[-1])
 
-        for v in variants:  # peak memory: one fresh process per variant
-            rows[v] = run_child("--child", v, label=f"{v} (memory)")
-        nan = {"seconds": float("nan"), "prepass_reused_share": float("nan")}
-        timed = ({v: nan for v in variants} if args.no_time else
-                 run_child("--child", "time", "--variants", ",".join(variants), label="all variants (time)"))
-        for v in variants:
-            rows[v].update(timed[v])
-        base = rows["none"]
-        target_t = TARGET_TIME.get(hidden)
-        print(f"\nhidden {hidden}, vocabulary {VOCAB}, >= {args.tokens} tokens per micro-batch; time: median of "
-              f"{args.steps} interleaved steps (none: peak {base['peak_kb'] / 2**20:.2f} GiB, "
-              f"step {base['seconds']:.1f} s)")
-        print(f"{'variant':<16} {'peak memory':>12} {'step time':>10} {'pre-pass reused':>19}  "
-              f"targets: memory <= {TARGET_MEM:.2f}x, time <= "
-              f"{target_t if target_t else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x)")
-        for v, r in rows.items():
-            m, t = r["peak_kb"] / base["peak_kb"], r["seconds"] / base["seconds"]
-            r["peak_ratio"], r["time_ratio"] = m, t
-            note = ""
-            if v in SELECTORS:
-                worst = max(worst, m)
-                t_target = TARGET_GMTS if v == "gmts" else target_t
-                ok_m = m <= TARGET_MEM
-                ok_t = t_target is None or t != t or t <= t_target  # t is NaN with --no-time
-                note = "  ok" if ok_m and ok_t else "  NOT MET: " + ", ".join(
-                    [s for s, ok in (("memory", ok_m), ("time", ok_t)) if not ok])
-            elif v in REFERENCES:
-                note = "  (reference)"
-            share = r.get("prepass_reused_share", float("nan"))
-            reused = f"{share:.0%} of mini-batches" if share == share else "-"
-            print(f"{v:<16} {m:>11.2f}x {t:>9.2f}x {reused:>19}{note}")
-        results[str(hidden)] = rows
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
-    print(f"worst selector peak-memory ratio: {worst:.2f}x")
+            rows = {v: run_child("--child", v, label=f"{v} (memory)") for v in variants}  # one process each
+            nan = {"seconds": float("nan"), "kernel_seconds": float("nan"), "kernel": "-",
+                   "prepass_reused_share": float("nan")}
+            timed = ({v: nan for v in variants} if args.no_time else
+                     run_child("--child", "time", "--variants", ",".join(variants), label="all variants (time)"))
+            for v in variants:
+                rows[v].update(timed[v])
+            results[key] = rows
+            print("\n".join(report({key: rows}, variants)[:-1]), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(results, indent=2))
+    print("\n".join(line for line in report(results, variants) if line.startswith("summary") or not line), flush=True)
     return 0
 
 
