@@ -1,7 +1,8 @@
 """``python -m verl_tokensel.main_ppo``: verl's PPO entry point with the token-selection config.
 
 A thin wrapper over verl's own ``run_ppo``: same Hydra CLI (``--cfg job`` prints the composed
-config), config ``tokensel_trainer`` (or ``--config-name=tokensel_megatron_trainer``), and both
+config), config ``tokensel_trainer`` (or ``--config-name=tokensel_megatron_trainer``; verl's names ``ppo_trainer`` and
+``ppo_megatron_trainer``, as verl's example scripts pass them, compose these two, saying so on stderr), and both
 drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sync`` trainer;
 ``trainer.use_v1=false`` runs verl's v0 TaskRunner with the hooks that install the selecting loss
 and select on the driver (all fenced in :mod:`verl_tokensel.verl_glue.v0`).
@@ -30,6 +31,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from verl_tokensel.switches import wants_cpu  # noqa: E402
 from verl_tokensel.verl_glue.install import register_v1_trainers, validate_driver_config  # noqa: E402
+from verl_tokensel.verl_glue.routes import our_config_args  # noqa: E402
 from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
 
 
@@ -60,4 +62,10 @@ def main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # verl's example scripts name verl's config (--config-path=config --config-name=ppo_megatron_trainer): ours
+    # compose it, so a script swaps only the module. Rewritten before Hydra parses: a file of ours named like
+    # verl's would shadow the one our configs list in their defaults.
+    sys.argv[1:], swapped = our_config_args(sys.argv[1:])
+    if swapped:
+        print(swapped, file=sys.stderr, flush=True)
     main()

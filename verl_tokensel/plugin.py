@@ -18,9 +18,14 @@ one can never switch the other off.
 verl swallows exceptions raised by plugin imports, so a failure is also printed to stderr (it lands in the
 driver's and each Ray worker's log, :func:`~verl_tokensel.switches.report_load_failure`); ``verl-tokensel env``
 and the config validation report :data:`LOAD_ERROR` too.
+
+``python -m verl.trainer.main_ppo`` with verl's own config and a token-selection key stops here, at ``import verl``
+before Hydra composes, with one line naming the routes that work (:func:`refuse_wrong_route`).
 """
 
 from __future__ import annotations
+
+import sys
 
 from verl_tokensel.import_hook import after_import
 from verl_tokensel.switches import report_load_failure
@@ -59,7 +64,24 @@ def ensure_selection_loaded() -> str | None:
     return LOAD_ERROR
 
 
+def refuse_wrong_route() -> None:
+    """Exit with one line on stderr when this process is ``python -m verl.trainer.main_ppo`` with verl's own config
+    and a token-selection key, which that config cannot take (Hydra would fail on it with ``Key 'token_selector'
+    is not in struct``): the line names the two routes that work (:func:`verl_tokensel.verl_glue.routes.
+    wrong_route_line`). Every other command, a stock run of verl's entry point included, is left alone."""
+    try:
+        from verl_tokensel.verl_glue.routes import wrong_route_line
+
+        line = wrong_route_line()
+    except Exception:  # noqa: BLE001 - reading the command line must never break import verl
+        return
+    if line:
+        print(line, file=sys.stderr, flush=True)
+        raise SystemExit(2)  # not an Exception: verl's guard around plugin imports lets it through
+
+
 def load() -> None:
+    refuse_wrong_route()
     after_import(TRAINER_PACKAGE, lambda _trainer_package: load_selection())
 
 
