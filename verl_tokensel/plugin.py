@@ -69,6 +69,8 @@ def refuse_wrong_route() -> None:
     and a token-selection key, which that config cannot take (Hydra would fail on it with ``Key 'token_selector'
     is not in struct``): the line names the two routes that work (:func:`verl_tokensel.verl_glue.routes.
     wrong_route_line`). Every other command, a stock run of verl's entry point included, is left alone."""
+    if not any("token_select" in arg for arg in sys.argv[1:]):  # no selection key: import nothing more
+        return
     try:
         from verl_tokensel.verl_glue.routes import wrong_route_line
 
