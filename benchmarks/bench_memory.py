@@ -335,6 +335,44 @@ def _driver_select(config, batch) -> float:
     return time.perf_counter() - t0
 
 
+def child_kernel(rows: int, rounds: int) -> list[str]:
+    """The two log-prob kernels alone on ``rows`` x 151,936 random float32 logits (a non-leaf tensor, as the
+    engine's temperature-scaled logits), interleaved ``rounds`` times: verl's CPU fallback
+    ``logprobs_from_logits_v2`` and ``no_graph.logprobs_from_lse`` after the chunked no-graph entropy pass
+    (in place). Per call: forward and backward seconds, and the RSS high-water mark of forward + backward
+    above the logits (reset after they are built)."""
+    import torch
+
+    import verl.utils.torch_functional as verl_F
+    from verl_tokensel.verl_glue import no_graph
+
+    torch.manual_seed(0)
+    labels = torch.randint(0, VOCAB, (rows,))
+    grad = torch.randn(rows)
+    out = []
+    for _ in range(rounds):
+        for name in ("logprobs_from_logits_v2", "logprobs_from_lse"):
+            x = torch.randn(rows, VOCAB, requires_grad=True)
+            y = x * 2.0
+            _reset_hwm()
+            base = _hwm_kb()
+            t0 = time.perf_counter()
+            if name == "logprobs_from_logits_v2":
+                lp = verl_F.logprobs_from_logits_v2(y, labels)
+            else:
+                cache = no_graph._LseCache()
+                no_graph.entropy_no_graph(y, cache=cache)
+                lp = no_graph.logprobs_from_lse(y, labels, cache.lse, inplace=True)
+            t1 = time.perf_counter()
+            lp.backward(grad)
+            t2 = time.perf_counter()
+            out.append(f"{name:<24} rows {rows}: forward {t1 - t0:6.2f} s  backward {t2 - t1:6.2f} s  peak above "
+                       f"the logits {(_hwm_kb() - base) / 2**20:5.2f} GiB (logits {rows * VOCAB * 4 / 2**30:.2f} GiB)")
+            print(out[-1], flush=True)
+            del x, y, lp
+    return out
+
+
 def _verdict(variant: str, hidden: int, m: float, pm: float, t: float) -> str:
     t_target = TARGET_GMTS if variant == "gmts" else TARGET_TIME.get(hidden)
     bad = [s for s, ok in (("update memory", m <= TARGET_MEM), ("process memory", pm <= TARGET_MEM),
@@ -421,7 +459,12 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--mini-batches", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kernel", type=int, default=None, metavar="ROWS",
+                    help="only time the two log-prob kernels on ROWS x vocabulary logits (--steps rounds) and exit")
     args = ap.parse_args(argv)
+    if args.kernel:
+        child_kernel(args.kernel, args.steps)
+        return 0
     if args.child == "time":
         print(json.dumps(child_time(args.variants.split(","), args.model, args.tokens, args.mini_batches,
                                     args.steps)))
