@@ -27,21 +27,24 @@ round (median per variant), so machine noise hits all variants alike. It also ti
 (forward, plus its backward from the arrival of its output's gradient to the completion of its logits'
 gradient) and names it.
 
-Two baselines. Stock verl on CPU (no flash-attn, no NPU) computes the update's log-prob with
+Baselines. Stock verl on CPU (no flash-attn, no NPU) computes the update's log-prob with
 ``verl.utils.torch_functional.logprobs_from_logits_v2`` (one ``logsumexp`` per row, a tokens x vocab gradient
 buffer in the backward). A selecting loss whose update computes the entropy (``forking``, score source
 ``current``) runs ``no_graph.logprobs_from_lse`` instead (the row ``logsumexp`` of its chunked no-graph entropy
 pass, backward in place), and under a selecting loss every pass's entropy is the chunked no-graph one (the
 old-log-prob pass's included). The other selectors' updates (``gmts``, ``grad_norm``, ``forking_paper``) run
-verl's kernel, as the ``log-prob kernel`` column shows. ``none(same kernel)`` is verl's stock loss
-(``ppo_loss``) with the selectors' engine functions: the no-graph entropy in every pass and, in the update,
-``logprobs_from_lse`` after the same chunked pass ``forking`` runs; ratios to it isolate the selection's own cost.
-Every ratio is printed against both baselines (``vs none | vs none(same kernel)``).
+verl's kernel, as the ``log-prob kernel`` column shows. Two baselines run verl's stock loss (``ppo_loss``) with
+the selectors' engine functions: ``none(no-graph entropy)`` (the no-graph entropy in every pass, verl's
+log-prob in the update: what ``gmts``, ``grad_norm`` and ``forking_paper`` run) and ``none(same kernel)``
+(also, in the update, ``logprobs_from_lse`` after the same chunked pass ``forking`` runs). Each selector's
+ratios are printed against stock ``none`` and against its matched baseline (the one whose update ran the
+same kernel), side by side: the second isolates the selection's own cost. ``--kernel ROWS`` times the two
+kernels alone.
 
 Variants (as a recipe would run them):
 
 - ``none``: stock verl (``calculate_entropy=false`` in the update, verl's default);
-- ``none(same kernel)``: the second baseline above;
+- ``none(no-graph entropy)``, ``none(same kernel)``: the matched baselines above;
 - ``none+entropy`` (reference, opt-in): stock verl with ``calculate_entropy=true`` (verl's entropy with its graph);
 - ``forking``, ``grad_norm`` (``score_source=current``; forking turns on ``calculate_entropy``),
   ``gmts`` (``score_source=prepass``: the step includes its no-grad pre-pass), ``forking_paper``
@@ -68,11 +71,13 @@ from pathlib import Path
 
 VOCAB = 151_936
 SELECTORS = ["forking", "gmts", "grad_norm", "forking_paper"]
-BASELINES = ["none", "none(same kernel)"]
+BASELINES = ["none", "none(no-graph entropy)", "none(same kernel)"]
 REFERENCES = ["none+entropy", "forking(graph)"]
-VARIANTS = ["none", "none(same kernel)", "none+entropy", "forking", "forking(graph)", "gmts", "grad_norm",
-            "forking_paper"]
-DEFAULT_VARIANTS = ["none", "none(same kernel)", "forking", "gmts", "grad_norm", "forking_paper"]
+VARIANTS = ["none", "none(no-graph entropy)", "none(same kernel)", "none+entropy", "forking", "forking(graph)", "gmts",
+            "grad_norm", "forking_paper"]
+DEFAULT_VARIANTS = ["none", "none(no-graph entropy)", "none(same kernel)", "forking", "gmts", "grad_norm",
+                    "forking_paper"]
+_MODES = {"none(no-graph entropy)": "entropy", "none(same kernel)": "full"}  # see _install_kernel_probes
 TARGET_MEM = 1.05
 TARGET_TIME = {128: 1.10, 1024: 1.03}
 TARGET_GMTS = 1.25
@@ -157,7 +162,7 @@ def process_peak_kb() -> int:
 
 # --- the log-prob kernel: which one runs, and its time ---------------------------------------------------------
 
-_KERNEL = {"seconds": 0.0, "calls": [], "same": False}
+_KERNEL = {"seconds": 0.0, "calls": [], "same": ""}
 
 
 def _timed_kernel(name: str, fn):
@@ -187,7 +192,10 @@ def _install_kernel_probes(actor) -> None:
     """Time both log-prob kernels the update can run (module globals, looked up at call time):
     verl's CPU fallback ``logprobs_from_logits_v2`` (stock verl on CPU: no flash-attn, no NPU) and
     ``no_graph.logprobs_from_lse`` (a selecting loss whose update computes the entropy without a graph);
-    and wrap the engine's ``prepare_model_outputs`` for ``none(same kernel)`` (:func:`_same_kernel`)."""
+    and wrap the engine's ``prepare_model_outputs`` for the two matched baselines: ``none(same kernel)``
+    (:func:`_same_kernel`) and ``none(no-graph entropy)`` (every entropy from the no-graph function, as under a
+    selecting loss; the update's log-prob stays verl's, as in the updates of ``gmts``, ``grad_norm`` and
+    ``forking_paper``)."""
     import verl.utils.torch_functional as verl_F
 
     from verl_tokensel.verl_glue import no_graph
@@ -203,6 +211,11 @@ def _install_kernel_probes(actor) -> None:
         def prepare_model_outputs(*args, **kwargs):
             if not _KERNEL["same"]:
                 return base(*args, **kwargs)
+            if _KERNEL["same"] == "entropy":  # the no-graph entropy only; the update's log-prob stays verl's
+                from verl_tokensel.verl_glue import no_graph
+
+                with no_graph._no_graph_functions(engine, log_prob=False):
+                    return base(*args, **kwargs)
             with _same_kernel(engine):
                 return base(*args, **kwargs)
 
@@ -251,7 +264,7 @@ class _Variant:
 
         preset = {"forking(graph)": "forking"}.get(variant, variant)
         knobs = {"no_grad_scores": False} if variant == "forking(graph)" else {}
-        stock = variant in ("none", "none+entropy", "none(same kernel)")
+        stock = variant in ("none", "none+entropy") or variant in _MODES
         self.name = variant
         self.actor = actor
         self.per_mb = tokens // (PROMPT + RESPONSE)
@@ -268,7 +281,7 @@ class _Variant:
 
         from verl.utils import tensordict_utils as tu
 
-        _KERNEL["same"] = self.name == "none(same kernel)"
+        _KERNEL["same"] = _MODES.get(self.name, "")
         try:
             batch = B.make_update_batch(self.actor, n=self.n, seed=0, prompt_len=(PROMPT, PROMPT),
                                         resp_len=(RESPONSE, RESPONSE), group_size=2)
@@ -281,7 +294,7 @@ class _Variant:
                 extra = _driver_select(self.config, batch)
             r = H.run_train_step(self.actor, batch, loss_fn=self.loss_fn, capture_params=False)
         finally:
-            _KERNEL["same"] = False
+            _KERNEL["same"] = ""
         assert r.loss == r.loss, f"{self.name}: NaN loss"
         reused = r.metrics.get("tokensel/prepass/reused_old_pass")
         share = statistics.fmean(map(float, reused)) if isinstance(reused, list) and reused else float("nan")
@@ -380,10 +393,17 @@ def _verdict(variant: str, hidden: int, m: float, pm: float, t: float) -> str:
     return "ok" if not bad else "NOT MET: " + ", ".join(bad)
 
 
+def matched_baseline(variant: str, row: dict) -> str:
+    """The baseline that runs a selector's engine functions: ``none(same kernel)`` where its update ran
+    ``logprobs_from_lse``, else ``none(no-graph entropy)``."""
+    return "none(same kernel)" if "logprobs_from_lse" in row.get("kernel", "") else "none(no-graph entropy)"
+
+
 def report(results: dict, variants: list[str]) -> list[str]:
-    """The tables (one per shape, ratios to both baselines side by side) and the summary lines per target."""
+    """The tables (one per shape; each ratio against stock ``none`` and against the selector's matched baseline,
+    side by side) and the summary lines per target."""
     lines = []
-    worst: dict = {}  # (target, baseline) -> (ratio, variant, shape)
+    worst: dict = {}  # (target, "none" or "matched", hidden for step time) -> (ratio, variant, shape)
     for key, rows in results.items():
         hidden = int(key.split("/")[0][1:])
         t_target = TARGET_TIME.get(hidden)
@@ -393,47 +413,49 @@ def report(results: dict, variants: list[str]) -> list[str]:
                      f"GiB, step {base['seconds']:.1f} s, log-prob kernel {base['kernel_seconds']:.1f} s")
         lines.append(f"targets: memory <= {TARGET_MEM:.2f}x, time <= "
                      f"{t_target if t_target else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x); "
-                     "each ratio as vs none | vs none(same kernel)")
-        lines.append(f"{'variant':<18} {'update peak':>13} {'process peak':>13} {'step time':>13} "
-                     f"{'kernel s':>8}  {'log-prob kernel':<25} {'reused':>6}  verdict (vs none | vs same kernel)")
+                     "each ratio as: vs none | vs the matched baseline (same engine functions)")
+        lines.append(f"{'variant':<22} {'update peak':>11} {'process peak':>12} {'step time':>11} "
+                     f"{'kernel s':>8}  {'log-prob kernel':<23} {'reused':>6}  {'matched':<22} verdict (vs none | "
+                     "vs matched)")
         for v in variants:
             r = rows[v]
+            matched = matched_baseline(v, r) if v in SELECTORS or v in REFERENCES else ""
             cols, ratios = [], {}
             for field in ("peak_kb", "process_peak_kb", "seconds"):
                 pair = []
-                for b in BASELINES:
-                    if b in rows and rows[b][field] == rows[b][field] and rows[b][field]:
-                        pair.append(r[field] / rows[b][field])
-                    else:
-                        pair.append(float("nan"))
+                for b in ("none", matched):
+                    ok = b in rows and rows[b][field] == rows[b][field] and rows[b][field]
+                    pair.append(r[field] / rows[b][field] if ok else float("nan"))
                 ratios[field] = pair
                 cols.append(f"{pair[0]:.2f}|{pair[1]:.2f}".replace("nan", " - "))
-            r["ratios"] = {f: dict(zip(BASELINES, p)) for f, p in ratios.items()}
+            r["ratios"] = {"vs_none": {f: p[0] for f, p in ratios.items()},
+                           "vs_matched": {f: p[1] for f, p in ratios.items()}, "matched": matched}
             note = "(baseline)" if v in BASELINES else "(reference)" if v in REFERENCES else ""
             if v in SELECTORS:
-                vs = [_verdict(v, hidden, ratios["peak_kb"][i], ratios["process_peak_kb"][i], ratios["seconds"][i])
-                      for i in range(2)]
-                note = " | ".join(vs)
-                for i, b in enumerate(BASELINES):
+                note = " | ".join(_verdict(v, hidden, ratios["peak_kb"][i], ratios["process_peak_kb"][i],
+                                           ratios["seconds"][i]) for i in range(2))
+                for i, b in enumerate(("none", "matched")):
                     for tgt, val in (("update peak memory", ratios["peak_kb"][i]),
                                      ("process peak memory", ratios["process_peak_kb"][i]),
                                      (f"step time ({'gmts' if v == 'gmts' else 'other selectors'})",
                                       ratios["seconds"][i])):
                         if tgt.startswith("step time (other") and t_target is None:
                             continue
-                        cur = worst.get((tgt, b, hidden if tgt.startswith("step time (other") else None))
-                        if val == val and (cur is None or val > cur[0]):
-                            worst[(tgt, b, hidden if tgt.startswith("step time (other") else None)] = (val, v, key)
+                        slot = (tgt, b, hidden if tgt.startswith("step time (other") else None)
+                        if val == val and (slot not in worst or val > worst[slot][0]):
+                            worst[slot] = (val, v, key)
             share = r.get("prepass_reused_share", float("nan"))
-            lines.append(f"{v:<18} {cols[0]:>13} {cols[1]:>13} {cols[2]:>13} {r['kernel_seconds']:>8.1f}  "
-                         f"{r.get('kernel', '-'):<25} {f'{share:.0%}' if share == share else '-':>6}  {note}")
+            lines.append(f"{v:<22} {cols[0]:>11} {cols[1]:>12} {cols[2]:>11} {r['kernel_seconds']:>8.1f}  "
+                         f"{r.get('kernel', '-'):<23} {f'{share:.0%}' if share == share else '-':>6}  "
+                         f"{matched or '-':<22} {note}")
     lines.append("")
     limits = {"update peak memory": TARGET_MEM, "process peak memory": TARGET_MEM,
               "step time (gmts)": TARGET_GMTS}
     for (tgt, b, hidden), (val, v, key) in sorted(worst.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
         limit = limits.get(tgt, TARGET_TIME.get(hidden))
         where = f" at hidden {hidden}" if hidden else ""
-        lines.append(f"summary: {tgt}{where} vs {b}: worst {val:.2f}x ({v}, {key}), target <= {limit:.2f}x: "
+        against = "none" if b == "none" else "the matched baseline"
+        lines.append(f"summary: {tgt}{where} vs {against}: worst {val:.2f}x ({v}, {key}), target <= {limit:.2f}x: "
                      f"{'met' if val <= limit else 'NOT MET'}")
     return lines
 
@@ -505,7 +527,8 @@ def main(argv=None) -> int:
             for v in variants:
                 rows[v].update(timed[v])
             results[key] = rows
-            print("\n".join(report({key: rows}, variants)[:-1]), flush=True)
+            print("\n".join(line for line in report({key: rows}, variants) if not line.startswith("summary")),
+                  flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=2))
     print("\n".join(line for line in report(results, variants) if line.startswith("summary") or not line), flush=True)
