@@ -1,0 +1,440 @@
+"""The stock-parity matrix: a seeded pairwise design over the actor settings users vary, each combination run
+through stock verl (``ppo_loss``) and every preset on one real ``TrainingWorker`` (:mod:`verl_tokensel.cpu.worker`).
+
+:func:`pairwise` is a greedy all-pairs generator (seeded, deterministic): every pair of levels of any two factors
+appears in at least one row. :func:`run_rows` runs rows on one worker (one rank of it under data parallelism): the
+worker's engine settings (micro-batch sizes, dynamic batch size and its token limits) are set on
+``worker.engine_config`` (the object ``TrainingWorker.train_batch`` / ``infer_batch`` read at every call, which
+``ActorRolloutRefWorker.init_model`` fills from the actor node), the rest (mini-batch, epochs, ``rollout.n``, loss
+settings) go to the actor node the loss is bound to and to the driver meta of the batch, so one worker build
+serves every row with the same ``use_remove_padding`` and DP size. :func:`render_markdown` writes the table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import random
+import traceback
+from typing import Any, Optional
+
+import torch
+
+#: factor -> levels. ``log_prob_micro`` is relative to one mini-batch's rows per rank (smaller, equal, larger);
+#: ``dyn`` is use_dynamic_bsz with its token limit per rank (sequences here are at most 18 tokens long).
+FACTORS: dict[str, list] = {
+    "dp": [1, 2],
+    "rmpad": [True, False],
+    "mini": [2, 3, 4],
+    "rollout_n": [1, 2, 4],
+    "micro": [1, 2, 8],
+    "log_prob_micro": ["lt", "eq", "gt"],
+    "dyn": ["off", "tight", "loose"],
+    "epochs": [1, 2],
+    "mini_batches": [1, 2],
+    "loss_agg_mode": ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+    "clip_ratio_c": [3.0, 1.5],
+    "kl_loss": [False, True],
+    "entropy_coeff": [0.0, 0.01],
+}
+DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
+SEED = 20261202
+PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm"]
+#: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
+REFUSAL_PROBE = {"dp": 1, "rmpad": True, "mini": 2, "rollout_n": 2, "micro": 2, "log_prob_micro": "eq", "dyn": "off",
+                 "epochs": 1, "mini_batches": 1, "loss_agg_mode": "token-mean", "clip_ratio_c": 1.0, "kl_loss": False,
+                 "entropy_coeff": 0.0}
+
+
+def pairwise(factors: dict[str, list], seed: int = SEED, candidates: int = 30) -> list[dict]:
+    """Rows (factor -> level) covering every pair of levels of every two factors at least once.
+
+    Greedy (AETG-style): each new row is the best of ``candidates`` rows, each built factor by factor in a random
+    order, a level picked to cover the most uncovered pairs with the levels already chosen (ties: random).
+    Deterministic for a given ``seed``.
+    """
+    rng = random.Random(seed)
+    names = list(factors)
+    uncovered = {((a, x), (b, y)) for a, b in itertools.combinations(names, 2)
+                 for x in range(len(factors[a])) for y in range(len(factors[b]))}
+
+    def pairs_of(row: dict) -> set:
+        return {((a, row[a]), (b, row[b])) for a, b in itertools.combinations(names, 2) if a in row and b in row}
+
+    rows: list[dict] = []
+    while uncovered:
+        best, best_gain = None, -1
+        for _ in range(candidates):
+            # start from an uncovered pair so that every row makes progress
+            (a, x), (b, y) = sorted(uncovered)[rng.randrange(len(uncovered))]
+            row = {a: x, b: y}
+            order = [n for n in names if n not in row]
+            rng.shuffle(order)
+            for name in order:
+                gains = []
+                for level in range(len(factors[name])):
+                    gain = sum(1 for other, v in row.items()
+                               if (tuple(sorted([(name, level), (other, v)], key=lambda p: names.index(p[0])))
+                                   in uncovered))
+                    gains.append((gain, rng.random(), level))
+                row[name] = max(gains)[2]
+            gain = len(pairs_of(row) & uncovered)
+            if gain > best_gain:
+                best, best_gain = row, gain
+        uncovered -= pairs_of(best)
+        rows.append({n: factors[n][best[n]] for n in names})
+    return rows
+
+
+def combo_id(row: dict) -> str:
+    short = {"token-mean": "tm", "seq-mean-token-sum": "smts", "seq-mean-token-mean": "smtm",
+             "seq-mean-token-sum-norm": "smtsn"}
+    return (f"dp{row['dp']}-rmpad{int(row['rmpad'])}-mini{row['mini']}x{row['mini_batches']}-n{row['rollout_n']}"
+            f"-micro{row['micro']}-lp{row['log_prob_micro']}-dyn{row['dyn']}-ep{row['epochs']}"
+            f"-{short[row['loss_agg_mode']]}-c{row['clip_ratio_c']}-kl{int(row['kl_loss'])}-ent{row['entropy_coeff']}")
+
+
+def matrix(seed: int = SEED) -> list[dict]:
+    """The full matrix: the pairwise rows, then the refusal probe."""
+    return [*pairwise(FACTORS, seed), dict(REFUSAL_PROBE)]
+
+
+def default_slice(rows: list[dict], per_worker: int = 3) -> list[dict]:
+    """The default suite's fixed subset: ``per_worker`` one-process rows for each ``use_remove_padding`` (two
+    worker builds), each picked to add the most levels not yet in the subset, and the refusal probe."""
+    out: list[dict] = []
+    for rmpad in (True, False):
+        pool = [r for r in rows if r["dp"] == 1 and r["rmpad"] == rmpad and r != REFUSAL_PROBE]
+        for _ in range(min(per_worker, len(pool))):
+            seen = {(k, v) for r in out for k, v in r.items()}
+            best = max(pool, key=lambda r: (len(set(r.items()) - seen), -pool.index(r)))
+            pool.remove(best)
+            out.append(best)
+    return [*out, REFUSAL_PROBE]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one row on one worker
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _rows_per_rank(row: dict) -> int:
+    return row["mini"] * row["rollout_n"] // row["dp"] if row["dp"] else 0
+
+
+def _log_prob_micro(row: dict) -> int:
+    per_rank = max(1, _rows_per_rank(row))
+    return {"lt": max(1, per_rank // 2), "eq": per_rank, "gt": 2 * per_rank}[row["log_prob_micro"]]
+
+
+def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]:
+    """The keys our validation must name when ``preset`` cannot serve ``row`` (None: it must run)."""
+    from verl_tokensel.core.config import PRESETS as ALL
+
+    sel = ALL[preset]
+    if sel.normaliser == "selected" and row["loss_agg_mode"] != "token-mean":
+        return ("token_selection.normaliser", "loss_agg_mode")
+    return None
+
+
+def _actor_view(actor, row: dict):
+    """The actor with ``row``'s actor node (for the loss config and the driver meta); sets the engine settings."""
+    from omegaconf import OmegaConf
+
+    ec = actor.worker.engine_config
+    ec.use_dynamic_bsz = row["dyn"] != "off"
+    ec.max_token_len_per_gpu = ec.infer_max_token_len_per_gpu = DYN_TOKENS[row["dyn"]]
+    ec.micro_batch_size_per_gpu = row["micro"]
+    ec.infer_micro_batch_size_per_gpu = _log_prob_micro(row)
+    cfg = actor.cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    a.use_dynamic_bsz = r.log_prob_use_dynamic_bsz = row["dyn"] != "off"
+    a.ppo_max_token_len_per_gpu = r.log_prob_max_token_len_per_gpu = DYN_TOKENS[row["dyn"]]
+    a.ppo_micro_batch_size_per_gpu = row["micro"]
+    r.log_prob_micro_batch_size_per_gpu = _log_prob_micro(row)
+    a.ppo_mini_batch_size = row["mini"]
+    r.n = row["rollout_n"]
+    a.ppo_epochs = row["epochs"]
+    a.loss_agg_mode = row["loss_agg_mode"]
+    a.clip_ratio_c = row["clip_ratio_c"]
+    a.use_kl_loss = row["kl_loss"]
+    a.kl_loss_coef = 0.1
+    a.kl_loss_type = "low_var_kl"
+    a.entropy_coeff = row["entropy_coeff"]
+    return dataclasses.replace(actor, cfg=cfg)
+
+
+def _stock_config(view):
+    from verl.utils.config import omega_conf_to_dataclass
+
+    c = omega_conf_to_dataclass(view.cfg.actor_rollout_ref.actor)
+    c.model_config = view.model_config
+    return c
+
+
+def _renest(xs):
+    return torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)
+
+
+def _full_batch(view, row: dict, seed: int):
+    """The driver's batch: the real old-log-prob pass (with the log-prob micro-batching), old log-probs moved off
+    the current policy (seeded) so that clipping and dual-clip act, and a reference log-prob for the KL loss."""
+    from verl_tokensel.cpu import batches as B, worker as H
+
+    n = row["mini"] * row["rollout_n"] * row["mini_batches"]
+    batch = B.make_update_batch(view, n=n, seed=seed, resp_len=(2, 10), group_size=row["rollout_n"])
+    H.compute_old_log_probs(view, batch)
+    gen = torch.Generator().manual_seed(seed)
+    olp = batch["old_log_probs"].unbind(0)
+    batch["old_log_probs"] = _renest(x + 0.6 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
+    if row["kl_loss"]:
+        batch["ref_log_prob"] = _renest(x + 0.4 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
+    return batch
+
+
+def _shard(batch, row: dict, rank: int):
+    if row["dp"] == 1:
+        return batch
+    from helpers.distributed import split_for_dp
+
+    return split_for_dp(batch, row["dp"])[rank]
+
+
+def _error(e: BaseException, stage: str) -> dict:
+    tb = traceback.format_exception(type(e), e, e.__traceback__)
+    return {"status": "refused", "stage": stage, "error": type(e).__name__, "message": str(e)[:400],
+            "traceback_tail": "".join(tb)[-1500:]}
+
+
+def _config_error(e: BaseException):
+    from verl_tokensel.core.config import TokenSelectionConfigError
+
+    while e is not None:
+        if isinstance(e, TokenSelectionConfigError):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _plain(v) -> list[float]:
+    vals = v if isinstance(v, list) else [v]
+    return [float(getattr(x, "value", x)) for x in vals]
+
+
+def _run_stock(view, row, full, rank) -> dict:
+    from verl_tokensel.cpu import worker as H
+
+    stage = "config"
+    try:
+        cfg = _stock_config(view)
+        cfg.validate(n_gpus=row["dp"], train_batch_size=row["mini"] * row["mini_batches"])
+        stage = "dispatch"
+        shard = _shard(full.clone(), row, rank)
+        stage = "update"
+        r = H.run_train_step(view, shard, loss_fn=H.default_loss_fn(cfg), capture_params=False)
+    except Exception as e:  # noqa: BLE001
+        return _error(e, stage)
+    return {"status": "ok", "loss": r.loss}
+
+
+def _run_preset(view, row, full, rank, preset: str) -> dict:
+    """One update under ``preset``: the outcome and, on success, what the budget checks need."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_tokensel.core import fields as F
+    from verl_tokensel.cpu import batches as B, worker as H
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+
+    stage = "config"
+    try:
+        cfg = H.selecting_actor_config(view, preset)
+    except Exception as e:  # noqa: BLE001
+        out = _error(e, stage)
+        if _config_error(e) is not None:
+            out.update(status="config_refused", message=str(_config_error(e))[:600])
+        return out
+    out: dict = {"micro": [], "minibatches": []}
+    mini_idx = [-1]
+    try:
+        cfg.validate(n_gpus=row["dp"], train_batch_size=row["mini"] * row["mini_batches"])
+        batch = full.clone()
+        tu.assign_non_tensor(batch, calculate_entropy=bool(cfg.calculate_entropy or cfg.entropy_coeff != 0))
+        if cfg.selection.score_source == "rollout":
+            driver = B.add_driver_selection(cfg, batch)
+            out["driver"] = {k: float(v) for k, v in driver.metrics.items()}
+            out["driver_valid"] = int(batch[F.RESPONSE_MASK].values().sum())
+        stage = "dispatch"
+        shard = _shard(batch, row, rank)
+        if F.MASK in shard.keys():
+            out["driver_rank_selected"] = int(shard[F.MASK].values().sum())
+
+        def observe(rec):
+            out["micro"].append({"mini": mini_idx[0], "selected": int(rec["mask"].sum()),
+                                 "valid": int(rec["response_mask"].sum())})
+
+        inner = view.worker.train_batch
+
+        def spy(data, *args, **kwargs):
+            mini_idx[0] += 1
+            uids = [str(u) for u in data.get(F.UID).tolist()]
+            lens = data[F.RESPONSE_MASK].values().split(data[F.RESPONSE_MASK].offsets().diff().tolist())
+            out["minibatches"].append({"uids": uids, "valid": [int(x.sum()) for x in lens]})
+            return inner(data, *args, **kwargs)
+
+        stage = "update"
+        view.worker.train_batch = spy
+        try:
+            r = H.run_train_step(view, shard, loss_fn=SelectingLoss(cfg, observer=observe), capture_params=False)
+        finally:
+            view.worker.train_batch = inner
+    except Exception as e:  # noqa: BLE001
+        return {**_error(e, stage), **{k: v for k, v in out.items() if k not in ("micro", "minibatches")}}
+    out.update(status="ok", loss=r.loss, ratio=cfg.selection.ratio, scope=cfg.selection.scope,
+               metrics={k: _plain(v) for k, v in r.metrics.items()
+                        if k.startswith("tokensel/") and ("tokens" in k or "groups" in k)})
+    return out
+
+
+def run_rows(actor, rows: list[dict], rank: int = 0, presets=PRESETS) -> dict[str, dict]:
+    """Every row through stock verl and every preset on ``actor``; ``{combo_id: {"stock": ..., "presets": ...}}``.
+    A row's old-log-prob pass failing counts as stock's refusal (and every preset's) at stage ``old_pass``."""
+    results = {}
+    for i, row in enumerate(rows):
+        view = _actor_view(actor, row)
+        try:
+            full = _full_batch(view, row, seed=1000 + i)
+        except Exception as e:  # noqa: BLE001
+            err = _error(e, "old_pass")
+            results[combo_id(row)] = {"row": row, "stock": err, "presets": {p: dict(err) for p in presets}}
+            continue
+        stock = _run_stock(view, row, full, rank)
+        results[combo_id(row)] = {"row": row, "stock": stock,
+                                  "presets": {p: _run_preset(view, row, full, rank, p) for p in presets}}
+    return results
+
+
+def dp_rank_run(rank: int, world: int, model_dir: str, rmpad: bool, rows: list[dict]) -> dict:
+    """One rank of the data-parallel rows (use with :func:`helpers.distributed.run_distributed`)."""
+    from verl_tokensel.cpu import worker as H
+
+    actor = H.make_training_worker(model_dir, rank=rank, world_size=world, use_remove_padding=rmpad, lr=1e-4)
+    return run_rows(actor, rows, rank=rank)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------------------------
+
+
+def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
+    """What is off in a preset's successful run: non-finite loss, or a selection not at the budget of its scope.
+    ``per_rank``: that preset's outcome on each rank."""
+    from verl_tokensel.core.pools import budget
+
+    problems = []
+    first = per_rank[0]
+    if not math.isfinite(first["loss"]):
+        problems.append(f"loss {first['loss']} is not finite")
+    ratio, scope = first["ratio"], first["scope"]
+    if not any(res["micro"] for res in per_rank):
+        problems.append("the selecting loss was never called")
+    if scope == "micro_batch":
+        for r, res in enumerate(per_rank):
+            for k, mb in enumerate(res["micro"]):
+                if mb["selected"] != budget(ratio, mb["valid"]):
+                    problems.append(f"rank {r} micro-batch {k}: {mb['selected']} selected of {mb['valid']}, "
+                                    f"budget {budget(ratio, mb['valid'])}")
+        # verl's metric: per mini-batch, the mean over the DP ranks of each rank's mean over its micro-batches
+        got = first["metrics"].get("tokensel/selected_tokens")
+        rank_means = []
+        for res in per_rank:
+            by_mini: dict[int, list[int]] = {}
+            for mb in res["micro"]:
+                by_mini.setdefault(mb["mini"], []).append(mb["selected"])
+            rank_means.append([sum(v) / len(v) for _, v in sorted(by_mini.items())])
+        want = [sum(col) / len(col) for col in zip(*rank_means)]
+        if got is None or len(got) != len(want) or any(abs(a - b) > 1e-6 for a, b in zip(got, want)):
+            problems.append(f"tokensel/selected_tokens {got}, the micro-batches' mean per mini-batch {want}")
+    elif scope == "group" and first["metrics"].get("tokensel/prepass/selected_tokens") is not None:
+        got = first["metrics"]["tokensel/prepass/selected_tokens"]
+        n_mini = len(first["minibatches"])
+        want = []
+        for i in range(n_mini):
+            per_group: dict[str, int] = {}
+            for res in per_rank:
+                for u, v in zip(res["minibatches"][i]["uids"], res["minibatches"][i]["valid"]):
+                    per_group[u] = per_group.get(u, 0) + v
+            want.append(float(sum(budget(ratio, v) for v in per_group.values())))
+        if got != want:
+            problems.append(f"tokensel/prepass/selected_tokens {got}, per mini-batch over its groups {want}")
+        applied = [sum(mb["selected"] for mb in res["micro"]) for res in per_rank]
+        if sum(applied) != sum(want):
+            problems.append(f"the loss applied {applied} tokens, the pre-pass selected {sum(want)}")
+    elif scope == "group":
+        problems.append("gmts ran without tokensel/prepass/* metrics")
+    elif scope == "batch":
+        d = first.get("driver", {})
+        want = budget(ratio, first["driver_valid"])
+        if d.get("tokensel/driver_selected_tokens") != want or d.get("tokensel/driver_valid_tokens") != first[
+                "driver_valid"]:
+            problems.append(f"driver metrics {d}, budget {want} of {first['driver_valid']}")
+        for r, res in enumerate(per_rank):
+            applied = sum(mb["selected"] for mb in res["micro"])
+            if applied != row["epochs"] * res["driver_rank_selected"]:
+                problems.append(f"rank {r}: the loss applied {applied} tokens, the driver's mask has "
+                                f"{res['driver_rank_selected']} per epoch")
+    return problems
+
+
+def verdict(result_per_rank: list[dict], preset: str) -> tuple[str, str]:
+    """(cell text, problem or '') for one preset of one row; ``result_per_rank``: the row's result on each rank."""
+    row, stock = result_per_rank[0]["row"], result_per_rank[0]["stock"]
+    res = [r["presets"][preset] for r in result_per_rank]
+    first = res[0]
+    keys = expected_config_refusal(preset, row)
+    if first["status"] == "config_refused":
+        missing = [k for k in (keys or ()) if k not in first["message"]]
+        if keys is None:
+            return "config refused (unexpected)", f"{preset}: refused by our validation: {first['message']}"
+        if missing:
+            return "config refused", f"{preset}: the refusal does not name {missing}: {first['message']}"
+        return "config refused (" + ", ".join(keys) + ")", ""
+    if keys is not None:
+        return f"{first['status']} (config not refused)", f"{preset}: our validation let it through, it needs {keys}"
+    if stock["status"] != "ok":
+        if first["status"] == "refused" and first["error"] == stock["error"]:
+            return f"refused {first['error']}", ""
+        return (f"{first['status']} {first.get('error', '')}",
+                f"{preset}: stock refused with {stock['error']}, the preset {first['status']} "
+                f"{first.get('error', '')}")
+    if any(r["status"] != "ok" for r in res):
+        bad = next(r for r in res if r["status"] != "ok")
+        return (f"FAILED {bad['error']}",
+                f"{preset} failed where stock runs (stage {bad['stage']}): {bad['error']}: {bad['message']}\n"
+                f"{bad['traceback_tail']}")
+    problems = budget_problems(preset, res, row)
+    if problems:
+        return "ok, budget off", f"{preset}: " + "; ".join(problems)
+    return f"ok {first['loss']:.4g}", ""
+
+
+def render_markdown(results: dict[str, list[dict]], seconds: float, command: str) -> str:
+    """The table: combination -> stock outcome -> each preset's outcome."""
+    lines = [
+        "# Stock-parity matrix (CPU, verl's FSDP2 TrainingWorker)",
+        "",
+        f"Written by `{command}` ({len(results)} combinations, {seconds:.0f} s). A seeded pairwise design "
+        f"(seed {SEED}) over {', '.join(FACTORS)}, plus a row every loss must refuse. `ok <loss>`: one update, "
+        "finite loss, selection at its scope's budget; `refused <Error>`: stock and the preset refused alike; "
+        "`config refused (keys)`: our validation refused a combination the preset cannot serve.",
+        "",
+        "| combination | stock | " + " | ".join(PRESETS) + " |",
+        "|---|---|" + "---|" * len(PRESETS),
+    ]
+    for cid, per_rank in results.items():
+        stock = per_rank[0]["stock"]
+        s = f"ok {stock['loss']:.4g}" if stock["status"] == "ok" else f"refused {stock['error']} ({stock['stage']})"
+        lines.append(f"| `{cid}` | {s} | " + " | ".join(verdict(per_rank, p)[0] for p in PRESETS) + " |")
+    return "\n".join(lines) + "\n"
