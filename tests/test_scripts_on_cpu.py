@@ -162,6 +162,7 @@ def test_verl_config_names_compose_ours(args, ours):
     ["a=1"],  # no name: our default, tokensel_trainer
     ["--config-name=tokensel_megatron_trainer", "a=1"],
     ["--config-path=/home/me/configs", "--config-name=ppo_trainer", "a=1"],  # a user's own folder
+    ["--config-path=/home/me/myverl/trainer/config", "--config-name=ppo_trainer", "a=1"],
     ["--config-path=/home/me/configs", "--config-name=my_recipe", "a=1"],
     ["--config-dir=/home/me/extra", "--config-name=ppo_trainer", "a=1"],
     ["--config-path=pkg://verl_tokensel.recipes", "--config-name=dapo_qwen3_8b"],

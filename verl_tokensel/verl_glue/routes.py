@@ -53,7 +53,8 @@ def _is_verl_config_path(path: str | None) -> bool:
     if path is None:
         return True
     path = path.strip().strip("'\"")
-    return path.rstrip("/") in VERL_CONFIG_PATHS or os.path.normpath(path).endswith(VERL_CONFIG_DIR_SUFFIX)
+    path = os.path.normpath(path) if path.rstrip("/") not in VERL_CONFIG_PATHS else path.rstrip("/")
+    return path in VERL_CONFIG_PATHS or path == VERL_CONFIG_DIR_SUFFIX or path.endswith(os.sep + VERL_CONFIG_DIR_SUFFIX)
 
 
 def verl_config_name(args: list[str]) -> str | None:
