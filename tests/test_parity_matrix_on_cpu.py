@@ -19,8 +19,9 @@ which rewrites ``benchmarks/results/parity_matrix_cpu.md``::
 
     TOKENSEL_PARITY_FULL=1 flock /tmp/heavy.lock python -m pytest tests/test_parity_matrix_on_cpu.py -q -p no:cacheprovider
 
-Not covered: the Megatron engine (its test bed runs one spawned process per layout, ~15 s each; see
-``test_megatron_engine_on_cpu.py``), sequence parallelism, and ``shuffle``.
+The full matrix also runs three of the default slice's rows on verl's Megatron engine (one spawned process, the
+CPU test bed of ``verl_tokensel.cpu.megatron``). Not covered: Megatron with DP, TP or PP (its layouts are
+``test_megatron_engine_on_cpu.py``), sequence parallelism, ``shuffle``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from helpers import distributed as D  # noqa: E402
 from helpers import parity as P  # noqa: E402
 
 FULL = os.environ.get("TOKENSEL_PARITY_FULL", "") not in ("", "0")
-ROWS = P.matrix() if FULL else P.default_slice(P.matrix())
+ROWS = [*P.matrix(), *P.megatron_rows(P.matrix())] if FULL else P.default_slice(P.matrix())
+HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("mbridge") is not None
 RESULT_MD = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "parity_matrix_cpu.md"
 COMMAND = "TOKENSEL_PARITY_FULL=1 python -m pytest tests/test_parity_matrix_on_cpu.py"
 #: combo id -> reason: combinations where a preset fails while stock verl runs (strict xfail, to be fixed)
@@ -58,17 +60,31 @@ def model_dir(tmp_path_factory):
     return tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_parity") / "qwen2")
 
 
+@pytest.fixture(scope="module")
+def megatron_model_dir(tmp_path_factory):
+    return tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_parity_megatron") / "qwen2",
+                                           **tiny_model.MEGATRON_TINY_CONFIG)
+
+
 _RESULTS: dict[str, list[dict]] = {}  # combo id -> the row's result on each rank
 _STATE: dict = {"t0": time.time()}
 
 
-def _results(model_dir) -> dict[str, list[dict]]:
-    """Every row of this run, grouped by worker (DP size, use_remove_padding): one build per group."""
+def _results(model_dir, megatron_model_dir) -> dict[str, list[dict]]:
+    """Every row of this run, grouped by worker (engine, DP size, use_remove_padding): one build per group."""
     if _RESULTS:
         return _RESULTS
-    for dp, rmpad in sorted({(r["dp"], r["rmpad"]) for r in ROWS}):
-        rows = [r for r in ROWS if (r["dp"], r["rmpad"]) == (dp, rmpad)]
-        if dp == 1:
+    key = lambda r: (r.get("engine", "fsdp"), r["dp"], r["rmpad"])  # noqa: E731
+    for engine, dp, rmpad in sorted({key(r) for r in ROWS}):
+        rows = [r for r in ROWS if key(r) == (engine, dp, rmpad)]
+        if engine == "megatron":
+            if not HAS_MEGATRON:
+                continue
+            per_rank = D.run_distributed(P.dp_rank_run, world_size=1,
+                                         args=(str(megatron_model_dir), rmpad, rows, "megatron"), timeout=600)
+            for cid in per_rank[0]:
+                _RESULTS[cid] = [per_rank[0][cid]]
+        elif dp == 1:
             actor = H.make_training_worker(model_dir, use_remove_padding=rmpad, lr=1e-4)
             for cid, res in P.run_rows(actor, rows).items():
                 _RESULTS[cid] = [res]
@@ -95,8 +111,10 @@ def test_the_design_covers_every_pair_of_levels():
 
 
 @pytest.mark.parametrize("row", [_param(r) for r in ROWS])
-def test_every_preset_runs_where_stock_runs(model_dir, row):
-    per_rank = _results(model_dir)[P.combo_id(row)]
+def test_every_preset_runs_where_stock_runs(model_dir, megatron_model_dir, row):
+    if row.get("engine") == "megatron" and not HAS_MEGATRON:
+        pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'")
+    per_rank = _results(model_dir, megatron_model_dir)[P.combo_id(row)]
     problems = [msg for msg in (P.verdict(per_rank, p)[1] for p in P.PRESETS) if msg]
     stock = per_rank[0]["stock"]
     if row == P.REFUSAL_PROBE:  # the matrix does see refusals

@@ -88,9 +88,10 @@ def pairwise(factors: dict[str, list], seed: int = SEED, candidates: int = 30) -
 
 
 def combo_id(row: dict) -> str:
+    engine = "megatron-" if row.get("engine") == "megatron" else ""
     short = {"token-mean": "tm", "seq-mean-token-sum": "smts", "seq-mean-token-mean": "smtm",
              "seq-mean-token-sum-norm": "smtsn"}
-    return (f"dp{row['dp']}-rmpad{int(row['rmpad'])}-mini{row['mini']}x{row['mini_batches']}-n{row['rollout_n']}"
+    return (f"{engine}dp{row['dp']}-rmpad{int(row['rmpad'])}-mini{row['mini']}x{row['mini_batches']}-n{row['rollout_n']}"
             f"-micro{row['micro']}-lp{row['log_prob_micro']}-dyn{row['dyn']}-ep{row['epochs']}"
             f"-{short[row['loss_agg_mode']]}-c{row['clip_ratio_c']}-kl{int(row['kl_loss'])}-ent{row['entropy_coeff']}")
 
@@ -98,6 +99,13 @@ def combo_id(row: dict) -> str:
 def matrix(seed: int = SEED) -> list[dict]:
     """The full matrix: the pairwise rows, then the refusal probe."""
     return [*pairwise(FACTORS, seed), dict(REFUSAL_PROBE)]
+
+
+def megatron_rows(rows: list[dict], n: int = 3) -> list[dict]:
+    """A few one-process rows again on verl's Megatron engine (``engine="megatron"``, the CPU test bed): the
+    default slice's picks among the packed (``use_remove_padding``) rows."""
+    picks = [r for r in default_slice(rows) if r["rmpad"] and r != REFUSAL_PROBE][:n]
+    return [{**r, "engine": "megatron"} for r in picks]
 
 
 def default_slice(rows: list[dict], per_worker: int = 3) -> list[dict]:
@@ -299,7 +307,9 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
 
 def run_rows(actor, rows: list[dict], rank: int = 0, presets=PRESETS) -> dict[str, dict]:
     """Every row through stock verl and every preset on ``actor``; ``{combo_id: {"stock": ..., "presets": ...}}``.
-    A row's old-log-prob pass failing counts as stock's refusal (and every preset's) at stage ``old_pass``."""
+    A row's old-log-prob pass failing counts as stock's refusal (and every preset's) at stage ``old_pass``.
+    Megatron: the old-log-prob pass's outputs come from the model-parallel source rank
+    (:func:`verl_tokensel.cpu.worker.compute_old_log_probs`)."""
     results = {}
     for i, row in enumerate(rows):
         view = _actor_view(actor, row)
@@ -315,11 +325,13 @@ def run_rows(actor, rows: list[dict], rank: int = 0, presets=PRESETS) -> dict[st
     return results
 
 
-def dp_rank_run(rank: int, world: int, model_dir: str, rmpad: bool, rows: list[dict]) -> dict:
-    """One rank of the data-parallel rows (use with :func:`helpers.distributed.run_distributed`)."""
+def dp_rank_run(rank: int, world: int, model_dir: str, rmpad: bool, rows: list[dict], engine: str = "fsdp") -> dict:
+    """One rank of the rows of a spawned run (use with :func:`helpers.distributed.run_distributed`): the
+    data-parallel rows, or the Megatron rows (one process each, Megatron's parallel state is per process)."""
     from verl_tokensel.cpu import worker as H
 
-    actor = H.make_training_worker(model_dir, rank=rank, world_size=world, use_remove_padding=rmpad, lr=1e-4)
+    actor = H.make_training_worker(model_dir, rank=rank, world_size=world, use_remove_padding=rmpad, lr=1e-4,
+                                   engine=engine)
     return run_rows(actor, rows, rank=rank)
 
 
