@@ -1,26 +1,15 @@
 """How the selecting loss reaches verl's actor workers, with no verl file edited.
 
-verl 0.9's actor workers bind ``partial(ppo_loss, config=actor_config)`` in ``init_model`` and
-expose ``set_loss_fn``, an RPC that replaces it on every rank. The driver is the only place that
-can call it, so we hook the driver through verl's own extension points, one per driver:
+verl 0.9's actor workers bind ``partial(ppo_loss, config=actor_config)`` in ``init_model`` and expose
+``set_loss_fn``, an RPC that replaces it on every rank; only the driver can call it. V1 driver (the default):
+we register the trainer modes ``tokensel_sync``, ``tokensel_colocate_async`` and ``tokensel_separate_async`` in
+verl's ``TRAINER_REGISTRY``: thin subclasses of verl's trainers that call ``set_loss_fn`` in ``on_init_end``, turn
+on ``calculate_entropy`` when the score needs it and, for ``score_source=rollout``, select on the driver
+(:mod:`~verl_tokensel.verl_glue.rollout_source`). v0 driver: :mod:`~verl_tokensel.verl_glue.v0`.
 
-- V1 driver (``trainer.use_v1=true``, the default): trainers are looked up by
-  ``trainer.v1.trainer_mode`` in verl's ``TRAINER_REGISTRY``. We register ``tokensel_sync``,
-  ``tokensel_colocate_async`` and ``tokensel_separate_async``: thin subclasses of verl's trainers
-  that set the mode back to the base name (verl compares it to "sync" internally), turn on
-  ``calculate_entropy`` when the score needs it, and call ``set_loss_fn`` in ``on_init_end``
-  (after the workers are built, before the first weight sync). Our YAML selects
-  ``tokensel_sync``. With ``score_source=rollout`` they also override ``_compute_old_log_prob`` and
-  ``_update_actor`` (the driver selects; :mod:`verl_tokensel.verl_glue.rollout_source`).
-- v0 driver (``trainer.use_v1=false``, deprecated): its hooks (a checkpoint-engine manager that
-  calls :func:`install_actor_loss`, a ``RayPPOTrainer`` subclass, a TaskRunner) are fenced in
-  :mod:`verl_tokensel.verl_glue.v0`.
-
-Why not a worker-side hook: the only configurable object that reaches a worker's loss is the
-actor config, and verl's ``ppo_loss`` passes neither the entropy nor the dp group to a registered
-policy loss, so the whole loss must be replaced. The config can, however, detect that it was not
-replaced: :class:`~verl_tokensel.verl_glue.actor_config.StockLossGuard` makes stock ``ppo_loss``
-fail loudly when a selector is configured (e.g. ``verl.trainer.main_ppo`` with ``use_v1=false``).
+A worker-side hook cannot do it: verl's ``ppo_loss`` passes neither the entropy nor the dp group to a registered
+policy loss, so the whole loss is replaced; :class:`~verl_tokensel.verl_glue.actor_config.StockLossGuard` makes
+stock ``ppo_loss`` fail loudly when a selector is configured but the loss was not replaced.
 """
 
 from __future__ import annotations
