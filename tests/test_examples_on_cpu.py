@@ -8,12 +8,13 @@
   preset of ``custom_preset.py``, which ``VERL_USE_EXTERNAL_MODULES`` makes available to the driver, the
   TaskRunner and the actor worker as that file's docstring says. The run must finish its step with the
   preset's budget (10%) in the actor worker, and the composed config must be DAPO's.
-- ``multi_node.sh``: its refusal without ``RAY_ADDRESS``; and (slow, the reason is at the test) the 80/20
-  DAPO recipe, CPU-sized, submitted to a two-node Ray cluster whose nodes get the plugin only from the wheel
-  shipped with the job.
+- ``multi_node.sh``: its refusal without ``RAY_ADDRESS`` here; ``test_multi_node_on_cpu.py`` submits every job of
+  its two-node Ray cluster with it (the 80/20 DAPO recipe, CPU-sized, the plugin only from the wheel shipped
+  with the job).
 - ``quickstart.md`` / ``multi_node.md``: every ``pip install`` line installs from the checkout or the built
   wheel (no package index serves verl-tokensel), and every file they name exists.
-- :data:`EXAMPLES` lists the examples this module runs; a file added to ``examples/`` without a test fails.
+- :data:`EXAMPLES` lists the examples and the tests that run them (here, or ``tests/<file>::<test>``); a file
+  added to ``examples/`` without a test fails, and so does a listed test that does not exist.
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ import yaml
 from helpers.wheel import ROOT, WHEEL_NAME
 
 EXAMPLES_DIR = ROOT / "examples"
-#: every example and the test(s) that run it
+#: every example and the test(s) that run it: a test of this module, or ``tests/<file>::<test>`` of another
 EXAMPLES = {
     "custom_score.py": ["test_custom_score_runs_as_a_script", "test_custom_score_selects_low_probability_tokens"],
     "custom_preset.py": ["test_custom_preset_runs_as_a_script", "test_dapo_example_with_the_custom_preset",
                          "test_custom_preset_loads_from_a_verl_plugins_entry_point"],
     "run_dapo.sh": ["test_dapo_example_with_the_custom_preset", "test_dapo_example_names_a_missing_variable"],
-    "multi_node.sh": ["test_multi_node_example_on_two_ray_nodes", "test_multi_node_example_needs_ray_address"],
+    "multi_node.sh": ["test_multi_node_example_needs_ray_address",
+                      "tests/test_multi_node_on_cpu.py::test_v0_gmts_job_from_the_wheel_on_two_nodes",
+                      "tests/test_multi_node_on_cpu.py::test_v0_gmts_resumes_from_its_checkpoint"],
     "quickstart.md": ["test_docs_install_from_the_checkout_or_the_wheel", "test_docs_name_existing_files"],
     "multi_node.md": ["test_docs_install_from_the_checkout_or_the_wheel", "test_docs_name_existing_files"],
-    "data/rollouts/1.jsonl": ["tests/test_readme_analysis_on_cpu.py (the README's analysis examples)"],
+    "data/rollouts/1.jsonl": ["tests/test_readme_analysis_on_cpu.py::test_readme_analysis_examples_run"],
 }
 RUN_TIMEOUT_S = 600
 
@@ -55,7 +58,12 @@ def test_every_example_has_a_test():
     here = {name for name in globals() if name.startswith("test_")}
     for example, tests in EXAMPLES.items():
         for test in tests:
-            assert test in here or test.startswith("tests/"), (example, test)
+            if "::" in test:  # a test of another module
+                path, name = test.split("::")
+                source = (ROOT / path).read_text() if (ROOT / path).is_file() else ""
+                assert re.search(rf"^def {name}\(", source, re.M), f"{example}: no test {name} in {path}"
+            else:
+                assert test in here, (example, test)
 
 
 def _script(path: Path, timeout: int = 120) -> str:
@@ -240,55 +248,10 @@ def test_dapo_example_with_the_custom_preset(tiny_run_inputs, tmp_path):
 
 # --- the multi-node launch script --------------------------------------------------------------------------------
 
-NODE2_IP = "127.0.0.2"
-
-
 def test_multi_node_example_needs_ray_address():
     res = subprocess.run(["bash", str(EXAMPLES_DIR / "multi_node.sh")], capture_output=True, text=True, timeout=30,
                          env={"PATH": "/usr/bin:/bin"})
     assert res.returncode == 2 and "environment variable RAY_ADDRESS is not set" in res.stderr, res
-
-
-# slow: a second two-node Ray cluster and one more pipeline run, 126-139 s measured on 2 cores (wheel built in the
-# session): with the DAPO run above the examples would add ~4 min to a default suite already at its CI budget. The
-# default suite runs this cluster set-up (the wheel route on two nodes) in test_multi_node_on_cpu.py.
-@pytest.mark.slow
-def test_multi_node_example_on_two_ray_nodes(built_wheel, tiny_run_inputs, tmp_path):
-    """``multi_node.sh`` with the wheel route against a head (no GPU) and a second node on 127.0.0.2 (one
-    logical GPU), whose Python has verl but not verl-tokensel: every worker lands on the second node and runs
-    the selecting loss from the wheel the job's runtime env installed there."""
-    _requires_pipeline()
-    from helpers.pipeline import loss_announcements
-    from helpers.scripts import run_script
-    from helpers.tiny_recipe import TINY_DAPO_RECIPE_SIZES
-    from helpers.wheel import make_venv
-    from verl_tokensel.launch import start_ray_head
-
-    wheel, _ = built_wheel
-    model, train, val, reward = tiny_run_inputs
-    py, env, cwd, _ = make_venv(tmp_path / "nodes")
-    probe = subprocess.run([str(py), "-c", "import verl_tokensel"], env=env, cwd=str(cwd), capture_output=True)
-    assert probe.returncode != 0, "the nodes' Python must not see the checkout's verl_tokensel"
-    with start_ray_head(num_cpus=2, num_gpus=0, python=str(py), env=env) as head:
-        node = head.add_node(num_cpus=16, num_gpus=1, node_ip=NODE2_IP)
-        job_env = {**env, **head.client_env, "RAY_ADDRESS": head.address, "TOKENSEL_WHEEL": str(wheel),
-                   "TOKENSEL_MODEL_PATH": str(model), "TOKENSEL_TRAIN_FILES": str(train),
-                   "TOKENSEL_VAL_FILES": str(val)}
-        overrides = [*TINY_DAPO_RECIPE_SIZES, "trainer.total_training_steps=1", *_tiny_cpu_overrides(tmp_path, reward)]
-        result = run_script([EXAMPLES_DIR / "multi_node.sh", *overrides],
-                            env=job_env, inherit_env=False, timeout_s=RUN_TIMEOUT_S,
-                            log_path=tmp_path / "multi_node.log", cwd=cwd)
-        log = result.log_path.read_text(errors="replace")
-        result.raise_for_status()
-        assert "succeeded" in log, result.describe()
-        assert [s["step"] for s in result.steps] == [1], result.describe()
-        step = result.steps[0]
-        assert 0.2 <= step["actor/tokensel/selected_fraction"] < 0.21, step  # forking: ceil(0.2 N) of one micro-batch
-        said = loss_announcements(log)
-        assert said and all(a["node"] == NODE2_IP and a["selector"] == "forking" for a in said), said
-        for a in said:  # installed by the job's runtime env, in the second node's own folder
-            assert Path(a["package"]).is_relative_to(node.temp_dir), (a, node.temp_dir)
-        print(f"{result.describe()}; loss from the wheel on {NODE2_IP}: {said}")
 
 
 # --- the markdown examples -------------------------------------------------------------------------------------

@@ -2,12 +2,13 @@
 
 A head node (127.0.0.1: 2 CPUs, no GPU) and a second node (``ray start --address``, its own loopback IP
 127.0.0.2, ports and temp dir, 16 CPUs and 1 logical GPU) form one Ray cluster; both run a venv WITHOUT
-verl_tokensel (``import verl_tokensel`` fails there: :func:`helpers.wheel.make_venv`). verl's ``main_ppo``
-(v0 driver, ``gmts``: pre-pass scores at each mini-batch start, top 20% of each prompt group) is submitted
-with ``ray job submit`` whose runtime env pip-installs the built wheel from the job's working dir, as
-``recipes/submit_ray_job.sh``'s wheel route does (``examples/multi_node.md`` shows the same for a real
-cluster). The job's driver and TaskRunner run on the head; every GPU bundle, so every actor, rollout and
-vLLM worker, can only land on the second node.
+verl_tokensel (``import verl_tokensel`` fails there: :func:`helpers.wheel.make_venv`). The job is submitted
+with ``examples/multi_node.sh`` (the 80/20 DAPO recipe, CPU-sized), as its header tells a user: the wheel
+route (``TOKENSEL_WHEEL``: the runtime env pip-installs the built wheel on each node), the preset, model and
+data in ``TOKENSEL_*`` variables, the CPU switch and sizes (:data:`helpers.tiny_recipe.TINY_DAPO_RECIPE_SIZES`)
+and the tiny run's settings as overrides (v0 driver, ``gmts``: pre-pass scores at each mini-batch start, top
+20% of each prompt group). The job's driver and TaskRunner run on the head; every GPU bundle, so every actor,
+rollout and vLLM worker, can only land on the second node.
 
 - ``test_v0_gmts_job_from_the_wheel_on_two_nodes``: the run is correct (both steps, the preset's budget,
   vLLM and actor log-probs equal, parameters changed), and the actor workers on 127.0.0.2 say that they
@@ -16,17 +17,18 @@ vLLM worker, can only land on the second node.
 - ``test_v0_gmts_resumes_from_its_checkpoint``: a second job resumes from the first run's step-1
   checkpoint (``trainer.resume_mode=resume_path``): it logs step 2 only, with the same selection and budget.
 
-About 4 minutes on 2 cores: one wheel build (shared with ``test_wheel_on_cpu.py``), two pipeline runs.
+About 3.5 minutes on 2 cores (198 s measured): one wheel build (shared with ``test_wheel_on_cpu.py``), two
+pipeline runs.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 for _mod, _why in [
     ("verl", "verl is not installed: these tests need verl 0.9"),
@@ -45,12 +47,18 @@ from helpers.pipeline import (  # noqa: E402
     resume_overrides,
     with_overrides,
 )
+from helpers.scripts import run_script  # noqa: E402
+from helpers.tiny_recipe import TINY_DAPO_RECIPE_SIZES  # noqa: E402
 from helpers.wheel import ROOT, make_venv  # noqa: E402
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel.launch import run_main_ppo, start_ray_head  # noqa: E402
+from verl_tokensel.launch import start_ray_head  # noqa: E402
 
 RUN_TIMEOUT_S = 600
 NODE2_IP = "127.0.0.2"
+#: the tiny run's overrides that multi_node.sh takes from the environment instead, as on a real cluster
+FROM_ENV = {"actor_rollout_ref.actor.token_selector": "TOKENSEL_SELECTOR",
+            "actor_rollout_ref.model.path": "TOKENSEL_MODEL_PATH",
+            "data.train_files": "TOKENSEL_TRAIN_FILES", "data.val_files": "TOKENSEL_VAL_FILES"}
 
 
 @pytest.fixture(scope="module")
@@ -60,24 +68,26 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(built_wheel, tmp_path_factory):
-    """(head, node 2, the nodes' python, its env, the job's working dir holding the wheel)."""
+    """(head, node 2, the nodes' env, a work dir outside the checkout, the wheel)."""
     wheel, _ = built_wheel
     py, env, cwd, _ = make_venv(tmp_path_factory.mktemp("mn_venv"))
     probe = subprocess.run([str(py), "-c", "import verl_tokensel"], env=env, cwd=str(cwd), capture_output=True)
     assert probe.returncode != 0, "the nodes' venv must not see the checkout's verl_tokensel"
-    job_dir = cwd / "job"
-    job_dir.mkdir()
-    shutil.copy(wheel, job_dir / wheel.name)
     with start_ray_head(num_cpus=2, num_gpus=0, python=str(py), env=env) as head:
         node = head.add_node(num_cpus=16, num_gpus=1, resources={"tokensel_node2": 1}, node_ip=NODE2_IP)
-        yield head, node, py, {**env, **head.client_env}, job_dir, wheel.name
+        yield head, node, {**env, **head.client_env}, cwd, wheel
 
 
 def _submit(cluster, overrides, log_path):
-    head, _, py, env, job_dir, wheel_name = cluster
-    return run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=log_path, ray_job_address=head.address,
-                        env=env, python=str(py), cwd=job_dir.parent, job_working_dir=job_dir,
-                        job_runtime_env={"pip": [f"${{RAY_RUNTIME_ENV_CREATE_WORKING_DIR}}/{wheel_name}"]})
+    """``examples/multi_node.sh`` with the wheel route, the :data:`FROM_ENV` values in its variables and the
+    other overrides after the CPU switch and sizes; the environment is the nodes' venv only (no checkout)."""
+    head, _, env, cwd, wheel = cluster
+    values = dict(o.split("=", 1) for o in overrides)
+    job_env = {**env, "RAY_ADDRESS": head.address, "TOKENSEL_WHEEL": str(wheel),
+               **{var: values[key] for key, var in FROM_ENV.items()}}
+    rest = [o for o in overrides if o.split("=", 1)[0] not in FROM_ENV]
+    return run_script([ROOT / "examples" / "multi_node.sh", "trainer.device=cpu", *TINY_DAPO_RECIPE_SIZES, *rest],
+                      env=job_env, inherit_env=False, timeout_s=RUN_TIMEOUT_S, log_path=log_path, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +99,7 @@ def gmts_run(cluster, model_dir, tmp_path_factory):
 
 
 def test_v0_gmts_job_from_the_wheel_on_two_nodes(cluster, gmts_run, model_dir):
-    _, node, _, _, _, _ = cluster
+    node = cluster[1]
     result, _, work = gmts_run
     log = result.log_path.read_text(errors="replace")
     assert "succeeded" in log, result.describe()
@@ -105,6 +115,11 @@ def test_v0_gmts_job_from_the_wheel_on_two_nodes(cluster, gmts_run, model_dir):
         assert a["selector"] == "gmts", a
         # installed by the runtime env in the second node's own folder, i.e. on that node
         assert Path(a["package"]).is_relative_to(node.temp_dir), (a, node.temp_dir)
+    # the composed config (Hydra's copy, from the job's driver): the recipe's DAPO with TOKENSEL_SELECTOR's preset
+    cfg = yaml.safe_load((work / "hydra" / ".hydra" / "config.yaml").read_text())
+    actor = cfg["actor_rollout_ref"]["actor"]
+    assert actor["token_selector"] == "gmts" and actor["clip_ratio_high"] == 0.28, actor
+    assert cfg["reward"]["reward_manager"]["name"] == "dapo", cfg["reward"]
     print(f"{len(on_node2)} worker(s) on {NODE2_IP} run the wheel's selecting loss: {on_node2}")
 
 
