@@ -14,10 +14,12 @@ mini-batch over the ranks (``gmts``, ``tokensel/prepass/*``), of the batch (``fo
 ``tokensel/driver_*``, applied as is by the loss). A preset that cannot serve a combination (``normaliser=selected``
 with a seq-mean ``loss_agg_mode``) must be refused by our config validation, naming the keys.
 
-Default suite: a fixed subset (two worker builds, ~60 s on 2 cores). The whole matrix (two DP 2 spawns, ~3 min),
-which rewrites ``benchmarks/results/parity_matrix_cpu.md``::
+Default suite: a fixed subset (two worker builds of ~8-11 s, ~2 s a row with its seven updates, on 2 cores). The
+whole matrix (plus two DP 2 spawns of ~50 s for three rows, one Megatron spawn of ~30 s for two rows), which
+rewrites ``benchmarks/results/parity_matrix_cpu.md``::
 
-    TOKENSEL_PARITY_FULL=1 flock /tmp/heavy.lock python -m pytest tests/test_parity_matrix_on_cpu.py -q -p no:cacheprovider
+    TOKENSEL_PARITY_FULL=1 flock /tmp/heavy.lock \
+        python -m pytest tests/test_parity_matrix_on_cpu.py -q -p no:cacheprovider
 
 The full matrix also runs three of the default slice's rows on verl's Megatron engine (one spawned process, the
 CPU test bed of ``verl_tokensel.cpu.megatron``). Not covered: Megatron with DP, TP or PP (its layouts are

@@ -17,7 +17,7 @@ import itertools
 import math
 import random
 import traceback
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
@@ -91,7 +91,8 @@ def combo_id(row: dict) -> str:
     engine = "megatron-" if row.get("engine") == "megatron" else ""
     short = {"token-mean": "tm", "seq-mean-token-sum": "smts", "seq-mean-token-mean": "smtm",
              "seq-mean-token-sum-norm": "smtsn"}
-    return (f"{engine}dp{row['dp']}-rmpad{int(row['rmpad'])}-mini{row['mini']}x{row['mini_batches']}-n{row['rollout_n']}"
+    return (f"{engine}dp{row['dp']}-rmpad{int(row['rmpad'])}-mini{row['mini']}x{row['mini_batches']}"
+            f"-n{row['rollout_n']}"
             f"-micro{row['micro']}-lp{row['log_prob_micro']}-dyn{row['dyn']}-ep{row['epochs']}"
             f"-{short[row['loss_agg_mode']]}-c{row['clip_ratio_c']}-kl{int(row['kl_loss'])}-ent{row['entropy_coeff']}")
 
