@@ -12,14 +12,17 @@ set -euo pipefail
 PYTHON="${TOKENSEL_PYTHON:-python3}"
 TIMEOUT="${TOKENSEL_TIMEOUT:-7d}"
 
-# the installed package's recipes and presets (an import of verl_tokensel only, no verl)
+# the installed package's recipes (an import of verl_tokensel only, no verl) and presets
 recipe_list() {
     "$PYTHON" -c 'import importlib.resources as r; print(" ".join(sorted(p.name[:-5] for p in r.files("verl_tokensel.recipes").iterdir() if p.name.endswith(".yaml"))))'
+}
+preset_list() {  # the selector core: torch, no verl
+    "$PYTHON" -c 'from verl_tokensel.core.config import PRESETS; print(" ".join(PRESETS))'
 }
 usage() {
     echo "usage: $0 <recipe-name> <preset> [extra hydra overrides...]" >&2
     echo "  recipes: $(recipe_list 2>/dev/null)" >&2
-    echo "  presets: none forking forking_paper forking_bottom random gmts grad_norm" >&2
+    echo "  presets: $(preset_list 2>/dev/null)" >&2
 }
 
 if [ "$#" -lt 2 ]; then
@@ -32,8 +35,7 @@ shift 2
 
 recipes="$(recipe_list 2>/dev/null)" || recipes=""  # empty: $PYTHON cannot import verl_tokensel (said below)
 if [ -n "$recipes" ] && [[ " $recipes " != *" $recipe "* ]]; then
-    echo "error: no recipe '$recipe' in the installed verl_tokensel.recipes" >&2
-    usage
+    echo "error: no recipe '$recipe' in the installed verl_tokensel.recipes; the recipes: $recipes" >&2
     exit 2
 fi
 

@@ -1,20 +1,27 @@
-"""Recipes (package data under verl_tokensel/recipes/, launch scripts under recipes/): every recipe x every
-preset composes, resolves and passes verl's own
-validate_config and our driver check; the paper hyperparameters are what the recipes claim; a
-missing env var is a clear error (Hydra and run.sh); every YAML key has a comment; scripts parse.
-The Megatron recipes (``<fsdp recipe>_megatron``) hold their FSDP twin's hyperparameters with the same
-"paper" / "chosen" marks, and a Megatron layout that fits the model (TP divides its heads and KV heads) and
-the cluster (TP x PP x CP divides the GPUs), with verl's GPU engine defaults."""
+"""Recipes (package data under verl_tokensel/recipes/, launch scripts under recipes/).
+
+A recipe is a primary config of a few dozen lines whose defaults name an engine part (base/fsdp, base/megatron),
+a setup (base/dapo_8020, base/gmts, base/gmts_dapo) and its model's cluster (cluster/<model>). Checked here:
+each recipe composes to its snapshot (tests/data/recipes_composed.json); every recipe x every preset composes,
+resolves and passes verl's validate_config and our driver check; the paper hyperparameters; a recipe file adds
+only its engine layout to its parts; the Megatron layouts fit the models and the clusters; a missing env var is
+a clear error (Hydra and run.sh); every YAML key has a comment; no two recipe files share 40 lines;
+recipes/README.md gives a source for exactly the keys the recipe files set; the scripts parse.
+
+After a meant change of a recipe's values, rewrite the snapshot: python tests/test_recipes_on_cpu.py --write-snapshot
+"""
 
 from __future__ import annotations
 
 import copy
 import functools
+import itertools
 import json
 import os
 import re
-import sys
 import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -30,48 +37,36 @@ from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, Tokens
 from verl_tokensel.verl_glue.install import validate_driver_config
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "verl_tokensel" / "recipes"  # the recipe YAMLs, shipped in the wheel
-SCRIPTS = ROOT / "recipes"  # run.sh, submit_ray_job.sh
-ENV_VARS = ("TOKENSEL_MODEL_PATH", "TOKENSEL_TRAIN_FILES", "TOKENSEL_VAL_FILES")
+RECIPES = ROOT / "verl_tokensel" / "recipes"  # the recipe YAMLs and their parts, shipped in the wheel
+YAMLS = sorted(p.relative_to(RECIPES).as_posix() for p in RECIPES.rglob("*.yaml"))
+SCRIPTS = ROOT / "recipes"  # run.sh, submit_ray_job.sh, README.md
+SNAPSHOT = ROOT / "tests" / "data" / "recipes_composed.json"
+DUMMY_ENV = {"TOKENSEL_MODEL_PATH": "/dummy/model", "TOKENSEL_TRAIN_FILES": "/dummy/train.parquet",
+             "TOKENSEL_VAL_FILES": "/dummy/val.parquet"}
 DAPO_8020 = ["dapo_qwen3_8b", "dapo_qwen3_14b", "dapo_qwen3_32b"]  # FSDP engine
 GMTS = [f"gmts_qwen2.5_math_{s}_{a}" for s in ("1.5b", "7b") for a in ("dapo", "grpo")]  # FSDP engine
 FSDP = DAPO_8020 + GMTS
 MEGATRON = [f"{n}_megatron" for n in FSDP]  # each FSDP recipe's Megatron twin
-TWIN = dict(zip(MEGATRON, FSDP))
-DAPO_8020_ALL = DAPO_8020 + [f"{n}_megatron" for n in DAPO_8020]
-GMTS_ALL = GMTS + [f"{n}_megatron" for n in GMTS]
 ALL = FSDP + MEGATRON
 SEL = "actor_rollout_ref.actor.token_selector"
+ABSENT = "<absent>"  # in a snapshot: a key of the trainer config that the recipe does not have
 
 # (attention heads, KV heads, layers) of each recipe's model: num_attention_heads, num_key_value_heads and
 # num_hidden_layers of the model's config.json on Hugging Face (Qwen/Qwen3-8B, Qwen/Qwen3-14B, Qwen/Qwen3-32B,
 # whose -Base checkpoints share the architecture; Qwen/Qwen2.5-Math-1.5B, Qwen/Qwen2.5-Math-7B).
-MODEL_SHAPES = {
-    "qwen3_8b": (32, 8, 36),
-    "qwen3_14b": (40, 8, 40),
-    "qwen3_32b": (64, 8, 64),
-    "qwen2.5_math_1.5b": (12, 2, 28),
-    "qwen2.5_math_7b": (28, 4, 28),
-}
-
-# Keys only one engine has: FSDP's engine block, its strategy-level grad_clip (Megatron clips with
-# optim.clip_grad only), HF gradient checkpointing (Megatron recomputes per megatron.override_transformer_config)
-# and the reference model's Ulysses size (megatron_ref follows the actor's TP/PP/CP); Megatron's engine block.
-FSDP_ONLY = ("actor_rollout_ref.actor.fsdp_config.", "actor_rollout_ref.ref.", "actor_rollout_ref.actor.grad_clip",
-             "actor_rollout_ref.model.enable_gradient_checkpointing")
-MEGATRON_ONLY = ("actor_rollout_ref.actor.megatron.",)
-NAMED = ("defaults", "trainer.experiment_name")  # differ by config / recipe name (checked on their own)
-# What a Megatron recipe may set in actor.megatron: the layout and memory keys; everything else (attention
+MODEL_SHAPES = {"qwen3_8b": (32, 8, 36), "qwen3_14b": (40, 8, 40), "qwen3_32b": (64, 8, 64),
+                "qwen2.5_math_1.5b": (12, 2, 28), "qwen2.5_math_7b": (28, 4, 28)}
+# What a recipe file may set beside its defaults: the engine's layout and the run name; everything else
+# comes from its parts, so a Megatron recipe holds its FSDP twin's hyperparameters by construction.
+LAYOUT = {"fsdp": {"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"},
+          "megatron": {f"actor_rollout_ref.actor.megatron.{k}" for k in
+                       ("tensor_model_parallel_size", "context_parallel_size", "sequence_parallel")}}
+# What the recipes may change in actor.megatron: the layout and memory keys; everything else (attention
 # backend, Megatron-Bridge, dtype, ...) stays verl's GPU default, never the CPU test bed's settings.
 MEGATRON_RECIPE_KEYS = {"tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                        "sequence_parallel", "use_distributed_optimizer", "param_offload", "optimizer_offload",
-                        "override_transformer_config"}
-RECOMPUTE_KEYS = {"recompute_granularity", "recompute_method", "recompute_num_layers"}
+                        "sequence_parallel", "use_distributed_optimizer", "param_offload", "optimizer_offload"} | {
+    f"override_transformer_config.recompute_{k}" for k in ("granularity", "method", "num_layers")}
 VERL_MEGATRON_YAML = Path(verl.__file__).parent / "trainer" / "config" / "engine" / "megatron.yaml"  # verl's defaults
-SNAPSHOT = ROOT / "tests" / "data" / "recipes_composed.json"
-DUMMY_ENV = {"TOKENSEL_MODEL_PATH": "/dummy/model", "TOKENSEL_TRAIN_FILES": "/dummy/train.parquet",
-             "TOKENSEL_VAL_FILES": "/dummy/val.parquet"}
-ABSENT = "<absent>"  # a trainer key the recipe does not have
 
 
 @pytest.fixture
@@ -81,8 +76,8 @@ def env(monkeypatch):
 
 
 @functools.lru_cache(maxsize=None)
-def _compose_cached(name, overrides):
-    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+def _compose_cached(name, overrides=(), config_dir=RECIPES):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         return compose(name, overrides=list(overrides))
 
 
@@ -107,44 +102,56 @@ def _resolved(name):
 
 def _flat(node, prefix=""):
     """{dotted key: leaf value} of a raw YAML mapping."""
-    out = {}
-    for k, v in node.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+    return {key: leaf for k, v in node.items() for key, leaf in
+            (_flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) and v else [(f"{prefix}{k}", v)])}
 
 
-def _comments(name):
-    """{dotted key: the first line of the comment above it} of a recipe YAML (block style, 2-space indents)."""
-    out, stack = {}, []
-    lines = (RECIPES / f"{name}.yaml").read_text().splitlines()
-    for i, line in enumerate(lines):
-        s = line.strip()
-        if s and not s.startswith(("#", "-")) and ":" in s:
-            depth = (len(line) - len(line.lstrip())) // 2
-            del stack[depth:]
-            stack.append(s.split(":", 1)[0])
-            first = i - 1
-            while first > 0 and lines[first - 1].strip().startswith("#"):
-                first -= 1
-            out[".".join(stack)] = lines[first].strip()
-    return out
-
-
-def _mark(comment):
-    """``paper`` / ``chosen`` / None: how a value's comment says where it comes from."""
-    m = re.match(r"# (paper|chosen)\b", comment)
-    return m.group(1) if m else None
+def _raw(path):
+    return yaml.safe_load((RECIPES / path).read_text())
 
 
 def _model(name):
     return re.search(r"qwen3_\d+b|qwen2\.5_math_[\d.]+b", name).group(0)
 
 
+def _leaves(cfg):
+    """{dotted key: value} of a composed config, interpolations resolved except ``${oc.env:...}`` (kept as written)."""
+    def walk(raw, res, prefix):
+        for k, r in raw.items():
+            if isinstance(r, dict) and r:
+                yield from walk(r, res[k], f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", r if isinstance(r, str) and "${oc.env:" in r else res[k]
+    return dict(walk(OmegaConf.to_container(cfg), OmegaConf.to_container(cfg, resolve=True), ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_leaves(megatron):
+    trainer = "tokensel_megatron_trainer" if megatron else "tokensel_trainer"
+    return _leaves(_compose_cached(trainer, config_dir=ROOT / "verl_tokensel" / "config"))
+
+
+def _recipe_delta(name):
+    """The leaves where the composed recipe differs from its trainer config (tokensel_trainer or
+    tokensel_megatron_trainer, composed here): equal deltas mean equal configs under the installed verl, and a
+    change of verl's defaults outside the keys the recipes set leaves them alone."""
+    base, leaves = _trainer_leaves(name in MEGATRON), _leaves(_compose_cached(name, ()))
+    delta = {k: v for k, v in leaves.items() if base.get(k, ABSENT) != v or type(base[k]) is not type(v)}
+    delta.update({k: ABSENT for k in base if k not in leaves})
+    return json.loads(json.dumps(delta))
+
+
 def test_recipe_set_is_complete():
     assert sorted(p.stem for p in RECIPES.glob("*.yaml")) == sorted(ALL)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_recipe_equals_its_snapshot(env, name):
+    want, got = json.loads(SNAPSHOT.read_text())["recipes"][name], _recipe_delta(name)
+    diff = sorted(k for k in want.keys() | got.keys() if json.dumps(want.get(k)) != json.dumps(got.get(k)))
+    first = "; ".join(f"{k}: {want.get(k, 'trainer default')!r} -> {got.get(k, 'trainer default')!r}" for k in diff[:8])
+    assert not diff, (f"{name}: {len(diff)} keys differ from {SNAPSHOT.relative_to(ROOT)}: {first}. If the change is "
+                      f"meant, rewrite the snapshot: python {Path(__file__).relative_to(ROOT)} --write-snapshot")
 
 
 @pytest.mark.parametrize("name", ["dapo_qwen3_14b", "gmts_qwen2.5_math_7b_dapo_megatron"])
@@ -162,21 +169,13 @@ def test_recipe_composes_and_validates(env, name, preset):
     validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     validate_driver_config(cfg)
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    megatron = name in MEGATRON
-    assert cfg.model_engine == ("megatron" if megatron else "dp")
-    assert type(actor) is (TokenselMcoreActorConfig if megatron else TokenselFSDPActorConfig)
+    assert (cfg.model_engine, type(actor)) == (("megatron", TokenselMcoreActorConfig) if name in MEGATRON else
+                                               ("dp", TokenselFSDPActorConfig))
     assert actor.selection == PRESETS[preset]
     assert cfg.actor_rollout_ref.model.path == "/dummy/model"
     assert cfg.data.train_files == "/dummy/train.parquet" and cfg.data.val_files == "/dummy/val.parquet"
     assert cfg.trainer.v1.trainer_mode == "tokensel_sync"
-    assert cfg.trainer.experiment_name.endswith(f"_{preset}")
-
-
-@pytest.mark.parametrize("name,default", [(n, "forking") for n in DAPO_8020_ALL] + [(n, "gmts") for n in GMTS_ALL])
-def test_default_preset(env, name, default):
-    cfg = _compose(name)
-    assert cfg.actor_rollout_ref.actor.token_selector == default
-    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).selection == PRESETS[default]
+    assert cfg.trainer.experiment_name == f"{name}_{preset}"
 
 
 def _common_dapo_grpo(cfg):
@@ -192,15 +191,15 @@ def _common_dapo_grpo(cfg):
     assert ("grad_clip" in a) is (cfg.model_engine == "dp")
     assert a.ppo_mini_batch_size == 32 and cfg.data.train_batch_size == 512
     assert r.n == 16 and r.temperature == 1.0 and r.val_kwargs.top_p == 0.7 and r.val_kwargs.do_sample
+    assert cfg.actor_rollout_ref.model.use_remove_padding is True and cfg.trainer.n_gpus_per_node == 8
 
 
-@pytest.mark.parametrize("name", DAPO_8020_ALL)
+@pytest.mark.parametrize("name", DAPO_8020 + [f"{n}_megatron" for n in DAPO_8020])
 def test_8020_paper_hyperparameters(env, name):
-    cfg = _compose(name)
-    OmegaConf.resolve(cfg)
+    cfg = _resolved(name)
     _common_dapo_grpo(cfg)
     a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
-    assert a.clip_ratio_high == 0.28
+    assert a.token_selector == "forking" and a.clip_ratio_high == 0.28
     assert cfg.data.max_prompt_length == 2048 and cfg.data.max_response_length == 20480
     assert cfg.data.gen_batch_size == 1536
     fg = cfg.algorithm.filter_groups
@@ -210,42 +209,20 @@ def test_8020_paper_hyperparameters(env, name):
     assert kw.max_resp_len == cfg.data.max_response_length
     assert kw.overlong_buffer_cfg.enable is True and kw.overlong_buffer_cfg.len == 4096
     assert kw.overlong_buffer_cfg.penalty_factor == 1.0
-    assert cfg.actor_rollout_ref.model.use_remove_padding is True
-    assert r.name == "vllm" and cfg.trainer.n_gpus_per_node == 8
+    assert r.name == "vllm" and r.val_kwargs.n == 32  # the paper's avg@32
     assert a.ppo_max_token_len_per_gpu >= cfg.data.max_prompt_length + cfg.data.max_response_length
+    if _model(name) == "qwen3_14b":  # the script's layout: 16 nodes, vLLM TP 4, Ulysses SP 8
+        assert cfg.trainer.nnodes == 16 and r.tensor_model_parallel_size == 4
+        assert name.endswith("_megatron") or a.fsdp_config.ulysses_sequence_parallel_size == 8
 
 
-@pytest.mark.parametrize("suffix", ["", "_megatron"])
-def test_8020_only_layout_scales_with_size(suffix):
-    engine_keys = ([("actor_rollout_ref", "actor", "megatron")] if suffix else
-                   [("actor_rollout_ref", "actor", "fsdp_config", "ulysses_sequence_parallel_size"),
-                    ("actor_rollout_ref", "ref", "fsdp_config", "ulysses_sequence_parallel_size")])
-    layout_keys = [("trainer", "nnodes"), ("trainer", "experiment_name"),
-                   ("actor_rollout_ref", "rollout", "tensor_model_parallel_size")] + engine_keys
-    layouts, bodies = {}, {}
-    for name in DAPO_8020:
-        node = yaml.safe_load((RECIPES / f"{name}{suffix}.yaml").read_text())
-        layout = []
-        for keys in layout_keys:
-            parent = node
-            for k in keys[:-1]:
-                parent = parent[k]
-            layout.append(parent.pop(keys[-1]))
-        layouts[name], bodies[name] = layout, node
-    assert layouts["dapo_qwen3_14b"][0] == 16 and layouts["dapo_qwen3_14b"][2] == 4  # paper: 16 nodes, vLLM TP 4
-    if not suffix:
-        assert layouts["dapo_qwen3_14b"][3:] == [8, 8]  # paper: Ulysses SP 8
-    assert bodies["dapo_qwen3_8b"] == bodies["dapo_qwen3_14b"] == bodies["dapo_qwen3_32b"]
-
-
-@pytest.mark.parametrize("name", GMTS_ALL)
+@pytest.mark.parametrize("name", GMTS + [f"{n}_megatron" for n in GMTS])
 def test_gmts_setups(env, name):
-    cfg = _compose(name)
-    OmegaConf.resolve(cfg)
+    cfg = _resolved(name)
     _common_dapo_grpo(cfg)
     a = cfg.actor_rollout_ref.actor
     dapo = name.removesuffix("_megatron").endswith("_dapo")
-    assert a.clip_ratio_high == (0.28 if dapo else 0.2)
+    assert a.token_selector == "gmts" and a.clip_ratio_high == (0.28 if dapo else 0.2)
     assert cfg.algorithm.filter_groups.enable is dapo
     assert cfg.reward.reward_manager.name == ("dapo" if dapo else "naive")
     assert cfg.data.max_prompt_length + cfg.data.max_response_length <= 4096  # Qwen2.5-Math context
@@ -255,52 +232,38 @@ def test_gmts_setups(env, name):
         assert 0 < kw.overlong_buffer_cfg.len < kw.max_resp_len
 
 
-def test_recipes_inline_tokensel_trainer():
+@pytest.mark.parametrize("name", ALL)
+def test_recipe_file_adds_only_its_layout(name):
+    """The defaults: the engine part, then the setup and the model's cluster, the same for both engines; the
+    file itself sets the search path, the engine layout and the run name."""
+    engine = "megatron" if name in MEGATRON else "fsdp"
+    node = _raw(f"{name}.yaml")
+    twin = _raw(f"{name.removesuffix('_megatron')}.yaml")
+    assert node["hydra"]["searchpath"] == ["pkg://verl_tokensel.config", "pkg://verl.trainer.config"]
+    assert node["defaults"][0] == f"base/{engine}" and node["defaults"][-1] == "_self_"
+    assert f"cluster/{_model(name)}" in node["defaults"] and node["defaults"][1:] == twin["defaults"][1:]
+    keys = set(_flat(node)) - {"hydra.searchpath", "defaults", "trainer.experiment_name"}
+    assert keys <= LAYOUT[engine], keys - LAYOUT[engine]
+
+
+@pytest.mark.parametrize("engine,trainer", [("fsdp", "tokensel_trainer"), ("megatron", "tokensel_megatron_trainer")])
+def test_engine_parts_inline_the_tokensel_trainers(engine, trainer):
     """Hydra refuses tokensel_trainer (tokensel_megatron_trainer) as a non-primary default (it sets
-    hydra.searchpath), so the recipes inline it; keep them in sync with it."""
-    for name in ALL:
-        config = "tokensel_megatron_trainer" if name in MEGATRON else "tokensel_trainer"
-        base = yaml.safe_load((ROOT / "verl_tokensel" / "config" / f"{config}.yaml").read_text())
-        node = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
-        assert node["defaults"] == base["defaults"], name
-        assert set(base["hydra"]["searchpath"]) <= set(node["hydra"]["searchpath"]), name
-        assert "pkg://verl_tokensel.config" in node["hydra"]["searchpath"], name
-        assert node["trainer"]["v1"]["trainer_mode"] == base["trainer"]["v1"]["trainer_mode"], name
-
-
-@pytest.mark.parametrize("name", MEGATRON)
-def test_megatron_twin_has_the_fsdp_hyperparameters(env, name):
-    """Same values, same "paper" / "chosen" marks as the FSDP twin outside the engine's own keys; the
-    paper's values resolve identically; the Megatron layout is marked chosen."""
-    twin = TWIN[name]
-    raw = {n: _flat(yaml.safe_load((RECIPES / f"{n}.yaml").read_text())) for n in (name, twin)}
-    comments = {n: _comments(n) for n in (name, twin)}
-
-    def shared(n, only):
-        return {k: v for k, v in raw[n].items() if not k.startswith(only + NAMED)}
-
-    assert shared(name, MEGATRON_ONLY) == shared(twin, FSDP_ONLY)
-    assert raw[name]["trainer.experiment_name"] == raw[twin]["trainer.experiment_name"].replace(twin, name, 1)
-    for key, comment in comments[twin].items():
-        if key in comments[name]:
-            assert _mark(comments[name][key]) == _mark(comment), f"{name}: {key}: {comments[name][key]!r}"
-    megatron_keys = [k for k in raw[name] if k.startswith(MEGATRON_ONLY)]
-    assert megatron_keys and all(_mark(comments[name][k]) == "chosen" for k in megatron_keys), name
-    cfg, twin_cfg = _resolved(name), _resolved(twin)
-    paper = [k for k, c in comments[twin].items() if _mark(c) == "paper" and k in raw[twin]
-             and not k.startswith(FSDP_ONLY)]
-    assert paper or twin.startswith("gmts_")
-    for key in paper:
-        assert OmegaConf.select(cfg, key) == OmegaConf.select(twin_cfg, key), key
+    hydra.searchpath), so base/fsdp (base/megatron) repeats its defaults and trainer_mode."""
+    base = yaml.safe_load((ROOT / "verl_tokensel" / "config" / f"{trainer}.yaml").read_text())
+    node = _raw(f"base/{engine}.yaml")
+    def absolute(d):  # a default of a part names verl's and our groups from the root
+        return d if d == "_self_" else {f"/{k}": v for k, v in d.items()} if isinstance(d, dict) else f"/{d}"
+    assert node["defaults"] == [absolute(d) for d in base["defaults"]]
+    assert node["trainer"]["v1"]["trainer_mode"] == base["trainer"]["v1"]["trainer_mode"]
+    assert base["hydra"]["searchpath"] == ["pkg://verl.trainer.config"]  # which each recipe file extends
 
 
 @pytest.mark.parametrize("name", MEGATRON)
 def test_megatron_layout(env, name):
     cfg = _resolved(name)
     assert cfg.model_engine == "megatron" and cfg.actor_rollout_ref.actor.strategy == "megatron"
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert isinstance(actor, TokenselMcoreActorConfig)
-    m = actor.megatron
+    m = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).megatron
     tp, pp, cp = m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
     gpus = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     assert gpus % (tp * pp * cp) == 0, (gpus, tp, pp, cp)
@@ -310,6 +273,7 @@ def test_megatron_layout(env, name):
     # every data-parallel rank gets whole mini-batches of responses
     n = cfg.actor_rollout_ref.rollout.n
     assert (cfg.actor_rollout_ref.actor.ppo_mini_batch_size * n) % dp == 0
+    assert tp == cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
     assert m.sequence_parallel is (tp > 1) and m.use_distributed_optimizer is True
     # context parallelism for the 80/20 recipes' 20k-token responses; Megatron's CP needs packed sequences
     assert (cp > 1) is name.startswith("dapo_qwen3_")
@@ -317,19 +281,18 @@ def test_megatron_layout(env, name):
     # the reference model (used when a KL term is switched on) follows the actor's layout
     ref = cfg.actor_rollout_ref.ref.megatron
     assert (ref.tensor_model_parallel_size, ref.pipeline_model_parallel_size, ref.context_parallel_size) == (tp, pp, cp)
-    # verl's GPU engine defaults stay: only layout / memory keys in the recipe, none of the CPU test bed's
-    node = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())["actor_rollout_ref"]["actor"]["megatron"]
-    assert set(node) <= MEGATRON_RECIPE_KEYS, set(node) - MEGATRON_RECIPE_KEYS
-    assert set(node.get("override_transformer_config", {})) <= RECOMPUTE_KEYS
-    verl = yaml.safe_load(VERL_MEGATRON_YAML.read_text())
+    # verl's GPU engine defaults stay: the recipe changes only layout / memory keys, none of the CPU test bed's
+    prefix = "actor_rollout_ref.actor.megatron."
+    changed = {k.removeprefix(prefix) for k in _recipe_delta(name) if k.startswith(prefix)}
+    assert changed <= MEGATRON_RECIPE_KEYS, changed - MEGATRON_RECIPE_KEYS
+    verl_defaults = yaml.safe_load(VERL_MEGATRON_YAML.read_text())
     for key in ("use_mbridge", "vanilla_mbridge", "dtype", "use_remove_padding"):
-        assert cfg.actor_rollout_ref.actor.megatron[key] == verl[key], key
+        assert cfg.actor_rollout_ref.actor.megatron[key] == verl_defaults[key], key
     transformer = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
-    assert set(transformer) <= set(verl["override_transformer_config"]) | RECOMPUTE_KEYS
-    assert transformer.attention_backend == verl["override_transformer_config"]["attention_backend"] == "flash"
+    assert transformer.attention_backend == verl_defaults["override_transformer_config"]["attention_backend"] == "flash"
 
 
-@pytest.mark.parametrize("var", ENV_VARS)
+@pytest.mark.parametrize("var", DUMMY_ENV)
 def test_missing_env_var_names_it_when_resolving(env, monkeypatch, var):
     monkeypatch.delenv(var)
     cfg = _compose("dapo_qwen3_14b", [f"{SEL}=forking"])
@@ -337,18 +300,16 @@ def test_missing_env_var_names_it_when_resolving(env, monkeypatch, var):
         OmegaConf.resolve(cfg)
 
 
-@pytest.mark.parametrize("var", ENV_VARS)
+@pytest.mark.parametrize("var", DUMMY_ENV)
 def test_run_sh_missing_env_var(var):
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENSEL_")}
-    env.update({k: f"/dummy/{k}" for k in ENV_VARS if k != var})
+    env.update({k: f"/dummy/{k}" for k in DUMMY_ENV if k != var})
     # a python that would fail loudly if reached: nothing may start before the env check
     env["TOKENSEL_PYTHON"] = "/nonexistent/python-must-not-run"
     res = subprocess.run(["bash", str(SCRIPTS / "run.sh"), "dapo_qwen3_14b", "forking"],
                          capture_output=True, text=True, timeout=30, env=env, cwd=str(ROOT))
-    assert res.returncode != 0
-    assert var in res.stderr
-    assert "must-not-run" not in res.stderr
-    assert all(k not in res.stderr for k in ENV_VARS if k != var)
+    assert res.returncode != 0 and var in res.stderr and "must-not-run" not in res.stderr
+    assert all(k not in res.stderr for k in DUMMY_ENV if k != var)
 
 
 def test_run_sh_knows_the_megatron_recipes():
@@ -361,24 +322,44 @@ def test_run_sh_knows_the_megatron_recipes():
 
 
 def test_run_sh_unknown_recipe_and_usage():
-    res = subprocess.run(["bash", str(SCRIPTS / "run.sh")], capture_output=True, text=True, timeout=30)
+    env = {**os.environ, "TOKENSEL_PYTHON": sys.executable}
+    res = subprocess.run(["bash", str(SCRIPTS / "run.sh")], capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode != 0 and "usage" in res.stderr
+    # the usage lists the installed recipes (not their parts) and presets
+    assert re.search(r"recipes: (.*)", res.stderr).group(1).split() == sorted(ALL), res.stderr
+    assert re.search(r"presets: (.*)", res.stderr).group(1).split() == list(PRESETS), res.stderr
     res = subprocess.run(["bash", str(SCRIPTS / "run.sh"), "no_such_recipe", "forking"],
-                         capture_output=True, text=True, timeout=30)
-    assert res.returncode != 0 and "no_such_recipe" in res.stderr
+                         capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode != 0 and "no recipe 'no_such_recipe'" in res.stderr
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_every_key_has_a_comment(name):
+@pytest.mark.parametrize("path", YAMLS)
+def test_every_key_has_a_comment(path):
     """A comment line above every key, and a blank line (or the key's list items) after it, as verl's YAMLs."""
-    path = RECIPES / f"{name}.yaml"
-    lines = path.read_text().splitlines()
+    lines = (RECIPES / path).read_text().splitlines()
     for i, line in enumerate(lines):
         stripped = line.strip()
         if stripped and not stripped.startswith(("#", "-")) and ":" in stripped:
-            assert i > 0 and lines[i - 1].strip().startswith("#"), f"{path.name}:{i + 1} key without a comment: {line}"
+            assert i > 0 and lines[i - 1].strip().startswith("#"), f"{path}:{i + 1} key without a comment: {line}"
             after = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            assert not after or after.startswith("- "), f"{path.name}:{i + 2} no blank line after: {line}"
+            assert not after or after.startswith("- "), f"{path}:{i + 2} no blank line after: {line}"
+
+
+def test_no_two_recipe_files_share_40_lines():
+    """Composed, not copied: the lines two files have in common (as a multiset, comments included, blank lines
+    not) stay under 40."""
+    lines = {p: Counter(s.strip() for s in (RECIPES / p).read_text().splitlines() if s.strip()) for p in YAMLS}
+    shared = {(a, b): sum((lines[a] & lines[b]).values()) for a, b in itertools.combinations(YAMLS, 2)}
+    worst = max(shared, key=shared.get)
+    assert shared[worst] < 40, (worst, shared[worst])
+
+
+def test_readme_gives_every_recipe_key_a_source():
+    text = (SCRIPTS / "README.md").read_text()
+    section = text.split("## Where each value comes from", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w.]+)` \|", section, flags=re.M)
+    set_keys = {k for p in YAMLS for k in _flat(_raw(p)) if k not in ("hydra.searchpath", "defaults")}
+    assert len(rows) == len(set(rows)) and set(rows) == set_keys, (set_keys - set(rows), set(rows) - set_keys)
 
 
 @pytest.mark.parametrize("script", ["run.sh", "submit_ray_job.sh"])
@@ -394,46 +375,10 @@ def test_scripts_hold_no_secrets():
             assert needle not in text, f"{path.name} contains {needle}"
 
 
-def _leaves(cfg):
-    """{dotted key: value} of a composed config, interpolations resolved except ``${oc.env:...}`` (kept as written)."""
-    def walk(raw, res, prefix):
-        for k, r in raw.items():
-            if isinstance(r, dict) and r:
-                yield from walk(r, res[k], f"{prefix}{k}.")
-            else:
-                yield f"{prefix}{k}", r if isinstance(r, str) and "${oc.env:" in r else res[k]
-    return dict(walk(OmegaConf.to_container(cfg), OmegaConf.to_container(cfg, resolve=True), ""))
-
-
-@functools.lru_cache(maxsize=None)
-def _trainer_leaves(megatron):
-    with initialize_config_dir(config_dir=str(ROOT / "verl_tokensel" / "config"), version_base=None):
-        return _leaves(compose("tokensel_megatron_trainer" if megatron else "tokensel_trainer"))
-
-
-def _recipe_delta(name):
-    """The leaves where the composed recipe differs from its trainer (tokensel_trainer or tokensel_megatron_trainer,
-    composed here): equal deltas mean equal configs under the installed verl, and a change of verl's own defaults
-    outside the recipes' keys leaves them alone."""
-    trainer, leaves = _trainer_leaves(name in MEGATRON), _leaves(_compose(name))
-    delta = {k: v for k, v in leaves.items() if trainer.get(k, ABSENT) != v or type(trainer[k]) is not type(v)}
-    delta.update({k: ABSENT for k in trainer if k not in leaves})
-    return json.loads(json.dumps(delta))
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_recipe_equals_its_snapshot(env, name):
-    want, got = json.loads(SNAPSHOT.read_text())["recipes"][name], _recipe_delta(name)
-    diff = sorted(k for k in want.keys() | got.keys() if json.dumps(want.get(k)) != json.dumps(got.get(k)))
-    first = "; ".join(f"{k}: {want.get(k, 'trainer default')!r} -> {got.get(k, 'trainer default')!r}" for k in diff[:8])
-    assert not diff, (f"{name}: {len(diff)} keys differ from {SNAPSHOT.relative_to(ROOT)}: {first}. If the change is "
-                      f"meant, rewrite the snapshot: python {Path(__file__).relative_to(ROOT)} --write-snapshot")
-
-
 if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:
     os.environ.update(DUMMY_ENV)
-    recipes = {name: _recipe_delta(name) for name in sorted(ALL)}
     about = ("Each recipe's composed config (tests/test_recipes_on_cpu.py) as the leaves where it differs from its "
              "trainer config, interpolations resolved except ${oc.env:...}, with the test's dummy env vars.")
+    recipes = {name: _recipe_delta(name) for name in sorted(ALL)}
     SNAPSHOT.parent.mkdir(exist_ok=True)
     SNAPSHOT.write_text(json.dumps({"about": about, "recipes": recipes}, indent=1) + "\n")
