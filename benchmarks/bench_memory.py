@@ -285,6 +285,9 @@ class _Variant:
         try:
             batch = B.make_update_batch(self.actor, n=self.n, seed=0, prompt_len=(PROMPT, PROMPT),
                                         resp_len=(RESPONSE, RESPONSE), group_size=2)
+            # the variant's loss before its old-log-prob pass, as a trainer sets it at init: the pass's entropy
+            # function follows the loss (no-graph under a selecting loss)
+            self.actor.set_loss_fn(self.loss_fn)
             H.compute_old_log_probs(self.actor, batch)  # the real old-log-prob pass (keeps `entropy` for the driver)
             tu.assign_non_tensor(batch, calculate_entropy=self.entropy_in_update)
             extra = 0.0
