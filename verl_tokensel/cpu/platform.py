@@ -471,14 +471,6 @@ def _install_vllm_cpu_fixes() -> None:
     vllm_patch.install()
 
 
-def _arm_megatron_cpu_shims() -> None:
-    """``model_engine=megatron`` (``VERL_TOKENSEL_CPU_MEGATRON=1``, set by the CPU switch): the Megatron shims,
-    installed when this process imports Megatron (:func:`verl_tokensel.cpu.megatron.install_on_megatron_import`)."""
-    from verl_tokensel.cpu.megatron import install_on_megatron_import
-
-    install_on_megatron_import()
-
-
 # Register on import (safe on any host: never auto-detected). In a process whose env already selects the
 # CPU platform (Ray workers, spawned ranks), also make init_process_group accept verl's backend string.
 ensure_registered()
@@ -486,4 +478,3 @@ if is_cpu_mode():
     os.environ.setdefault("VERL_ENGINE_DEVICE", "cuda")
     install_process_group_fix()
     _install_vllm_cpu_fixes()
-    _arm_megatron_cpu_shims()

@@ -30,7 +30,12 @@ def load() -> None:
     try:
         from verl_tokensel.cpu import platform as cpu_platform
 
+        from verl_tokensel.cpu.megatron import install_on_megatron_import
+
         cpu_platform.ensure_registered()
+        # model_engine=megatron (the CPU switch sets VERL_TOKENSEL_CPU_MEGATRON=1): the Megatron shims, installed when
+        # this process imports megatron.core
+        install_on_megatron_import()
         LOAD_ERROR = None
     except Exception:  # noqa: BLE001 - verl would swallow it; we make it loud instead
         LOAD_ERROR = report_load_failure(FAILED)
