@@ -71,6 +71,7 @@ def test_wheel_holds_the_whole_package(built):
     with zipfile.ZipFile(wheel) as zf:
         eps = zf.read(meta).decode()
     assert "[verl.plugins]\ntokensel = verl_tokensel.plugin" in eps
+    assert "tokensel_cpu = verl_tokensel.cpu.plugin" in eps
     assert "verl-tokensel = verl_tokensel.cli.main:main" in eps
     import tarfile
 
