@@ -16,7 +16,7 @@
 # The job runs recipes/run.sh on the cluster (recipes/submit_ray_job.sh builds the `ray job submit` line;
 # TOKENSEL_DRY_RUN=1 prints it). With Ray's token authentication on (Ray >= 2.60 default), also export
 # RAY_AUTH_MODE=token. On CPU (a tiny model, for debugging): add trainer.device=cpu and the sizes the
-# CPU run needs (tests/test_examples_on_cpu.py runs this script that way on two Ray nodes).
+# CPU run needs (tests/test_multi_node_on_cpu.py runs this script that way on two Ray nodes).
 set -euo pipefail
 
 if [ -z "${RAY_ADDRESS:-}" ]; then
