@@ -216,3 +216,21 @@ def test_package_import_graph_has_no_cycle():
     cycles = _cycles(_package_graph())
     assert not cycles, ("import cycles in the package: " + "; ".join(" -> ".join(c) for c in cycles)
                         + ". Fix: move what one side needs so the dependency runs one way.")
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_long_function_in_the_product():
+    """core/ and verl_glue/ (the product) keep every function under 80 lines, so each reads in one screen."""
+    import ast
+
+    long = []
+    for part in ("core", "verl_glue"):
+        for path in sorted((ROOT / "verl_tokensel" / part).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}. Fix: split them."
