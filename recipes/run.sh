@@ -53,7 +53,7 @@ if [ "$missing" -ne 0 ]; then
     exit 2
 fi
 if [ -z "$recipes" ]; then
-    echo "error: $PYTHON cannot import verl_tokensel; install it first (pip install verl-tokensel, or a wheel)," \
+    echo "error: $PYTHON cannot import verl_tokensel; install it first (the wheel: python -m build --wheel; pip install dist/verl_tokensel-*.whl)," \
          "or set TOKENSEL_PYTHON to the interpreter that has it" >&2
     exit 2
 fi

@@ -5,13 +5,14 @@
 # job as strings. Paths must exist on the cluster nodes (shared filesystem).
 # How the plugin reaches every node (the job's driver, TaskRunner and every worker import it through verl's
 # `verl.plugins` entry point, so it must be installed on each node):
-# - image route: the cluster image already has verl 0.9.1 + verl-tokensel; set TOKENSEL_PIP="" (no
-#   runtime-env install, no registry access needed on the nodes);
+# - image route (default): the cluster image already has verl 0.9.1 + verl-tokensel (no runtime-env install,
+#   no registry access needed on the nodes);
 # - wheel route: TOKENSEL_WHEEL=dist/verl_tokensel-<version>-py3-none-any.whl (built with `python -m build`):
 #   the wheel travels in the job's working dir and the runtime env pip-installs that same wheel on every node
 #   (`"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/<wheel>"]`; Ray's pip env inherits the node's packages,
 #   so verl and torch come from the image);
-# - index route (default): the runtime env pip-installs TOKENSEL_PIP (default: verl-tokensel[gpu]) on every node.
+# - index route: TOKENSEL_PIP=<requirement> makes the runtime env pip-install it on every node (an index of your
+#   own that serves the wheel; no public index serves verl-tokensel).
 # The working dir uploaded to the cluster holds only run.sh (and the wheel), never a checkout's verl_tokensel/
 # (it would shadow the installed package). TOKENSEL_DRY_RUN=1 prints the `ray job submit` command instead.
 # No credentials here: provide WANDB_API_KEY etc. through the cluster's environment or image.
@@ -39,7 +40,7 @@ for var in TOKENSEL_MODEL_PATH TOKENSEL_TRAIN_FILES TOKENSEL_VAL_FILES; do
 done
 
 RECIPES_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-PIP_SPEC="${TOKENSEL_PIP-verl-tokensel[gpu]}"
+PIP_SPEC="${TOKENSEL_PIP-}"
 WHEEL="${TOKENSEL_WHEEL:-}"
 
 # the job's working dir: run.sh, and the wheel for the wheel route
