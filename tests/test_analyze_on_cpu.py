@@ -373,7 +373,8 @@ def test_analyze_help_has_worked_examples(capsys):
         cli_main(["analyze", "--help"])
     assert ex.value.code == 0
     text = capsys.readouterr().out
-    assert "verl-tokensel analyze --model" in text and "build_tiny_model_dir" in text
+    assert "verl-tokensel analyze --model" in text and "verl-tokensel tiny-model --out" in text
+    assert "--out report/ \\\n        --device cuda" in text  # the continued command keeps its line break
 
 
 # ------------------------------------------------------------------------------------------------

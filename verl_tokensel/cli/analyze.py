@@ -14,7 +14,7 @@ Examples::
     verl-tokensel analyze --model /tmp/tiny --data examples/data/rollouts --out /tmp/tiny_report
 
     # a real checkpoint on a GPU, bf16, the first 2000 responses of a parquet table
-    verl-tokensel analyze --model Qwen3-8B/ --data samples.parquet --out report/ \
+    verl-tokensel analyze --model Qwen3-8B/ --data samples.parquet --out report/ \\
         --device cuda --dtype bfloat16 --max-responses 2000 --chunk-size 16384
 """
 

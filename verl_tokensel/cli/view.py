@@ -12,7 +12,7 @@ score uses the loss's seeded draw, keyed by the prompt + response ids. Inputs an
 Examples::
 
     verl-tokensel view --model ./Qwen3-8B --data rollouts/12.jsonl --out step12.html   # local HF folder
-    verl-tokensel view --model ./ckpt --data rollouts/ --out gmts.html --preset gmts --shade entropy \
+    verl-tokensel view --model ./ckpt --data rollouts/ --out gmts.html --preset gmts --shade entropy \\
         --max-responses 32 --device cuda --dtype bfloat16
     verl-tokensel view --model ./ckpt --data answers.parquet --out seq.html --scope sequence --shade logp
 """
