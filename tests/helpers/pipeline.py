@@ -31,8 +31,8 @@ from typing import Optional
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
 
 __all__ = ["write_tiny_rl_dataset", "write_reward_file", "tiny_pipeline_overrides", "prepare_tiny_run", "REWARD_SOURCE",
-           "check_selecting_run", "check_params_changed", "loss_announcements", "FULL_CHECKPOINT", "with_overrides",
-           "resume_overrides"]
+           "check_selecting_run", "check_params_changed", "HF_DIR", "loss_announcements", "FULL_CHECKPOINT",
+           "with_overrides", "resume_overrides"]
 
 DATA_SOURCE = "tokensel_tiny_arith"
 #: overrides of a full checkpoint (what a resume loads) plus the HF weights (the parameter check) at every step
@@ -174,13 +174,18 @@ def resume_overrides(overrides: list[str], checkpoint: Path, work: Path) -> list
                                       f"trainer.resume_from_path={checkpoint}"])
 
 
+#: where a step's checkpoint keeps the actor's HF weights: FSDP, and Megatron (written through mbridge)
+HF_DIR = {"fsdp": "actor/huggingface", "megatron": "actor/model/huggingface"}
+
+
 def check_selecting_run(result, model_dir: Path, checkpoints: Path, *, steps: list[int], ratio: float = 0.2,
-                        prefix: str = "actor/tokensel/") -> None:
+                        prefix: str = "actor/tokensel/", engine: str = "fsdp") -> None:
     """A finished selecting run: exit 0; exactly ``steps`` logged; per step the preset's budget (selected
     fraction ceil(ratio N)/N per pool: >= ratio and < ratio + 0.05 here), no dropped score, the rollout (vLLM)
     and actor log-probs equal (the weight sync works); the parameters at the last step differ from the
     initial ones. ``prefix``: where the selection is logged: the loss's per-micro-batch metrics for in-loss
-    presets, ``actor/tokensel/prepass/`` (exact over the mini-batch) for pre-pass presets."""
+    presets, ``actor/tokensel/prepass/`` (exact over the mini-batch) for pre-pass presets. ``engine``: the actor's
+    (``fsdp`` or ``megatron``: where the checkpoint keeps the HF weights, :data:`HF_DIR`)."""
     result.raise_for_status()
     assert "has no attribute 'weight_loader'" not in result.log_path.read_text(errors="replace")
     assert [s["step"] for s in result.steps] == steps, result.describe()
@@ -195,7 +200,7 @@ def check_selecting_run(result, model_dir: Path, checkpoints: Path, *, steps: li
         print(f"{result.log_path.name} step {s['step']}: {prefix}selected_fraction={frac:.4f} ({sel:.0f}/{valid:.0f}) "
               f"rollout_probs_diff_max={s['training/rollout_probs_diff_max']:.2e} "
               f"critic/score/mean={s['critic/score/mean']:.4f} actor/pg_loss={s['actor/pg_loss']:.4f}")
-    check_params_changed(model_dir, checkpoints / f"global_step_{steps[-1]}" / "actor" / "huggingface")
+    check_params_changed(model_dir, checkpoints / f"global_step_{steps[-1]}" / HF_DIR[engine])
 
 
 def check_params_changed(model_dir: Path, hf_dir: Path) -> None:

@@ -1,6 +1,6 @@
 """verl's Megatron engine on CPU: the runtime shims of the CPU test bed (gloo, tiny models, no GPU).
 
-Why one file over 400 lines: the six shims are installed together, in order, by one call, and each is
+Why one file over 400 lines: the seven shims are installed together, in order, by one call, and each is
 short; about 45 lines are this docstring (the test bed's manual).
 
 What it is for: running verl 0.9's REAL ``MegatronEngineWithLMHead`` (``TrainingWorker`` with
@@ -53,6 +53,20 @@ The shims (all installed together, idempotently):
    ``use_remove_padding=True``) and expects a ``[b, 1, s, s]`` masked-out mask where verl's padded batch
    passes a ``[b, s]`` keep-mask; the wrapper builds the causal per-sequence mask from the packed
    boundaries or the 2-D mask (O(tokens^2) memory per micro-batch; fine for tiny models).
+7. Resuming: without TransformerEngine or Apex, Megatron's distributed optimizer wraps torch's Adam, and its
+   ``DistributedOptimizer.state_dict`` (``distrib_optimizer.py``, "Extract 'step', for non-Apex/TE support")
+   asserts that the per-parameter states hold exactly one ``step`` value; a freshly built optimizer has no
+   state yet, which is exactly what loading a checkpoint builds its template from (verl's
+   ``MegatronCheckpointManager.load_checkpoint`` -> ``sharded_state_dict(is_loading=True)``): AssertionError.
+   For a fresh optimizer the step is 0 (the template's value; the checkpoint's replaces it). Then
+   ``DistributedOptimizer.load_state_dict`` copies the saved shards into the main parameters with autograd on;
+   in fp32 those are views of the model's leaf parameters ("a view of a leaf Variable that requires grad is
+   being used in an in-place operation"): it runs under ``torch.no_grad()``, as torch's own
+   ``Module.load_state_dict`` does. Afterwards each parameter gets its own ``step`` tensor holding the
+   checkpoint's step (its ``param_groups``): upstream gives every parameter's state ONE shared ``step`` tensor,
+   which torch's Adam then increments once per parameter on every step (the first parameter's bias correction is
+   right, the others' run ahead), and it copies the fresh optimizer's unsaved step (a
+   ``LocalNonpersistentObject``) over the loaded one.
 """
 
 from __future__ import annotations
@@ -341,6 +355,60 @@ def _install_local_attention() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------
+# 7. the distributed optimizer's state dict before its first step (loading a checkpoint)
+# ------------------------------------------------------------------------------------------------------
+
+
+def _install_fresh_optimizer_state_dict() -> None:
+    from megatron.core.optimizer import distrib_optimizer
+
+    DistOpt = distrib_optimizer.DistributedOptimizer
+    base_state_dict = DistOpt.state_dict
+    if getattr(base_state_dict, _INSTALLED, False):
+        return
+
+    @functools.wraps(base_state_dict)
+    def state_dict(self):
+        """megatron/core/optimizer/distrib_optimizer.py ``DistributedOptimizer.state_dict``, also for a torch Adam
+        that has not stepped yet (upstream asserts one ``step`` among its per-parameter states, of which it has
+        none): the step of a fresh optimizer is 0."""
+        inner = self.optimizer
+        if distrib_optimizer.HAVE_APEX_OR_TE or not isinstance(inner, torch.optim.Optimizer) or len(inner.state):
+            return base_state_dict(self)
+        first = next((p for group in inner.param_groups for p in group["params"]), None)
+        if first is None:
+            return base_state_dict(self)
+        inner.state[first]["step"] = torch.tensor(0.0)
+        try:
+            return base_state_dict(self)
+        finally:
+            del inner.state[first]
+
+    base_load_state_dict = DistOpt.load_state_dict
+
+    @functools.wraps(base_load_state_dict)
+    def load_state_dict(self, state_dict):
+        """megatron/core/optimizer/distrib_optimizer.py ``DistributedOptimizer.load_state_dict`` under no_grad (it
+        copies the checkpoint into the main parameters, which in fp32 are views of the model's leaf parameters),
+        then one ``step`` tensor per parameter, holding the loaded ``param_groups``' step (upstream shares one
+        tensor among all parameters, which torch's Adam increments once per parameter, and overwrites its value
+        with the fresh optimizer's)."""
+        with torch.no_grad():
+            out = base_load_state_dict(self, state_dict)
+        steps = {g.get("step") for g in state_dict.get("optimizer", {}).get("param_groups", [])}
+        if not distrib_optimizer.HAVE_APEX_OR_TE and len(steps) == 1 and None not in steps:
+            step = float(steps.pop())
+            for param_state in self.optimizer.state.values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = torch.tensor(step, dtype=param_state["step"].dtype)
+        return out
+
+    setattr(state_dict, _INSTALLED, True)
+    DistOpt.state_dict = state_dict
+    DistOpt.load_state_dict = load_state_dict
+
+
+# ------------------------------------------------------------------------------------------------------
 # settings
 # ------------------------------------------------------------------------------------------------------
 
@@ -426,7 +494,7 @@ def megatron_available() -> Optional[str]:
 
 
 def install_megatron_cpu_shims() -> None:
-    """Install shims 1-6 in this process (idempotent). Only under verl's CPU platform (``VERL_PLATFORM=cpu``)."""
+    """Install shims 1-7 in this process (idempotent). Only under verl's CPU platform (``VERL_PLATFORM=cpu``)."""
     from verl_tokensel.switches import cpu_platform_requested
 
     global _TORCH_PROXY
@@ -472,11 +540,12 @@ def install_megatron_cpu_shims() -> None:
                 mod.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
     install_local_layer_spec()  # shim 5
     _install_local_attention()  # shim 6
+    _install_fresh_optimizer_state_dict()  # shim 7
     setattr(torch, _INSTALLED, True)
 
 
 def install_on_megatron_import() -> bool:
-    """The CPU port's loading step for Megatron (:mod:`verl_tokensel.cpu.platform`, on import under
+    """The CPU port's loading step for Megatron (:mod:`verl_tokensel.cpu.plugin`, at ``import verl`` under
     ``VERL_PLATFORM=cpu``): with :data:`SHIMS_ENV` ``=1``, install the shims right after this process first
     imports ``megatron.core`` (verl's engine package does, in each Ray worker), or now if it did already. Megatron's
     modules import on CPU as they are (verl's FSDP runs import them too); the shims then patch every loaded
