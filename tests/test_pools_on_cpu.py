@@ -10,8 +10,9 @@ from verl_tokensel.core import config, dist_topk, pools, select
 
 
 def test_one_home_for_scopes_directions_budget():
-    assert config.SCOPES is pools.SCOPES and select.SCOPES is pools.SCOPES
-    assert config.DIRECTIONS is pools.DIRECTIONS and select.DIRECTIONS is pools.DIRECTIONS
+    assert config.SCOPES is pools.SCOPES and config.DIRECTIONS is pools.DIRECTIONS
+    # the config's errors and select_tokens' guard share one check of the names
+    assert select.invalid_rule_arg is pools.invalid_rule_arg and config.invalid_rule_arg is pools.invalid_rule_arg
     assert select.budget is pools.budget and dist_topk.budget is pools.budget
     assert dist_topk.world_size is pools.world_size
 
