@@ -34,11 +34,18 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 __all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV",
-           "RayHead", "RayNode", "start_ray_head", "kill_marked", "marked_pids", "what_died", "DEATHS"]
+           "ENGINE_OVERRIDES", "HF_CHECKPOINT_DIRS", "RayHead", "RayNode", "start_ray_head", "kill_marked", "marked_pids", "what_died", "DEATHS"]
 
 #: every process started by a run inherits this variable; the kill path finds them by it
 RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
 TIMEOUT_RETURNCODE = 124
+
+#: the overrides that choose the actor's engine: verl's config group ``model_engine`` (``dp``, verl's default,
+#: runs as FSDP2 under ``trainer.device=cpu``); the demo's ``--engine`` and the pipeline tests use them
+ENGINE_OVERRIDES: dict[str, tuple[str, ...]] = {"fsdp2": (), "megatron": ("model_engine=megatron",)}
+#: where a step's checkpoint (``<trainer.default_local_dir>/global_step_<n>``) keeps the actor's HF weights when
+#: ``actor.checkpoint.save_contents`` has ``hf_model``, per engine (Megatron writes them through mbridge)
+HF_CHECKPOINT_DIRS: dict[str, str] = {"fsdp2": "actor/huggingface", "megatron": "actor/model/huggingface"}
 
 #: (regex on one log line, what the pipeline is doing from then on; ``{1}`` = the regex's first group).
 #: The stage of the LAST matching line is reported on timeout. Patterns are verl 0.9.1 / Ray 2.60 /
@@ -48,7 +55,7 @@ PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
     (r"Started a local Ray instance|Connecting to existing Ray cluster",
      "waiting for the TaskRunner (Ray resources: CPU)"),
     (r"colocated worker base class|create worker group",
-     "waiting for Ray resources (GPU bundles) and building the FSDP2 actor workers"),
+     "waiting for Ray resources (GPU bundles) and building the actor workers (FSDP2 or Megatron)"),
     (r"actor and ref model engine initialized", "starting the reward workers"),
     (r"reward loop manager initialized|vLLMHttpServer pid=\d+\)\s+\['serve'", "waiting for the vLLM server"),
     (r"LLMServerManager:|checkpoint engine manager initialized", "initial weight sync (actor -> vLLM)"),

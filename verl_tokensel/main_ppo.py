@@ -7,8 +7,9 @@ drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sy
 ``trainer.use_v1=false`` runs verl's v0 TaskRunner with the hooks that install the selecting loss
 and select on the driver (all fenced in :mod:`verl_tokensel.verl_glue.v0`).
 
-CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update) on CPU;
-it fills every CPU setting and refuses conflicting ones (:mod:`verl_tokensel.cpu.pipeline`, imported only then).
+CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update, or Megatron with
+``model_engine=megatron``) on CPU; it fills every CPU setting and refuses conflicting ones
+(:mod:`verl_tokensel.cpu.pipeline`, imported only then; manual: ``docs/cpu.md``).
 Unattended runs: :func:`verl_tokensel.launch.run_main_ppo` (outer timeout, metrics).
 
 Example::
