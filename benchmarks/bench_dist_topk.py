@@ -38,6 +38,9 @@ Sizes that do not fit: before starting, a size whose estimated peak memory (all 
 dominated by the all-gather's union) exceeds 80% of MemAvailable is not run; during the run, a size
 whose time, extrapolated from the previous one, would not finish before the timeout is not run.
 Either way the output says so and the table stops at the largest size that ran.
+
+The machinery (byte counting, timing, ranks and their driver, the memory and time guards) is shared with
+``bench_cov_exchange.py``, which imports it from here.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -158,7 +162,7 @@ def make_scores(n: int, rank: int, log2: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # one rank
 # --------------------------------------------------------------------------------------------
-def _all_reduce_scalar(x: float, op) -> float:
+def all_reduce_scalar(x: float, op) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t, op=op)
     return float(t.item())
@@ -169,23 +173,44 @@ def timed_max_over_ranks(fn) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     fn()
-    return _all_reduce_scalar(time.perf_counter() - t0, dist.ReduceOp.MAX)
+    return all_reduce_scalar(time.perf_counter() - t0, dist.ReduceOp.MAX)
 
 
 def check_masks(radix: torch.Tensor, base: torch.Tensor, values: torch.Tensor, k: int) -> dict:
     """Identical masks on every rank, exactly k selected by each; threshold tie statistics."""
-    equal = _all_reduce_scalar(float(torch.equal(radix, base)), dist.ReduceOp.MIN) == 1.0
-    n_radix = _all_reduce_scalar(float(radix.sum()), dist.ReduceOp.SUM)
-    n_base = _all_reduce_scalar(float(base.sum()), dist.ReduceOp.SUM)
+    equal = all_reduce_scalar(float(torch.equal(radix, base)), dist.ReduceOp.MIN) == 1.0
+    n_radix = all_reduce_scalar(float(radix.sum()), dist.ReduceOp.SUM)
+    n_base = all_reduce_scalar(float(base.sum()), dist.ReduceOp.SUM)
     keys = ordered_keys(values)
-    kth = _all_reduce_scalar(float(keys[base].min()) if bool(base.any()) else 2.0**32, dist.ReduceOp.MIN)
-    tied = _all_reduce_scalar(float((keys == kth).sum()), dist.ReduceOp.SUM)
-    tied_kept = _all_reduce_scalar(float(((keys == kth) & base).sum()), dist.ReduceOp.SUM)
+    kth = all_reduce_scalar(float(keys[base].min()) if bool(base.any()) else 2.0**32, dist.ReduceOp.MIN)
+    tied = all_reduce_scalar(float((keys == kth).sum()), dist.ReduceOp.SUM)
+    tied_kept = all_reduce_scalar(float(((keys == kth) & base).sum()), dist.ReduceOp.SUM)
     ok = equal and n_radix == k and n_base == k
     return dict(ok=ok, equal=equal, n_radix=int(n_radix), n_base=int(n_base), tied=int(tied), tied_kept=int(tied_kept))
 
 
-def rank_main(rank: int, world: int, port: int, args, log2s: list[int], deadline: float, q) -> None:
+def time_budget_exceeded(previous_s, prev_log2, log2: int, deadline: float) -> Optional[str]:
+    """Why size 2^log2 cannot finish before ``deadline`` (None if it can), from the seconds the previous size took.
+
+    Sizes grow 4x per step and every method compared here is at least linear in N. Collective: every rank gets
+    the same answer (the minimum over ranks of "it fits").
+    """
+    if previous_s is None:
+        return None
+    predicted = previous_s * (1 << (log2 - prev_log2)) * 1.2
+    fits = deadline - time.time() - 30 > predicted
+    if all_reduce_scalar(float(fits), dist.ReduceOp.MIN) == 1.0:
+        return None
+    return (f"2^{log2} per rank not run: predicted {predicted:.0f} s (+30 s margin), "
+            f"only {deadline - time.time():.0f} s left before the --timeout")
+
+
+def rank_process(rank: int, world: int, port: int, q, body, body_args: tuple) -> None:
+    """One gloo rank: join the group, run ``body(rank, world, q, stage, *body_args)``, leave; report to ``q``.
+
+    ``stage(text)`` tells the driver what this rank is doing (printed if the run aborts); ``body`` puts its
+    results on ``q`` as ``("row", dict)`` and ``("stop", reason)`` messages; an exception ends the run.
+    """
     def stage(text: str) -> None:
         q.put(("stage", rank, text))
 
@@ -193,53 +218,7 @@ def rank_main(rank: int, world: int, port: int, args, log2s: list[int], deadline
         torch.set_num_threads(1)
         stage("init_process_group (waiting for all ranks to join)")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        counter = CollectiveBytes()
-        previous_s = None  # seconds the previous size took (checks and every timed call)
-        prev_log2 = None
-        for log2 in log2s:
-            n = 1 << log2
-            k = math.ceil(args.ratio * world * n)
-            # Time budget: sizes grow 4x per step and both methods are at least linear in N.
-            if previous_s is not None:
-                predicted = previous_s * (1 << (log2 - prev_log2)) * 1.2
-                fits = deadline - time.time() - 30 > predicted
-                if _all_reduce_scalar(float(fits), dist.ReduceOp.MIN) == 0.0:
-                    if rank == 0:
-                        q.put(("stop", f"2^{log2} per rank not run: predicted {predicted:.0f} s (+30 s margin), "
-                                       f"only {deadline - time.time():.0f} s left before the --timeout"))
-                    break
-            t_size = time.perf_counter()
-            values = make_scores(n, rank, log2)
-
-            # untimed first call of each: the masks to check and the bytes (identical every call)
-            stage(f"2^{log2}: radix, first call")
-            m_radix, b_radix, c_radix = counter.measure(lambda: radix_mask(values, k))
-            stage(f"2^{log2}: all-gather, first call")
-            m_base, b_base, c_base = counter.measure(lambda: allgather_mask(values, k))
-            stage(f"2^{log2}: checking masks")
-            check = check_masks(m_radix, m_base, values, k)
-            del m_radix, m_base
-            if not check["ok"]:
-                raise AssertionError(f"2^{log2}: masks differ or wrong count: {check} (k={k})")
-            b_radix = _all_reduce_scalar(b_radix, dist.ReduceOp.MAX)
-            b_base = _all_reduce_scalar(b_base, dist.ReduceOp.MAX)
-
-            t_radix, t_base, t_gather = [], [], []
-            for i in range(args.repeats):
-                stage(f"2^{log2}: timed repeat {i + 1}/{args.repeats}, radix")
-                t_radix.append(timed_max_over_ranks(lambda: radix_mask(values, k)))
-                stage(f"2^{log2}: timed repeat {i + 1}/{args.repeats}, all-gather")
-                t_base.append(timed_max_over_ranks(lambda: allgather_mask(values, k)))
-                stage(f"2^{log2}: timed repeat {i + 1}/{args.repeats}, gather only")
-                t_gather.append(timed_max_over_ranks(lambda: gather_union(values)))
-            values = None  # free the scores before the next size
-            rss = _all_reduce_scalar(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, dist.ReduceOp.MAX)
-            previous_s, prev_log2 = _all_reduce_scalar(time.perf_counter() - t_size, dist.ReduceOp.MAX), log2
-            if rank == 0:
-                q.put(("row", dict(log2=log2, k=k, b_radix=int(b_radix), c_radix=c_radix, b_base=int(b_base),
-                                   c_base=c_base, t_radix=statistics.median(t_radix),
-                                   t_base=statistics.median(t_base), t_gather=statistics.median(t_gather), rss=rss,
-                                   **check)))
+        body(rank, world, q, stage, *body_args)
         stage("destroy_process_group")
         dist.barrier()
         dist.destroy_process_group()
@@ -247,6 +226,52 @@ def rank_main(rank: int, world: int, port: int, args, log2s: list[int], deadline
     except BaseException:
         q.put(("error", rank, traceback.format_exc()))
         raise SystemExit(1)
+
+
+def rank_main(rank: int, world: int, q, stage, args, log2s: list[int], deadline: float) -> None:
+    counter = CollectiveBytes()
+    previous_s = None  # seconds the previous size took (checks and every timed call)
+    prev_log2 = None
+    for log2 in log2s:
+        n = 1 << log2
+        k = math.ceil(args.ratio * world * n)
+        late = time_budget_exceeded(previous_s, prev_log2, log2, deadline)
+        if late is not None:
+            if rank == 0:
+                q.put(("stop", late))
+            break
+        t_size = time.perf_counter()
+        values = make_scores(n, rank, log2)
+
+        # untimed first call of each: the masks to check and the bytes (identical every call)
+        stage(f"2^{log2}: radix, first call")
+        m_radix, b_radix, c_radix = counter.measure(lambda: radix_mask(values, k))
+        stage(f"2^{log2}: all-gather, first call")
+        m_base, b_base, c_base = counter.measure(lambda: allgather_mask(values, k))
+        stage(f"2^{log2}: checking masks")
+        check = check_masks(m_radix, m_base, values, k)
+        del m_radix, m_base
+        if not check["ok"]:
+            raise AssertionError(f"2^{log2}: masks differ or wrong count: {check} (k={k})")
+        b_radix = all_reduce_scalar(b_radix, dist.ReduceOp.MAX)
+        b_base = all_reduce_scalar(b_base, dist.ReduceOp.MAX)
+
+        t_radix, t_base, t_gather = [], [], []
+        for i in range(args.repeats):
+            stage(f"2^{log2}: timed repeat {i + 1}/{args.repeats}, radix")
+            t_radix.append(timed_max_over_ranks(lambda: radix_mask(values, k)))
+            stage(f"2^{log2}: timed repeat {i + 1}/{args.repeats}, all-gather")
+            t_base.append(timed_max_over_ranks(lambda: allgather_mask(values, k)))
+            stage(f"2^{log2}: timed repeat {i + 1}/{args.repeats}, gather only")
+            t_gather.append(timed_max_over_ranks(lambda: gather_union(values)))
+        values = None  # free the scores before the next size
+        rss = all_reduce_scalar(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, dist.ReduceOp.MAX)
+        previous_s, prev_log2 = all_reduce_scalar(time.perf_counter() - t_size, dist.ReduceOp.MAX), log2
+        if rank == 0:
+            q.put(("row", dict(log2=log2, k=k, b_radix=int(b_radix), c_radix=c_radix, b_base=int(b_base),
+                               c_base=c_base, t_radix=statistics.median(t_radix),
+                               t_base=statistics.median(t_base), t_gather=statistics.median(t_gather), rss=rss,
+                               **check)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,6 +294,73 @@ def mem_available() -> int:
 def estimated_peak(n: int, world: int) -> int:
     """Bytes for all ranks together at N per rank (the all-gather baseline's peak)."""
     return world * (RANK_BASE_BYTES + BASELINE_BYTES_PER_UNION_ELEMENT * world * n)
+
+
+def sizes_that_fit(log2s: list[int], world: int, estimate: Callable[[int, int], int]) -> list[int]:
+    """The leading sizes whose estimated peak memory (``estimate(n, world)`` bytes, all ranks together) fits in 80%
+    of MemAvailable; prints why the first size that does not fit (and every larger one) is not run."""
+    fit, avail = [], mem_available()
+    for log2 in log2s:
+        need = estimate(1 << log2, world)
+        if need > 0.8 * avail:
+            print(f"NOTE: 2^{log2} per rank x {world} ranks not run: estimated peak memory {fmt_bytes(need)} "
+                  f"> 80% of MemAvailable ({fmt_bytes(avail)}); stopping at 2^{fit[-1] if fit else '-'}")
+            break
+        fit.append(log2)
+    return fit
+
+
+def run_ranks(body, body_args: tuple, world: int, deadline: float, timeout: float,
+              on_message: Callable[[str, object], None]) -> bool:
+    """Run ``body`` on ``world`` spawned gloo ranks (:func:`rank_process`); False if the run aborted.
+
+    Every ``("row", dict)`` / ``("stop", reason)`` message a rank sends goes to ``on_message(kind, payload)`` as it
+    arrives. A rank that fails or dies (the out-of-memory killer) and the hard ``deadline`` abort the run; what each
+    unfinished rank was doing is printed to stderr, and the ranks are killed.
+    """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_process, args=(r, world, port, q, body, body_args), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+
+    waiting, done, failed = {r: "process start" for r in range(world)}, set(), False
+    while len(done) < world:
+        try:
+            msg = q.get(timeout=1.0)
+        except queue.Empty:
+            msg = None
+        if msg is None:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+            if dead or time.time() > deadline:
+                why = (f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]}; -9 is usually "
+                       f"the out-of-memory killer)" if dead else f"hard timeout of {timeout:.0f} s expired")
+                print(f"ABORTED: {why}. Was waiting for:", file=sys.stderr)
+                for r in range(world):
+                    if r not in done:
+                        print(f"  rank {r}: {waiting[r]}", file=sys.stderr)
+                failed = True
+                break
+            continue
+        kind = msg[0]
+        if kind == "stage":
+            waiting[msg[1]] = msg[2]
+        elif kind in ("row", "stop"):
+            on_message(kind, msg[1])
+        elif kind == "error":
+            print(f"ABORTED: rank {msg[1]} failed:\n{msg[2]}", file=sys.stderr)
+            failed = True
+            break
+        elif kind == "done":
+            done.add(msg[1])
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(timeout=10)
+    return not failed
 
 
 def fmt_bytes(b: float) -> str:
@@ -314,65 +406,22 @@ def main() -> int:
           f"({os.cpu_count()} CPU cores here), k = ceil({args.ratio} * {world} * N), {args.repeats} timed repeats")
 
     # memory: drop sizes that cannot fit before starting anything
-    log2s, avail = [], mem_available()
-    for log2 in range(args.min_log2, args.max_log2 + 1, 2):
-        need = estimated_peak(1 << log2, world)
-        if need > 0.8 * avail:
-            print(f"NOTE: 2^{log2} per rank x {world} ranks not run: estimated peak memory {fmt_bytes(need)} "
-                  f"> 80% of MemAvailable ({fmt_bytes(avail)}); stopping at 2^{log2s[-1] if log2s else '-'}")
-            break
-        log2s.append(log2)
+    log2s = sizes_that_fit(list(range(args.min_log2, args.max_log2 + 1, 2)), world, estimated_peak)
     if not log2s:
         return 1
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    deadline = time.time() + args.timeout
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, args, log2s, deadline, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
+    rows = []
 
-    rows, waiting, done, failed = [], {r: "process start" for r in range(world)}, set(), False
+    def on_message(kind: str, payload) -> None:
+        if kind == "row":
+            rows.append(payload)
+            print_row(payload)
+        else:
+            print(f"NOTE: {payload}; stopping at 2^{rows[-1]['log2']}", flush=True)
+
+    deadline = time.time() + args.timeout
     print_header(world)
-    while len(done) < world:
-        try:
-            msg = q.get(timeout=1.0)
-        except queue.Empty:
-            msg = None
-        if msg is None:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
-            if dead or time.time() > deadline:
-                why = (f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]}; -9 is usually "
-                       f"the out-of-memory killer)" if dead else f"hard timeout of {args.timeout:.0f} s expired")
-                print(f"ABORTED: {why}. Was waiting for:", file=sys.stderr)
-                for r in range(world):
-                    if r not in done:
-                        print(f"  rank {r}: {waiting[r]}", file=sys.stderr)
-                failed = True
-                break
-            continue
-        kind = msg[0]
-        if kind == "stage":
-            waiting[msg[1]] = msg[2]
-        elif kind == "row":
-            rows.append(msg[1])
-            print_row(msg[1])
-        elif kind == "stop":
-            print(f"NOTE: {msg[1]}; stopping at 2^{rows[-1]['log2']}", flush=True)
-        elif kind == "error":
-            print(f"ABORTED: rank {msg[1]} failed:\n{msg[2]}", file=sys.stderr)
-            failed = True
-            break
-        elif kind == "done":
-            done.add(msg[1])
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(timeout=10)
-    if failed:
+    if not run_ranks(rank_main, (args, log2s, deadline), world, deadline, args.timeout, on_message):
         return 1
 
     print("-" * RULE)
