@@ -313,6 +313,7 @@ def test_help_has_examples(capsys):
     (["--presets", "gmts,gmts"], "listed twice"),
     (["--steps", "0"], "must be > 0"),
     (["--timeout", "abc"], "is not a number"),
+    (["--engine", "fsdp"], "invalid choice: 'fsdp' (choose from"),
 ])
 def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys, argv, message):
     out = tmp_path / "demo"
@@ -430,6 +431,29 @@ def test_demo_failure_names_preset_log_and_tail(tmp_path, monkeypatch, capsys, r
     assert str(out / "logs" / "forking.log") in err and "RuntimeError: boom in the actor" in err
 
 
+def test_demo_engine_reaches_every_run(tmp_path, monkeypatch, capsys, random_warm_start):
+    """``--engine megatron`` reaches the launched run's overrides and results.json (the fake launcher)."""
+    from verl_tokensel.cpu.megatron import megatron_available
+
+    if megatron_available():
+        pytest.skip(megatron_available())
+    fake, calls = _fake_launch()
+    launched, fake_run = [], fake.run_main_ppo
+
+    def run_main_ppo(overrides, **kw):
+        launched.append(list(overrides))
+        return fake_run(overrides, **kw)
+
+    fake.run_main_ppo = run_main_ppo
+    monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
+    monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
+    out = tmp_path / "demo"
+    assert cli_main(["demo", "--out", str(out), "--steps", "1", "--presets", "forking", "--engine", "megatron"]) == 0
+    assert calls == ["forking"] and launched[0][0] == "model_engine=megatron"
+    assert json.loads((out / "results.json").read_text())["settings"]["engine"] == "megatron"
+    assert "[1/1] forking: verl GRPO (megatron)" in capsys.readouterr().err
+
+
 def test_launch_problem(tmp_path):
     from verl_tokensel.launch import RunResult
 
@@ -460,6 +484,46 @@ def test_demo_overrides_compose(tmp_path):
             and job["actor_rollout_ref"]["rollout"]["n"] == demo_cli.ROLLOUT_N)
     assert job["algorithm"]["adv_estimator"] == "grpo"
     assert job["actor_rollout_ref"]["actor"]["calculate_entropy"] is True
+
+
+def test_engine_option_composes_the_megatron_run(tmp_path):
+    """``--engine megatron``: the engine's override from ``launch.ENGINE_OVERRIDES`` (the one the Megatron pipeline
+    tests run) ahead of the same run settings; composed, it is verl's Megatron actor with the demo's settings, and
+    the CPU switch accepts it, filling the Megatron settings and the shims' variable. In-process Hydra, no Ray, ~3 s."""
+    import argparse
+
+    from hydra import compose, initialize_config_module
+
+    from verl_tokensel.cpu.megatron import SHIMS_ENV, megatron_available
+    from verl_tokensel.cpu.pipeline import apply_cpu_pipeline, cli_override_keys
+    from verl_tokensel.launch import ENGINE_OVERRIDES
+
+    parser = argparse.ArgumentParser()
+    demo_cli.add_arguments(parser)
+    assert parser.parse_args([]).engine == "fsdp2" and parser.parse_args(["--engine", "megatron"]).engine == "megatron"
+    args = ("forking", "/m", "/d/train.parquet", "/d/val.parquet", tmp_path)
+    fsdp2 = demo_cli.demo_overrides(*args, steps=3)
+    megatron = demo_cli.demo_overrides(*args, steps=3, engine="megatron")
+    assert ENGINE_OVERRIDES["megatron"] == ("model_engine=megatron",) and ENGINE_OVERRIDES["fsdp2"] == ()
+    assert megatron == ["model_engine=megatron", *fsdp2]
+    assert demo_cli.demo_overrides(*args, steps=3, engine="fsdp2") == fsdp2
+    with pytest.raises(ValueError, match="engine='fsdp' is not an engine of the demo; valid: fsdp2, megatron"):
+        demo_cli.demo_overrides(*args, steps=3, engine="fsdp")
+    # the final policy: where each engine's checkpoint keeps the HF weights
+    assert demo_cli.final_model_dir(tmp_path, "forking", 3) == tmp_path / "checkpoints/forking/global_step_3/actor/huggingface"
+    assert (demo_cli.final_model_dir(tmp_path, "forking", 3, "megatron")
+            == tmp_path / "checkpoints/forking/global_step_3/actor/model/huggingface")
+    if megatron_available():
+        pytest.skip(megatron_available())
+    overrides = ["trainer.device=cpu", *megatron]
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        cfg = compose("tokensel_trainer", overrides=overrides)
+    env = apply_cpu_pipeline(cfg, explicit_keys=cli_override_keys(overrides), environ={})
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.strategy == "megatron" and actor.megatron.dtype == "float32" and actor.megatron.vanilla_mbridge
+    assert actor.token_selector == "forking" and actor.calculate_entropy is True
+    assert list(actor.checkpoint.save_contents) == ["hf_model"] and cfg.trainer.total_training_steps == 3
+    assert env[SHIMS_ENV] == "1"
 
 
 # ---------------------------------------------------------------- the real thing

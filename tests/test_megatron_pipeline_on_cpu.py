@@ -67,8 +67,9 @@ from verl_tokensel.cpu.pipeline import (  # noqa: E402
     apply_cpu_pipeline,
     cli_override_keys,
 )
+from verl_tokensel.launch import ENGINE_OVERRIDES  # noqa: E402
 
-MEGATRON = "model_engine=megatron"
+(MEGATRON,) = ENGINE_OVERRIDES["megatron"]  # model_engine=megatron, as the demo's --engine megatron passes it
 
 
 def _compose(*overrides: str, config_name: str = "tokensel_trainer"):
@@ -155,6 +156,21 @@ def test_megatron_defaults_column_is_verls_default():
             assert s.default in (cpu_pipeline._ABSENT, None), s.key
         else:
             assert raw == s.default, (s.key, raw, s.default)
+
+
+def test_docs_table_lists_every_megatron_setting():
+    """docs/cpu.md, the switch's manual, has a row for every Megatron setting and variable (its abbreviations:
+    ``tc.``, ``actor.``, ``ref.``)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cpu.md").read_text()
+    short = {"actor_rollout_ref.actor.megatron.override_transformer_config.": "tc.",
+             "actor_rollout_ref.actor.": "actor.", "actor_rollout_ref.ref.": "ref."}
+    for s in MEGATRON_SETTINGS:
+        key = s.key
+        for long, abbrev in short.items():
+            key = key.replace(long, abbrev)
+        assert f"`{key}`" in doc, f"{s.key} is missing from the Megatron settings table of docs/cpu.md"
+    for name, value, _ in MEGATRON_ENV_SETTINGS:
+        assert f"`{name}` = {value}" in doc, f"{name} is missing from docs/cpu.md's environment paragraph"
 
 
 def test_engine_config_admits_fp32_and_keeps_verls_checks():

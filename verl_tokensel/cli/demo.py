@@ -9,6 +9,8 @@ The embedded-default main job. With no network and no GPU it:
 2. writes the verifiable arithmetic dataset in verl's RL parquet format (``<out>/data``);
 3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor, GRPO,
    math-verify reward) for ``--steps`` steps once per preset (logs, rollouts and final policy under ``<out>``);
+   ``--engine megatron`` trains with verl's Megatron engine instead (``model_engine=megatron``, megatron-core
+   and mbridge on CPU: ``docs/cpu.md``);
 4. scores each run's last-step rollouts under its final policy and prints one table row per preset (reward
    first / last and whether it rose beyond its noise, ``think`` share, entropy statistics, selected share on
    the decisions), and writes ``demo.png``, ``view_<preset>.html`` and ``results.json``.
@@ -21,6 +23,7 @@ Examples::
     verl-tokensel demo
     verl-tokensel demo --out /tmp/demo --presets none,forking,forking_bottom,random,gmts --steps 16
     verl-tokensel demo --presets forking --steps 6 --timeout 900
+    verl-tokensel demo --engine megatron --presets none,forking --steps 4
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+
+from verl_tokensel.launch import ENGINE_OVERRIDES, HF_CHECKPOINT_DIRS
 
 HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
 DEFAULT_PRESETS = ("none", "forking", "gmts")
@@ -94,6 +99,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--timeout", type=_positive(float), default=900.0,
                         help="seconds allowed per run, start-up and shutdown included (default 900; a run "
                              "takes 3-6 min on an idle 2-core machine)")
+    parser.add_argument("--engine", choices=tuple(ENGINE_OVERRIDES), default="fsdp2",
+                        help="the actor's verl engine: fsdp2 (default) or megatron (model_engine=megatron; needs "
+                             "megatron-core and mbridge: pip install 'verl_tokensel[megatron]')")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, warm-up, data split and trainer "
                                                             "(default 0)")
     parser.add_argument("--cache-dir", default=None,
@@ -101,12 +109,20 @@ def add_arguments(parser) -> None:
                              "(default $XDG_CACHE_HOME/verl_tokensel, i.e. ~/.cache/verl_tokensel)")
 
 
+def _engine_overrides(engine: str) -> tuple[str, ...]:
+    if engine not in ENGINE_OVERRIDES:
+        raise ValueError(f"engine={engine!r} is not an engine of the demo; valid: {', '.join(ENGINE_OVERRIDES)}. "
+                         "Fix: pass one of them (verl-tokensel demo --engine megatron).")
+    return ENGINE_OVERRIDES[engine]
+
+
 def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path, steps: int,
-                   seed: int = 0, lr: float = ACTOR_LR) -> list[str]:
-    """The Hydra overrides of one demo run. The launcher adds the CPU switch (``trainer.device=cpu``) and
-    verl's ``file`` logger (per-step metrics)."""
+                   seed: int = 0, lr: float = ACTOR_LR, engine: str = "fsdp2") -> list[str]:
+    """The Hydra overrides of one demo run. The launcher adds the CPU switch (``trainer.device=cpu``), which fills
+    the engine's CPU settings, and verl's ``file`` logger (per-step metrics)."""
     micro = PPO_MINI_BATCH_SIZE * ROLLOUT_N // 2
     return [
+        *_engine_overrides(engine),
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",
         f"data.train_files={train}",
@@ -156,9 +172,10 @@ def _think(warm: dict) -> str:
     return f"think route {share:.3f} of answers" + (f" (right {acc:.3f} of those)" if acc is not None else "")
 
 
-def final_model_dir(out: Path, preset: str, steps: int) -> Path:
+def final_model_dir(out: Path, preset: str, steps: int, engine: str = "fsdp2") -> Path:
     """Where verl saved the run's final policy as a HF folder (``checkpoint.save_contents=[hf_model]``)."""
-    return out / "checkpoints" / preset / f"global_step_{steps}" / "actor" / "huggingface"
+    _engine_overrides(engine)
+    return out / "checkpoints" / preset / f"global_step_{steps}" / HF_CHECKPOINT_DIRS[engine]
 
 
 class _Progress:
@@ -227,6 +244,13 @@ def run(args) -> int:
     from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
     from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
 
+    if args.engine == "megatron":
+        from verl_tokensel.cpu.megatron import megatron_available
+
+        reason = megatron_available()
+        if reason:
+            print(f"error: --engine megatron: {reason}", file=sys.stderr)
+            return 2
     progress = _Progress()
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -247,10 +271,11 @@ def run(args) -> int:
     for i, preset in enumerate(args.presets, 1):
         label = f"[{i}/{len(args.presets)}] {preset}"
         log_path = out / "logs" / f"{preset}.log"
-        progress(f"{label}: verl GRPO, {args.steps} steps, log {log_path}")
+        progress(f"{label}: verl GRPO ({args.engine}), {args.steps} steps, log {log_path}")
         shutil.rmtree(out / "rollouts" / preset, ignore_errors=True)
         shutil.rmtree(out / "checkpoints" / preset, ignore_errors=True)
-        overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed, lr=args.lr)
+        overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed, lr=args.lr,
+                                   engine=args.engine)
         try:
             result = _run_one(launch, overrides, log_path, args.timeout, progress, label, args.steps)
         except Exception as e:  # noqa: BLE001
@@ -264,7 +289,7 @@ def run(args) -> int:
                      "using its metrics")
         progress(f"{label}: done in {result.wall_s:.0f} s; scoring the last step's rollouts")
         dump = last_step_file(out / "rollouts" / preset)
-        final = final_model_dir(out, preset, args.steps)
+        final = final_model_dir(out, preset, args.steps, args.engine)
         analysis = None
         if dump is None:
             progress(f"{label}: warning: verl dumped no rollouts in {out / 'rollouts' / preset}; no entropy statistics")
@@ -286,7 +311,8 @@ def run(args) -> int:
     table = report.format_table(rows)
     png = report.plot(runs, out / "demo.png")
     (out / "results.json").write_text(json.dumps(
-        {"settings": {"steps": args.steps, "lr": args.lr, "seed": args.seed, "train_batch_size": TRAIN_BATCH_SIZE,
+        {"settings": {"engine": args.engine, "steps": args.steps, "lr": args.lr, "seed": args.seed,
+                      "train_batch_size": TRAIN_BATCH_SIZE,
                       "rollout_n": ROLLOUT_N, "ppo_mini_batch_size": PPO_MINI_BATCH_SIZE},
          "summary": report.to_json(rows), "warm_start": {"model": model_dir, **warm}, "rollouts": analyses,
          "steps": runs}, indent=1))
