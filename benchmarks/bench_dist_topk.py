@@ -189,7 +189,8 @@ def check_masks(radix: torch.Tensor, base: torch.Tensor, values: torch.Tensor, k
     return dict(ok=ok, equal=equal, n_radix=int(n_radix), n_base=int(n_base), tied=int(tied), tied_kept=int(tied_kept))
 
 
-def time_budget_exceeded(previous_s, prev_log2, log2: int, deadline: float) -> Optional[str]:
+def time_budget_exceeded(previous_s, prev_log2, log2: int, deadline: float,
+                         limit: str = "the --timeout") -> Optional[str]:
     """Why size 2^log2 cannot finish before ``deadline`` (None if it can), from the seconds the previous size took.
 
     Sizes grow 4x per step and every method compared here is at least linear in N. Collective: every rank gets
@@ -202,7 +203,7 @@ def time_budget_exceeded(previous_s, prev_log2, log2: int, deadline: float) -> O
     if all_reduce_scalar(float(fits), dist.ReduceOp.MIN) == 1.0:
         return None
     return (f"2^{log2} per rank not run: predicted {predicted:.0f} s (+30 s margin), "
-            f"only {deadline - time.time():.0f} s left before the --timeout")
+            f"only {deadline - time.time():.0f} s left before {limit}")
 
 
 def rank_process(rank: int, world: int, port: int, q, body, body_args: tuple) -> None:
