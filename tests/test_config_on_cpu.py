@@ -52,7 +52,9 @@ def test_megatron_composition_gives_mcore_class():
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_resolves(preset):
-    actor = _actor([f"actor_rollout_ref.actor.token_selector={preset}"])
+    # archer weights the KL loss per token: it needs the KL loss on (refused otherwise: test_rules_on_cpu.py)
+    extra = ["actor_rollout_ref.actor.use_kl_loss=true"] if preset == "archer" else []
+    actor = _actor([f"actor_rollout_ref.actor.token_selector={preset}", *extra])
     assert actor.selection == PRESETS[preset]
 
 

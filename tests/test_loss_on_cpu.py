@@ -28,7 +28,8 @@ from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 from helpers.actor_configs import actor_config, micro_batch, padded
 from helpers.loss_inputs import make_micro_batch
 
-SELECTING_PRESETS = [p for p in PRESETS if p != "none"]
+# the presets whose mask gates the policy gradient (the other actions: tests/test_rules_on_cpu.py)
+SELECTING_PRESETS = [p for p in PRESETS if p != "none" and PRESETS[p].action == "gradient"]
 # The in-loss twin of a preset whose scores are measured before the update (score_source prepass or
 # rollout): same score, ratio, direction and normaliser, ranked inside the micro-batch. The loss maths
 # under test is the same; how a precomputed mask is applied is tested at the end of this file.
@@ -549,13 +550,6 @@ def test_kl_weight_scales_the_kl_term_per_token(monkeypatch):
     kl = _metric(base_metrics, "kl_loss")
     assert kl != 0 and _metric(metrics, "kl_loss") == 0
     torch.testing.assert_close(loss, base_loss - 0.1 * torch.tensor(kl, dtype=loss.dtype), rtol=1e-5, atol=1e-7)
-
-
-def test_per_token_clip_bounds_need_a_policy_loss_that_takes_them(monkeypatch):
-    _with_rule_outputs(monkeypatch, clip_low=lambda a: torch.full_like(a, 0.2))
-    mo, data, lp = micro_batch(6, batch=4, resp_len=8)
-    with pytest.raises(RuntimeError, match="per-token clip bounds.*Fix: set policy_loss.loss_mode"):
-        tokensel_ppo_loss(actor_config("forking"), mo, data)
 
 
 def test_every_rule_selection_goes_through_the_rule_step():

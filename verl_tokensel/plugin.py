@@ -33,6 +33,8 @@ from verl_tokensel.switches import report_load_failure
 LOAD_ERROR: str | None = None
 #: verl's V1 trainer package: its import fills verl's trainer registry; ours are registered right after it
 TRAINER_PACKAGE = "verl.trainer.ppo.v1"
+#: verl's policy-loss registry: ours (``tokensel_ppo_clip``) is registered right after it
+POLICY_LOSSES_MODULE = "verl.trainer.ppo.core_algos"
 
 SELECTION_FAILED = "verl_tokensel: the verl plugin failed to load, token selection is NOT active in this process.\n"
 
@@ -82,9 +84,22 @@ def refuse_wrong_route() -> None:
         raise SystemExit(2)  # not an Exception: verl's guard around plugin imports lets it through
 
 
+def load_policy_losses() -> None:
+    """Register the ``tokensel_`` policy losses in verl's registry (every process that imports verl's
+    ``core_algos``: workers look a ``loss_mode`` up there)."""
+    global LOAD_ERROR
+    try:
+        from verl_tokensel.verl_glue.policy_loss import register_policy_losses
+
+        register_policy_losses()
+    except Exception:  # noqa: BLE001 - verl would swallow it; we make it loud instead
+        LOAD_ERROR = report_load_failure(SELECTION_FAILED)
+
+
 def load() -> None:
     refuse_wrong_route()
     after_import(TRAINER_PACKAGE, lambda _trainer_package: load_selection())
+    after_import(POLICY_LOSSES_MODULE, lambda _core_algos: load_policy_losses())
 
 
 load()

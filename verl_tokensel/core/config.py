@@ -1,5 +1,8 @@
 """Token-selection knobs and presets. No verl import.
 
+Why one file over 400 lines: a knob's help, default and paper value, the rule's check of it and its error text,
+and the presets that set it are one contract; side by side, a change to one is made with the others.
+
 Two keys on ``actor_rollout_ref.actor`` drive everything:
 
 - ``token_selector``: a preset name from :data:`PRESETS` (``none``, ``forking``, ...);
@@ -12,9 +15,11 @@ checked against :func:`knob_table_rows`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Optional
 
+from verl_tokensel.core.cov import COV_SCOPES
 from verl_tokensel.core.pools import DIRECTIONS, POOLS, SCOPES, invalid_rule_arg
 from verl_tokensel.core.scores import SCORE_REGISTRY
 
@@ -38,6 +43,20 @@ OMEGA_LOSS_MODES = ("vanilla",)
 OMEGA_KL_TYPES = ("kl", "k1", "mse", "k2", "low_var_kl", "k3")
 
 
+# What the selected tokens get in the loss (the rest keep verl's loss as configured):
+# - gradient: the policy gradient (everything else none): the 80/20, GMTS, random ... presets;
+# - kl_penalty: KL-Cov's ``kl_penalty_coef * |log r|`` added, on an unclipped surrogate for every token (verl's port);
+# - zero_loss: their policy loss zeroed (Clip-Cov's ``corr = 0``), the rest PPO-clipped without dual clip (verl's port);
+# - clip_class: their own clip bounds and KL weight (Archer's high-entropy tokens), the rest the actor's.
+ACTIONS = ("gradient", "kl_penalty", "zero_loss", "clip_class")
+# How many tokens a rule selects: count = ceil(ratio * N) of the scope's pool (the covariance scores: verl's
+# max(1, int(ratio * N))); quantile = those strictly above the (1 - ratio) quantile of their response (scope
+# sequence) or micro-batch, linear interpolation (Archer's per-response 0.8 entropy quantile)
+BUDGETS = ("count", "quantile")
+QUANTILE_SCOPES = ("sequence", "micro_batch")
+#: policy_loss.loss_mode values a rule whose action replaces the surrogate accepts (its maths keeps verl's conventions)
+ACTION_LOSS_MODES = ("vanilla", "tokensel_ppo_clip")
+
 #: knobs of TokenSelectionConfig that switch engine behaviour rather than override a preset's rule
 ENGINE_SWITCHES = ("auto_enable_entropy", "no_grad_scores", "prepass_reuse")
 
@@ -56,6 +75,14 @@ def _err(key: str, value: Any, valid: str, fix: str = "") -> TokenSelectionConfi
 def _check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise _err(key, value, ", ".join(choices))
+
+
+def _check_number(key: str, value: Any, low: Optional[float], high: Optional[float], valid: str,
+                  open_high: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (low is None or value >= low) and (high is None or (value < high if open_high else value <= high))
+    if not ok:
+        raise _err(key, value, valid)
 
 
 def _check_bool(key: str, value: Any) -> None:
@@ -78,6 +105,14 @@ class Selection:
     score_source: str = "current"
     ref_model_path: Optional[str] = None
     pool: str = "valid"
+    budget: str = "count"
+    action: str = "gradient"
+    kl_penalty_coef: float = 0.1
+    cov_lb: float = 1.0
+    cov_ub: float = 5.0
+    selected_clip_ratio_low: Optional[float] = None
+    selected_clip_ratio_high: Optional[float] = None
+    selected_kl_weight: float = 1.0
 
     def __post_init__(self) -> None:
         """Every check a rule can make on its own; those that need the actor's other settings are in
@@ -99,6 +134,44 @@ class Selection:
         if self.ref_model_path is not None and (not isinstance(self.ref_model_path, str) or not self.ref_model_path):
             raise _err("token_selection.ref_model_path", self.ref_model_path, "null or a local checkpoint folder")
         self._check_source_serves_score()
+        self._check_action()
+
+    def _check_action(self) -> None:
+        _check_choice("token_selection.budget", self.budget, BUDGETS)
+        if self.budget == "quantile" and (self.scope not in QUANTILE_SCOPES or self.direction != "top"
+                                          or self.pool != "valid" or SCORE_REGISTRY[self.score].cov_rule):
+            raise _err("token_selection.budget", "quantile",
+                       f"count, or quantile with scope {' or '.join(QUANTILE_SCOPES)}, direction top, pool valid "
+                       "and a score other than kl_cov / clip_cov",
+                       f"got scope={self.scope}, direction={self.direction}, pool={self.pool}, score={self.score}. "
+                       "Fix: set token_selection.budget=count or those keys.")
+        _check_choice("token_selection.action", self.action, ACTIONS)
+        _check_number("token_selection.kl_penalty_coef", self.kl_penalty_coef, 0.0, None, "a number >= 0")
+        _check_number("token_selection.cov_lb", self.cov_lb, None, None, "a number")
+        _check_number("token_selection.cov_ub", self.cov_ub, None, None, "a number > token_selection.cov_lb")
+        if not self.cov_lb < self.cov_ub:
+            raise _err("token_selection.cov_ub", self.cov_ub, f"a number > token_selection.cov_lb={self.cov_lb}")
+        for key in ("selected_clip_ratio_low", "selected_clip_ratio_high"):
+            if getattr(self, key) is not None:
+                _check_number(f"token_selection.{key}", getattr(self, key), 0.0, 1.0,
+                              "null (the actor's clip ratio) or a number in [0, 1)", open_high=True)
+        _check_number("token_selection.selected_kl_weight", self.selected_kl_weight, 0.0, None, "a number >= 0")
+        if self.action != "gradient" and self.normaliser != "all":
+            raise _err("token_selection.normaliser", self.normaliser, f"all (with action={self.action})",
+                       f"action={self.action} changes the selected tokens' loss and keeps every token in the "
+                       "denominator, as its reference does. Fix: set token_selection.normaliser=all.")
+        if SCORE_REGISTRY[self.score].cov_rule is None:
+            return
+        if self.scope not in COV_SCOPES:
+            raise _err("token_selection.scope", self.scope, f"{', '.join(COV_SCOPES)} (with score={self.score})",
+                       f"score={self.score} centres A and log pi on one pool's means, which needs one pool. Fix: "
+                       "set token_selection.scope=mini_batch (exact over the data-parallel ranks, with "
+                       "score_source=prepass) or micro_batch (verl's own loss_mode's pool).")
+        if self.pool != "valid" or self.direction != "top":
+            key, value = ("pool", self.pool) if self.pool != "valid" else ("direction", self.direction)
+            raise _err(f"token_selection.{key}", value, f"{'valid' if key == 'pool' else 'top'} "
+                       f"(with score={self.score})", f"score={self.score} follows verl's port: its budget is "
+                       "max(1, int(ratio * N)) of the pool's valid tokens, highest first.")
 
     def _check_scope_fits_source(self) -> None:
         allowed = SOURCE_SCOPES[self.score_source]
@@ -170,6 +243,22 @@ PRESETS: dict[str, Optional[Selection]] = {
     ),
     # exact logit-gradient norm |omega| * ||e_a - p||, top 20%, normalise by all tokens
     "grad_norm": Selection(score="grad_norm", ratio=0.2, direction="top", scope="micro_batch", normaliser="all"),
+    # KL-Cov (Cui et al., arXiv 2505.22617): the top max(1, int(ratio * N)) covariances
+    # (A - mean A)(log pi - mean log pi) of the whole optimizer mini-batch, exact over the data-parallel ranks,
+    # measured at its start, get kl_penalty_coef * |log r| on an unclipped surrogate; verl 0.9.1's defaults
+    # (kl_cov_ratio 2e-4, ppo_kl_coef 0.1), so only the pool differs from loss_mode=kl_cov
+    "kl_cov_global": Selection(score="kl_cov", ratio=2e-4, direction="top", scope="mini_batch", normaliser="all",
+                               score_source="prepass", action="kl_penalty", kl_penalty_coef=0.1),
+    # Clip-Cov (same paper): of the mini-batch's tokens with cov_lb < cov < cov_ub not already clipped, a keyed
+    # draw of max(1, int(ratio * N)) get no policy loss; verl 0.9.1's defaults (clip_cov_ratio 2e-4, bounds 1, 5)
+    "clip_cov_global": Selection(score="clip_cov", ratio=2e-4, direction="top", scope="mini_batch", normaliser="all",
+                                 score_source="prepass", action="zero_loss", cov_lb=1.0, cov_ub=5.0),
+    # Archer (arXiv 2507.15778, released code wizard-III/ArcherCodeR): per response, the tokens above its 0.8
+    # entropy quantile (current policy) are clipped at 0.5 / 0.5 with no KL; the others keep the actor's clip
+    # (0.2 / 0.2 in Archer's scripts) and the KL loss (use_kl_loss, low_var_kl, 0.001)
+    "archer": Selection(score="entropy", ratio=0.2, direction="top", scope="sequence", normaliser="all",
+                        budget="quantile", action="clip_class", selected_clip_ratio_low=0.5,
+                        selected_clip_ratio_high=0.5, selected_kl_weight=0.0),
 }
 
 
@@ -183,8 +272,9 @@ class TokenSelectionConfig:
 
     ratio: Optional[float] = field(
         default=None,
-        metadata={"help": "Fraction of the scope's valid tokens that get gradient, in (0, 1]; "
-                  "exactly ceil(ratio*N) tokens are kept.", "paper": "0.2 (80/20 and GMTS)"},
+        metadata={"help": "Fraction of the scope's valid tokens the rule selects, in (0, 1]; "
+                  "exactly ceil(ratio*N) tokens (scores kl_cov / clip_cov: max(1, int(ratio*N)), verl's).",
+                  "paper": "0.2 (80/20 and GMTS); 2e-4 (verl's KL-Cov / Clip-Cov)"},
     )
     score: Optional[str] = field(
         default=None,
@@ -246,6 +336,51 @@ class TokenSelectionConfig:
         metadata={"help": "Local HF checkpoint whose per-token entropy the ref_entropy score ranks by "
                   "(computed on the driver, score_source=rollout); null = actor_rollout_ref.model.path.",
                   "paper": "the base model (80/20: > 86% top-20% overlap of base and RL model)"},
+    )
+    budget: Optional[str] = field(
+        default=None,
+        metadata={"help": f"How many tokens the rule selects: one of {', '.join(BUDGETS)}. count = ceil(ratio*N) of "
+                  "the scope's pool (scores kl_cov / clip_cov: max(1, int(ratio*N)), verl's); quantile = the tokens "
+                  "strictly above the (1 - ratio) quantile of their response (scope sequence) or micro-batch, "
+                  "linear interpolation.", "paper": "count; quantile (Archer: per-response 0.8 quantile)"},
+    )
+    action: Optional[str] = field(
+        default=None,
+        metadata={"help": f"What the selected tokens get: one of {', '.join(ACTIONS)}. gradient = only they keep the "
+                  "policy gradient; kl_penalty = kl_penalty_coef*|log r| added, every token's surrogate unclipped "
+                  "(KL-Cov); zero_loss = their policy loss zeroed (Clip-Cov); clip_class = their own clip bounds and "
+                  "KL weight (selected_*), the others the actor's (Archer).",
+                  "paper": "gradient (80/20, GMTS); kl_penalty (KL-Cov); zero_loss (Clip-Cov); clip_class (Archer)"},
+    )
+    kl_penalty_coef: Optional[float] = field(
+        default=None,
+        metadata={"help": "action=kl_penalty: coefficient of |log r| on the selected tokens (verl's "
+                  "policy_loss.ppo_kl_coef).", "paper": "0.1 (verl 0.9.1 default); 1 (KL-Cov released scripts)"},
+    )
+    cov_lb: Optional[float] = field(
+        default=None,
+        metadata={"help": "score=clip_cov: candidates have covariance > cov_lb (verl's policy_loss.clip_cov_lb).",
+                  "paper": "1 (Clip-Cov)"},
+    )
+    cov_ub: Optional[float] = field(
+        default=None,
+        metadata={"help": "score=clip_cov: candidates have covariance < cov_ub (verl's policy_loss.clip_cov_ub).",
+                  "paper": "5 (Clip-Cov)"},
+    )
+    selected_clip_ratio_low: Optional[float] = field(
+        default=None,
+        metadata={"help": "action=clip_class: the selected tokens' lower clip ratio (null: the actor's "
+                  "clip_ratio_low).", "paper": "0.5 (Archer, high-entropy tokens)"},
+    )
+    selected_clip_ratio_high: Optional[float] = field(
+        default=None,
+        metadata={"help": "action=clip_class: the selected tokens' upper clip ratio (null: the actor's "
+                  "clip_ratio_high).", "paper": "0.5 (Archer, high-entropy tokens)"},
+    )
+    selected_kl_weight: Optional[float] = field(
+        default=None,
+        metadata={"help": "action=clip_class: factor of the KL loss (use_kl_loss) on the selected tokens; the others "
+                  "keep 1.", "paper": "0 (Archer: no KL on high-entropy tokens)"},
     )
     auto_enable_entropy: bool = field(
         default=True,
@@ -331,6 +466,7 @@ def check_with_actor(
             f"actor_rollout_ref.actor.loss_agg_mode is {loss_agg_mode!r}; a mean over selected tokens is only "
             "defined for token-mean. Fix: set token_selection.normaliser=all or loss_agg_mode=token-mean.",
         )
+    _check_action_with_actor(sel, loss_mode, use_kl_loss)
     spec = SCORE_REGISTRY[sel.score]
     if spec.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or auto_enable_entropy):
         raise _err(
@@ -358,6 +494,26 @@ def check_with_actor(
             ", ".join(OMEGA_KL_TYPES),
             f"token_selection.score={sel.score} adds the KL term's gradient weight to omega.",
         )
+
+
+def _check_action_with_actor(sel: Selection, loss_mode: str, use_kl_loss: bool) -> None:
+    if sel.action == "gradient":
+        return
+    if loss_mode not in ACTION_LOSS_MODES:
+        raise _err(
+            "policy_loss.loss_mode", loss_mode, f"{', '.join(ACTION_LOSS_MODES)} (with token_selection.action="
+            f"{sel.action})", f"action={sel.action} computes the policy loss itself (verl's "
+            f"{'kl_cov' if sel.action == 'kl_penalty' else 'clip_cov' if sel.action == 'zero_loss' else 'vanilla'} "
+            "maths with the rule's per-token outputs), so it cannot also run loss_mode's. Fix: set "
+            "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla (verl's default)."
+            + (" The preset already is the global version of verl's loss_mode=" + loss_mode + "."
+               if loss_mode in ("kl_cov", "clip_cov") else ""))
+    if sel.action == "clip_class" and sel.selected_kl_weight != 1.0 and not use_kl_loss:
+        raise _err(
+            "use_kl_loss", use_kl_loss, f"true (with token_selection.selected_kl_weight={sel.selected_kl_weight})",
+            "the rule weights the KL loss per token, and the KL loss is off. Fix: set "
+            "actor_rollout_ref.actor.use_kl_loss=true (Archer: kl_loss_coef=0.001, kl_loss_type=low_var_kl), or "
+            "token_selection.selected_kl_weight=1 to run without a KL term.")
 
 
 def register_preset(name: str, selection: Selection) -> Selection:

@@ -16,8 +16,9 @@ import torch.distributed as dist
 
 from verl_tokensel.core.batch import ScoreBatch
 from verl_tokensel.core.config import Selection
-from verl_tokensel.core.scores import grad_mass
-from verl_tokensel.core.select import select_tokens, selection_stats
+from verl_tokensel.core.cov import select_cov
+from verl_tokensel.core.scores import SCORE_REGISTRY, grad_mass
+from verl_tokensel.core.select import above_quantile, select_tokens, selection_stats
 
 
 @dataclass
@@ -33,6 +34,10 @@ class Selected:
         advantage_weight / advantage_shift: ``A' = weight * A + shift`` before verl's policy loss (None: as is).
         clip_low / clip_high: per-token PPO clip bounds in place of the config's scalars (None: the config's).
         kl_weight: per-token factor of the KL-loss term (None: 1).
+        kl_penalty: per-token coefficient of ``|log r|`` added to an unclipped surrogate (KL-Cov; None: off).
+        loss_weight: per-token factor of the policy loss, 0 detaching the token (Clip-Cov; None: 1).
+        gate: whether ``mask`` gates the policy gradient (action ``gradient``); False for the other actions,
+            whose mask marks the tokens the per-token outputs above treat differently.
     """
 
     mask: torch.Tensor
@@ -45,6 +50,54 @@ class Selected:
     clip_low: Optional[torch.Tensor] = None
     clip_high: Optional[torch.Tensor] = None
     kl_weight: Optional[torch.Tensor] = None
+    kl_penalty: Optional[torch.Tensor] = None
+    loss_weight: Optional[torch.Tensor] = None
+    gate: bool = True
+
+
+def _apply_action(sel: Selection, batch: ScoreBatch, out: Selected) -> None:
+    """Fill the per-token outputs of ``sel.action`` from the mask (the same whether the mask was ranked here or
+    measured before the update)."""
+    if sel.action == "gradient":
+        return
+    out.gate = False
+    mask = out.mask
+    if sel.action == "kl_penalty":
+        out.kl_penalty = torch.where(mask, float(sel.kl_penalty_coef), 0.0).to(torch.float32)
+    elif sel.action == "zero_loss":
+        out.loss_weight = (~mask).to(torch.float32)
+    elif sel.action == "clip_class":
+        inp = batch.inputs
+        low = inp.clip_ratio_low if sel.selected_clip_ratio_low is None else sel.selected_clip_ratio_low
+        high = inp.clip_ratio_high if sel.selected_clip_ratio_high is None else sel.selected_clip_ratio_high
+        # float64: ``1 - bound`` then rounds to float32 as verl's scalar bound does, for every token
+        out.clip_low = torch.where(mask, float(low), float(inp.clip_ratio_low)).to(torch.float64)
+        out.clip_high = torch.where(mask, float(high), float(inp.clip_ratio_high)).to(torch.float64)
+        if sel.selected_kl_weight != 1.0:
+            out.kl_weight = torch.where(mask, float(sel.selected_kl_weight), 1.0).to(torch.float32)
+
+
+def _cov_rule(sel: Selection, batch: ScoreBatch, pool: torch.Tensor, ratio: float, scope: str,
+              dp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, scores)`` of a covariance score (KL-Cov, Clip-Cov): pooled over ``dp_group`` for the pooled scopes,
+    verl's own arithmetic for ``micro_batch``."""
+    inp = batch.inputs
+    rule = SCORE_REGISTRY[sel.score].cov_rule
+    draw = None
+    if rule == "clip_cov":
+        draw = batch.score("random") if inp.row_keys is not None else None
+    return select_cov(rule, advantages=inp.advantages, log_prob=inp.log_prob, pool=pool, ratio=ratio,
+                      group=None if scope == "micro_batch" else dp_group, verl_means=scope == "micro_batch",
+                      old_log_prob=inp.old_log_prob, draw=draw, clip_low=inp.clip_ratio_low,
+                      clip_high=inp.clip_ratio_high, lb=sel.cov_lb, ub=sel.cov_ub)
+
+
+def _select(sel: Selection, batch: ScoreBatch, scores: torch.Tensor, pool: torch.Tensor, ratio: float, scope: str,
+            dp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    if sel.budget == "quantile":
+        return above_quantile(scores, pool, 1.0 - ratio, per_row=scope == "sequence") & pool
+    return select_tokens(scores, pool, ratio, scope=scope, direction=sel.direction, dp_group=dp_group,
+                         group_ids=batch.group_ids if scope == "group" else None, pool=sel.pool) & pool
 
 
 def apply_rule(
@@ -71,21 +124,26 @@ def apply_rule(
     """
     ratio = sel.ratio if ratio is None else ratio
     scope = sel.scope if scope is None else scope
-    if measured is None:
-        scores = batch.score(sel.score)
-    else:
+    cov = SCORE_REGISTRY[sel.score].cov_rule is not None and measured is None
+    if measured is not None:
         scores = measured[1].float()
+    elif cov:  # the covariance needs the pool's means: scored after the non-finite tokens leave the pool
+        scores = torch.zeros_like(batch.inputs.log_prob, dtype=torch.float32)
+    else:
+        scores = batch.score(sel.score)
     finite = batch.finite & ~torch.isnan(scores)
     pool = batch.valid & finite
     dropped = bool((batch.valid & ~finite).any())
     if measured is not None:
         mask = measured[0].to(torch.bool) & pool
+    elif cov:
+        mask, scores = _cov_rule(sel, batch, pool, ratio, scope, dp_group)
     else:
-        mask = select_tokens(scores, pool, ratio, scope=scope, direction=sel.direction, dp_group=dp_group,
-                             group_ids=batch.group_ids if scope == "group" else None, pool=sel.pool) & pool
+        mask = _select(sel, batch, scores, pool, ratio, scope, dp_group)
     if dropped:
         scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
     out = Selected(mask=mask, scores=scores, pool=pool, dropped=dropped)
+    _apply_action(sel, batch, out)
     if stats:
         entropy = batch.inputs.entropy
         if entropy is not None and dropped:

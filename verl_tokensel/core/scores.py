@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from verl_tokensel.core.cov import cov_scores
+
 # verl clamps the log-ratio to this value before exp() (core_algos.compute_policy_loss_vanilla);
 # beyond it the clamp has zero gradient, so such tokens carry no gradient either.
 LOG_RATIO_CLAMP = 20.0
@@ -222,6 +224,7 @@ class ScoreSpec:
     needs_row_keys: bool = False
     needs_external: tuple[str, ...] = ()
     uses_sum_pi_squared: bool = False
+    cov_rule: Optional[str] = None
 
 
 SCORE_REGISTRY: dict[str, ScoreSpec] = {}
@@ -236,6 +239,7 @@ def register_score(
     needs_row_keys: bool = False,
     needs_external: tuple[str, ...] = (),
     uses_sum_pi_squared: bool = False,
+    cov_rule: Optional[str] = None,
 ):
     """Decorator registering a score; refuses to overwrite an existing name.
 
@@ -244,13 +248,15 @@ def register_score(
     compute them, a glue module fills them (only ``score_source=rollout`` knows ``ref_entropy``).
     ``uses_sum_pi_squared``: the score is exact with :attr:`ScoreInputs.sum_pi_squared` (else bounded),
     so the pass that measures it should ask the engine for sum_j p_j^2.
+    ``cov_rule``: ``kl_cov`` or ``clip_cov``: the rule step selects with
+    :func:`~verl_tokensel.core.cov.select_cov` (means over the scope's pool, verl's budget) instead of a top-k.
     """
 
     def deco(fn: ScoreFn) -> ScoreFn:
         if name in SCORE_REGISTRY:
             raise ValueError(f"score {name!r} is already registered; pick another name")
         SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help, needs_row_keys,
-                                         tuple(needs_external), uses_sum_pi_squared)
+                                         tuple(needs_external), uses_sum_pi_squared, cov_rule)
         return fn
 
     return deco
@@ -292,6 +298,24 @@ def random_score(inp: ScoreInputs) -> torch.Tensor:
     if inp.row_keys is None:
         raise ValueError("the random score needs row_keys (one int64 per response)")
     return seeded_uniform(inp.row_keys, inp.log_prob.shape[-1], inp.seed).to(inp.log_prob.device)
+
+
+@register_score("kl_cov", needs_entropy=False, needs_omega=False, cov_rule="kl_cov",
+                help="(A_t - mean A)(log pi_t - mean log pi) over the scope's pool; top tokens get KL-Cov's penalty")
+def kl_cov_score(inp: ScoreInputs) -> torch.Tensor:
+    return cov_scores(_need_advantages(inp, "kl_cov"), inp.log_prob, inp.response_mask, rule="kl_cov")
+
+
+@register_score("clip_cov", needs_entropy=False, needs_omega=False, needs_row_keys=True, cov_rule="clip_cov",
+                help="the covariance as kl_cov; a keyed draw of the tokens with lb < cov < ub, not clipped (Clip-Cov)")
+def clip_cov_score(inp: ScoreInputs) -> torch.Tensor:
+    return cov_scores(_need_advantages(inp, "clip_cov"), inp.log_prob, inp.response_mask, rule="clip_cov")
+
+
+def _need_advantages(inp: ScoreInputs, name: str) -> torch.Tensor:
+    if inp.advantages is None:
+        raise ValueError(f"score {name!r} needs the advantages of the batch")
+    return inp.advantages
 
 
 @register_score(

@@ -120,6 +120,19 @@ def keep_first_k(scores: torch.Tensor, valid: torch.Tensor, k: int, direction: s
     return (out | ties).view_as(valid)
 
 
+def above_quantile(scores: torch.Tensor, valid: torch.Tensor, q: float, per_row: bool) -> torch.Tensor:
+    """The valid tokens whose score is strictly above the ``q``-quantile of the valid scores of their row
+    (``per_row``) or of the whole tensor: ``torch.nanquantile``, linear interpolation (Archer's split, ``q`` 0.8).
+    The count is not a fixed budget: ties at the quantile all stay below it."""
+    valid = valid.to(torch.bool)
+    x = scores.float().masked_fill(~valid, float("nan"))
+    if per_row:
+        thr = torch.nanquantile(x, q, dim=-1, keepdim=True) if x.shape[-1] else x
+    else:
+        thr = torch.nanquantile(x.flatten(), q) if bool(valid.any()) else x.new_tensor(float("nan"))
+    return valid & (x > thr)
+
+
 def _select_grouped(
     scores: torch.Tensor, valid: torch.Tensor, group_ids: torch.Tensor, ratio: float, direction: str
 ) -> torch.Tensor:

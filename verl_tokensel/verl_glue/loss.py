@@ -9,7 +9,9 @@
   "zero the advantage"); ``actor/pg_loss`` is the full-token surrogate;
 - ``normaliser=selected`` (token-mean only, the 80/20 released code): the selected tokens are the loss mask and the
   denominator is the micro-batch's selected tokens, weighted by its share of the mini-batch's responses;
-- the entropy bonus and KL loss see the mask only with ``mask_entropy_bonus`` / ``mask_kl_loss``.
+- the entropy bonus and KL loss see the mask only with ``mask_entropy_bonus`` / ``mask_kl_loss``;
+- a rule whose action is not ``gradient`` (KL-Cov's penalty, Clip-Cov's zeroed tokens, Archer's per-token clip
+  and KL weight) keeps every token's gradient and runs :func:`~verl_tokensel.verl_glue.policy_loss.rule_policy_loss`.
 
 ``token_selector=none`` calls verl's ``ppo_loss`` itself (stock bit for bit). The part of ``ppo_loss`` the
 selecting loss repeats is :func:`verl_ppo_loss_body`, pinned to verl's source by :data:`VERL_PPO_LOSS_SHA256`.
@@ -34,6 +36,7 @@ from verl_tokensel.core.rule import Selected, apply_rule
 from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
 from verl_tokensel.verl_glue.announce import announce_loss
 from verl_tokensel.verl_glue.micro_batch import MicroBatch, unpack_micro_batch
+from verl_tokensel.verl_glue.policy_loss import rule_policy_loss
 
 METRIC_PREFIX = "tokensel/"
 # the per-token fields a selection measured before the update writes into the batch (names: core/fields.py)
@@ -122,12 +125,8 @@ def _select(config, sel: Selection, model_output, data: TensorDict, dp_group) ->
 def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: Selected) -> dict:
     """verl's loss inputs carrying the selection: the gated log-prob, the rule's per-token outputs applied, and
     finite stand-ins on dropped tokens (masked out; verl's masked sums would turn NaN x 0 into NaN)."""
-    if selected.clip_low is not None or selected.clip_high is not None:
-        raise RuntimeError(
-            "the token rule returned per-token clip bounds, which verl's policy losses read as scalars from the "
-            "config. Fix: set policy_loss.loss_mode to a registered tokensel_ policy loss that takes them.")
     log_prob, entropy, mask = mb.log_prob, mb.entropy, selected.mask
-    gated = torch.where(mask, log_prob, log_prob.detach())
+    gated = torch.where(mask, log_prob, log_prob.detach()) if selected.gate else log_prob
     kl_log_prob = log_prob
     inputs = {k: mb.padded.get(k, None) for k in (F.OLD_LOG_PROBS, F.ADVANTAGES, F.ROLLOUT_IS_WEIGHTS, F.REF_LOG_PROB)}
     if selected.dropped:
@@ -156,8 +155,9 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
                   "log_prob": mb.log_prob, "advantages": mb.padded[F.ADVANTAGES]})
     inputs = _loss_inputs(config, sel, mb, selected)
 
-    def policy_loss(info):  # verl's registered loss for loss_mode; only its inputs are ours
-        policy_loss_fn = get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla"))
+    def policy_loss(info):  # verl's registered loss for loss_mode (only its inputs are ours), or the rule's
+        policy_loss_fn = rule_policy_loss(selected) or get_policy_loss_fn(config.policy_loss.get("loss_mode",
+                                                                                                 "vanilla"))
         loss_mask = pool
         saved = info["batch_num_tokens"]
         if sel.normaliser == "selected":

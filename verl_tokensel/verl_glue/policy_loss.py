@@ -1,0 +1,159 @@
+"""The policy losses of the token rules whose selected tokens get more than a gradient mask, in verl's conventions.
+
+A rule's :class:`~verl_tokensel.core.rule.Selected` may carry per-token outputs that verl's registered losses read
+as scalars from the config, or not at all. :func:`rule_policy_loss` returns the loss that takes them:
+
+- ``kl_penalty`` (KL-Cov): verl 0.9.1's ``compute_policy_loss_kl_cov`` with the penalised tokens given (unclipped
+  ``-A r`` for every token, ``+ coef * |log r|`` on the penalised ones);
+- ``loss_weight`` (Clip-Cov): verl's ``compute_policy_loss_clip_cov`` with the zeroed tokens given (PPO clip
+  without dual clip, ``* corr``);
+- ``clip_low`` / ``clip_high`` (Archer): :func:`ppo_clip_per_token`, verl's ``compute_policy_loss_vanilla``
+  (log-ratio clamp, dual clip with ``clip_ratio_c``, its metrics) with per-token bounds. It is registered in verl's
+  policy-loss registry as ``tokensel_ppo_clip``: without per-token bounds it is verl's vanilla loss.
+
+Given the same tokens, each equals its verl counterpart bit for bit (tests/test_policy_loss_on_cpu.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable, Optional
+
+import torch
+
+import verl.utils.torch_functional as verl_F
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
+
+from verl_tokensel.core.rule import Selected
+
+PPO_CLIP_PER_TOKEN = "tokensel_ppo_clip"
+
+
+def _bounds(config) -> tuple[float, float]:
+    clip_ratio = config.clip_ratio
+    low = config.clip_ratio_low if config.clip_ratio_low is not None else clip_ratio
+    high = config.clip_ratio_high if config.clip_ratio_high is not None else clip_ratio
+    return low, high
+
+
+def _one_minus(bound, fallback: float, sign: float) -> Any:
+    """``1 + sign * bound`` for a scalar or a per-token float64 tensor (computed in float64 then cast, so a token
+    whose bound equals the config's scalar gets the scalar's float32 bound, as verl's clamp does)."""
+    if bound is None:
+        return 1 + sign * fallback
+    if isinstance(bound, torch.Tensor):
+        return (1 + sign * bound.to(torch.float64)).to(torch.float32)
+    return 1 + sign * bound
+
+
+def ppo_clip_per_token(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    clip_low: Optional[torch.Tensor] = None,
+    clip_high: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
+    """verl's vanilla PPO/DAPO loss with per-token clip ratios ``clip_low`` / ``clip_high`` (None: the config's).
+
+    Same conventions as ``compute_policy_loss_vanilla`` of verl 0.9.1: the log-ratio clamped to +-20, the dual clip
+    ``-A * clip_ratio_c`` for ``A < 0``, the same metrics (``pg_clipfrac`` counts every token the clip clipped,
+    whatever its bound).
+    """
+    if config is None:
+        raise ValueError(f"{PPO_CLIP_PER_TOKEN} needs the actor config (clip_ratio, clip_ratio_c)")
+    low, high = _bounds(config)
+    clip_ratio_c = config.get("clip_ratio_c", 3.0)
+    if not clip_ratio_c > 1.0:
+        raise ValueError(f"actor_rollout_ref.actor.clip_ratio_c={clip_ratio_c} is invalid; valid values: a number > 1 "
+                         "(the dual clip's lower bound of the ratio for A < 0)")
+    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_F.masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    if (clip_low is None) != (clip_high is None):  # torch.clamp takes two tensors or two numbers
+        clip_low = torch.full_like(clip_high, low, dtype=torch.float64) if clip_low is None else clip_low
+        clip_high = torch.full_like(clip_low, high, dtype=torch.float64) if clip_high is None else clip_high
+    pg_losses2 = -advantages * torch.clamp(ratio, _one_minus(clip_low, low, -1.0), _one_minus(clip_high, high, 1.0))
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = verl_F.masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = verl_F.masked_mean(
+        torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                       **config.global_batch_info)
+    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item(),
+                     "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item()}
+
+
+def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                rollout_is_weights=None, *, kl_penalty: torch.Tensor):
+    """verl 0.9.1's ``compute_policy_loss_kl_cov`` with the penalty given per token (``kl_penalty``: the
+    coefficient on the penalised tokens, 0 elsewhere) instead of chosen inside the micro-batch."""
+    negative_approx_kl = log_prob - old_log_prob
+    abs_kl = negative_approx_kl.abs()
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl_abs = verl_F.masked_mean(negative_approx_kl.abs(), response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses_kl = -advantages * ratio + kl_penalty * abs_kl
+    pg_losses = torch.where(kl_penalty != 0, pg_losses_kl, pg_losses1)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                       **config.global_batch_info)
+    return pg_loss, {"actor/ppo_kl": ppo_kl_abs.detach().item()}
+
+
+def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                  rollout_is_weights=None, *, loss_weight: torch.Tensor):
+    """verl 0.9.1's ``compute_policy_loss_clip_cov`` with ``corr`` given per token (``loss_weight``: 0 on the
+    detached tokens, 1 elsewhere) instead of drawn inside the micro-batch with ``torch.randperm``."""
+    low, high = _bounds(config)
+    negative_approx_kl = log_prob - old_log_prob
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = verl_F.masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    corr = loss_weight.to(advantages.dtype)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
+    pg_clipfrac = verl_F.masked_mean((corr == 0).float(), response_mask)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2) * corr
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                       **config.global_batch_info)
+    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
+
+
+def rule_policy_loss(selected: Selected) -> Optional[Callable]:
+    """The policy loss that applies ``selected``'s per-token outputs (verl's registry signature), or None when it
+    has none (the configured ``loss_mode`` runs)."""
+    if selected.kl_penalty is not None:
+        return partial(kl_cov_loss, kl_penalty=selected.kl_penalty)
+    if selected.loss_weight is not None:
+        return partial(clip_cov_loss, loss_weight=selected.loss_weight)
+    if selected.clip_low is not None or selected.clip_high is not None:
+        return partial(ppo_clip_per_token, clip_low=selected.clip_low, clip_high=selected.clip_high)
+    return None
+
+
+def register_policy_losses() -> None:
+    """Register :func:`ppo_clip_per_token` as ``tokensel_ppo_clip`` in verl's policy-loss registry (idempotent;
+    refuses to overwrite a loss of that name registered by someone else)."""
+    existing = POLICY_LOSS_REGISTRY.get(PPO_CLIP_PER_TOKEN)
+    if existing is ppo_clip_per_token:
+        return
+    if existing is not None:
+        raise RuntimeError(f"verl policy loss {PPO_CLIP_PER_TOKEN!r} is already registered by someone else; "
+                           "refusing to overwrite")
+    register_policy_loss(PPO_CLIP_PER_TOKEN)(ppo_clip_per_token)
+
+
+__all__ = ["PPO_CLIP_PER_TOKEN", "clip_cov_loss", "kl_cov_loss", "ppo_clip_per_token", "register_policy_losses",
+           "rule_policy_loss"]
