@@ -2,6 +2,8 @@
 
 - fills every setting of its table (values verl-0.9.md item 6/7 lists) and forwards the env vars as strings;
 - a user value that conflicts with CPU fails before Ray starts, naming the key (command line or YAML);
+- a GPU recipe with many conflicts gets them all in one error, one line per key with its value and its fix, and
+  ``main_ppo`` prints that list and exits 2;
 - the table's ``default`` column is verl 0.9.1's real default (else the switch would silently skip a key);
 - without the switch nothing changes.
 """
@@ -25,11 +27,52 @@ from verl_tokensel.cpu import pipeline as cpu_pipeline  # noqa: E402
 from verl_tokensel.cpu.pipeline import (  # noqa: E402
     CONFIG_SETTINGS,
     ENV_VARS_KEY,
+    CpuConflictError,
     apply_cpu_pipeline,
     cli_override_keys,
     wants_cpu,
 )
 from verl_tokensel.cpu.platform import MODULE_NAME  # noqa: E402
+
+
+R = "actor_rollout_ref.rollout."
+# verl's examples/grpo_trainer/run_qwen2_5_vl-7b-sglang.sh (text model), with the GPU-only keys of its other scripts:
+# fused kernels, Liger, Ulysses 2, the FSDP strategy spelled out
+GPU_FSDP_SCRIPT = [
+    "algorithm.adv_estimator=grpo", "data.train_files=/data/gsm8k/train.parquet", "data.train_batch_size=512",
+    "data.max_prompt_length=1024", "data.max_response_length=2048", "actor_rollout_ref.model.path=Qwen/Qwen2.5-7B",
+    "actor_rollout_ref.model.use_remove_padding=True", "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.model.use_fused_kernels=True", "actor_rollout_ref.model.use_liger=True",
+    "actor_rollout_ref.actor.strategy=fsdp", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=128", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    f"{R}tensor_model_parallel_size=2", f"{R}name=sglang", f"{R}gpu_memory_utilization=0.6", f"{R}enforce_eager=False",
+    f"{R}free_cache_engine=True", f"{R}n=5", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
+]
+# its conflicts: key -> (the script's value, the CPU value the fix names); 8 logical GPUs and offload run on CPU
+GPU_FSDP_CONFLICTS = {
+    "actor_rollout_ref.model.use_fused_kernels": (True, False),
+    "actor_rollout_ref.model.use_liger": (True, False),
+    "actor_rollout_ref.actor.strategy": ("fsdp", "fsdp2"),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": (2, 1),
+    f"{R}tensor_model_parallel_size": (2, 1),
+    f"{R}name": ("sglang", "vllm"),
+    f"{R}enforce_eager": (False, True),
+    f"{R}free_cache_engine": (True, False),
+}
+
+
+def _assert_lists_every_conflict(text: str, expected: dict) -> None:
+    """The error's text in ``text``: its count, then one line per key of ``expected`` with its value and its fix."""
+    header = f"trainer.device=cpu cannot honour {len(expected)} settings of this config:"
+    lines = text.splitlines()
+    assert header in lines, text[-3000:]
+    listed = lines[lines.index(header) + 1:][:len(expected) + 1]
+    assert len([ln for ln in listed if ln.startswith("  - ")]) == len(expected), listed  # each key once
+    for key, (value, cpu_value) in expected.items():
+        line = [ln for ln in listed if ln.startswith(f"  - {key}={value!r}: ")]
+        assert len(line) == 1 and line[0].endswith(f"Fix: remove the setting (the CPU switch fills it) or set "
+                                                   f"{key}={cpu_value}."), (key, listed)
 
 
 def _compose(*overrides: str):
@@ -92,6 +135,29 @@ def test_conflicting_user_value_fails_naming_the_key(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
         _apply(override)
     assert "trainer.device=cpu" in str(err.value) and "Fix:" in str(err.value)
+    assert len(err.value.conflicts) == 1 and "\n" not in str(err.value)  # one conflict: one sentence, no list
+
+
+def test_gpu_recipe_gets_every_conflict_in_one_error():
+    """A GPU script tried on CPU: all its conflicts at once, each key once (the actor's strategy is checked twice),
+    before this process's env changes."""
+    environ = {}
+    with pytest.raises(CpuConflictError) as err:
+        _apply(*GPU_FSDP_SCRIPT, environ=environ)
+    _assert_lists_every_conflict(str(err.value), GPU_FSDP_CONFLICTS)
+    assert {c.key: c.value for c in err.value.conflicts} == {k: v for k, (v, _) in GPU_FSDP_CONFLICTS.items()}
+    assert environ == {}
+
+
+def test_every_kind_of_conflict_joins_the_list():
+    """The engine choice, the settings table, the reference's strategy, Ray's GPUs and the forwarded env."""
+    with pytest.raises(CpuConflictError) as err:
+        _apply("actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.ref.strategy=fsdp",
+               "+ray_kwargs.ray_init.num_gpus=0", "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PLATFORM=cuda")
+    assert [c.key for c in err.value.conflicts] == [
+        "actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "ray_kwargs.ray_init.num_gpus",
+        f"{ENV_VARS_KEY}.VERL_PLATFORM"]
+    assert str(err.value).startswith("trainer.device=cpu cannot honour 4 settings of this config:\n")
 
 
 def test_conflict_set_in_a_yaml_is_caught_too():
@@ -150,19 +216,20 @@ def test_docs_table_lists_every_setting():
         assert f"`{name}`" in doc, f"{name} is missing from the settings table of docs/cpu.md"
 
 
-def test_main_ppo_cli_refuses_an_explicit_conflict_before_ray(tmp_path):
-    """The real entry point: `strategy=fsdp` is verl's default, so only Hydra's record of the command line
-    shows the user chose it; the error names the key and no Ray instance is started."""
+def test_main_ppo_cli_lists_every_conflict_before_ray(tmp_path):
+    """The real entry point on the GPU script: `strategy=fsdp` is verl's default, so only Hydra's record of the
+    command line shows the user chose it; stderr has the whole list, no traceback, exit 2, and no Ray instance
+    is started."""
     import subprocess
     import sys
 
     res = subprocess.run(
-        [sys.executable, "-m", "verl_tokensel.main_ppo", "trainer.device=cpu", "actor_rollout_ref.actor.strategy=fsdp",
+        [sys.executable, "-m", "verl_tokensel.main_ppo", "trainer.device=cpu", *GPU_FSDP_SCRIPT,
          f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
     )
     out = res.stdout + res.stderr
-    assert res.returncode != 0
-    assert "actor_rollout_ref.actor.strategy='fsdp' cannot run with trainer.device=cpu" in out
-    assert "ray init kwargs" not in out
+    assert res.returncode == 2, out[-3000:]
+    _assert_lists_every_conflict(res.stderr, GPU_FSDP_CONFLICTS)
+    assert "Traceback" not in out and "ray init kwargs" not in out

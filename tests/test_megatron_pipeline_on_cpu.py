@@ -9,7 +9,8 @@ Default suite (seconds, no Ray):
 - the switch fills the Megatron settings (``MEGATRON_SETTINGS``: mbridge, local attention, no fusions, no sequence
   parallelism, fp32 through ``CpuMcoreEngineConfig``) and the Megatron env vars, adds none of FSDP's keys, and the
   result converts into our ``TokenselMcoreActorConfig``; what cannot work on CPU is refused before Ray starts,
-  naming the key and the fix (``actor.strategy=megatron`` on verl's FSDP actor node names ``model_engine=megatron``);
+  naming the key and the fix (``actor.strategy=megatron`` on verl's FSDP actor node names ``model_engine=megatron``),
+  a GPU Megatron script's conflicts all in one error;
   each setting's ``default`` is verl 0.9.1's;
 - the loading step: a process with ``VERL_PLATFORM=cpu VERL_TOKENSEL_CPU_MEGATRON=1`` has the shims right after
   it imports ``megatron.core`` (``import verl`` first, as a Ray worker does); without the variable nothing is armed;
@@ -64,6 +65,7 @@ from verl_tokensel.cpu.pipeline import (  # noqa: E402
     FSDP_SETTINGS,
     MEGATRON_ENV_SETTINGS,
     MEGATRON_SETTINGS,
+    CpuConflictError,
     apply_cpu_pipeline,
     cli_override_keys,
 )
@@ -146,6 +148,44 @@ def test_megatron_strategy_on_the_fsdp_node_names_model_engine():
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.actor\.strategy='megatron'") as err:
         _apply("actor_rollout_ref.actor.strategy=megatron")
     assert "Fix: replace actor_rollout_ref.actor.strategy=megatron with model_engine=megatron" in str(err.value)
+
+
+_TC = "actor_rollout_ref.actor.megatron.override_transformer_config."
+_FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+            "gradient_accumulation_fusion")
+# the GPU keys of verl's examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh (TP 2 / PP 2, which run on CPU, and
+# context parallelism 2 of its COMMON_CP), verl's config name as the script passes it
+GPU_MEGATRON_SCRIPT = [
+    "--config-name=ppo_megatron_trainer", "actor_rollout_ref.model.use_fused_kernels=False",
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+    "actor_rollout_ref.actor.megatron.context_parallel_size=2", "actor_rollout_ref.actor.megatron.param_offload=True",
+    *(f"+{_TC}{name}=True" for name in (*_FUSIONS, "persist_layer_norm")),
+    "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+    "actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.free_cache_engine=True",
+    "trainer.n_gpus_per_node=8",
+]
+
+
+def test_gpu_megatron_script_gets_every_conflict_in_one_error():
+    """One error, one line per conflicting key with its value and the fix's CPU value; what runs on CPU (TP/PP 2,
+    offload, eager rollout, persist_layer_norm) is not listed."""
+    from verl_tokensel.verl_glue.routes import our_config_args
+
+    args, _ = our_config_args(GPU_MEGATRON_SCRIPT)  # as main_ppo reads the script: tokensel_megatron_trainer
+    (config_name,) = [a.split("=", 1)[1] for a in args if a.startswith("--config-name=")]
+    with pytest.raises(CpuConflictError) as err:
+        _apply(*[a for a in args if not a.startswith("--")], config_name=config_name)
+    expected = {"actor_rollout_ref.rollout.tensor_model_parallel_size": (4, 1),
+                "actor_rollout_ref.rollout.free_cache_engine": (True, False),
+                "actor_rollout_ref.actor.megatron.context_parallel_size": (2, 1),
+                **{f"{_TC}{name}": (True, False) for name in _FUSIONS}}
+    lines = str(err.value).splitlines()
+    assert lines[0] == f"trainer.device=cpu cannot honour {len(expected)} settings of this config:"
+    assert {c.key: c.value for c in err.value.conflicts} == {k: v for k, (v, _) in expected.items()}
+    assert len(lines) == 1 + len(expected)
+    for key, (value, cpu_value) in expected.items():
+        assert f"  - {key}={value!r}: " in str(err.value) and f" or set {key}={cpu_value}." in str(err.value), key
 
 
 def test_megatron_defaults_column_is_verls_default():

