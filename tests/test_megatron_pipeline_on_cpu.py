@@ -32,7 +32,8 @@ the Megatron shims installed by the loading step:
   uninterrupted run's, rollouts, selection and weights (so Adam's moments and step were restored);
 - the Megatron actor worker killed during the update: the run ends with a message naming it.
 
-Measured on 2 cores (``-m slow``, 11 tests): about 25 min; 100-150 s per run, the resume (two runs) ~245 s.
+Measured on 2 cores (``-m slow``, 10 tests, 2026-12-02): 22 min; 99-149 s per test (v0 99 s, V1 109-125 s, TP 2 /
+PP 2 / DP 2 130 / 123 / 149 s, the killed worker 121 s), the resume (two runs) 214 s.
 """
 
 from __future__ import annotations
@@ -153,8 +154,8 @@ def test_megatron_strategy_on_the_fsdp_node_names_model_engine():
 _TC = "actor_rollout_ref.actor.megatron.override_transformer_config."
 _FUSIONS = ("apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
             "gradient_accumulation_fusion")
-# the GPU keys of verl's examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh (TP 2 / PP 2, which run on CPU, and
-# context parallelism 2 of its COMMON_CP), verl's config name as the script passes it
+# the GPU keys of verl's Megatron example scripts (examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh with
+# COMMON_CP=2; the TP 2 / PP 2 of run_qwen2-7b_math_megatron.sh, which run on CPU), verl's config name as they pass it
 GPU_MEGATRON_SCRIPT = [
     "--config-name=ppo_megatron_trainer", "actor_rollout_ref.model.use_fused_kernels=False",
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
