@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -295,3 +297,60 @@ def test_new_presets_run_their_rule_in_the_loss():
         loss, grad, _ = run(tokensel_ppo_loss, cfg, mo, data, lp)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
         assert (padded(grad, data)[data["response_mask"].bool()] != 0).float().mean() > 0.5
+
+
+# --------------------------------------------------------------------------------------------
+# through verl's real FSDP2 TrainingWorker: the pre-pass's mini-batch pool, whatever the micro-batches
+# --------------------------------------------------------------------------------------------
+ENGINE_SPLITS = [  # (ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_token_len_per_gpu)
+    (2, False, 40), (4, True, 56),
+]
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    """kl_cov_global and clip_cov_global on one mini-batch of 8 responses, split two ways by the engine."""
+    from verl_tokensel.cpu import batches as B, tiny_model, worker as H
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+
+    model_dir = tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_rules") / "qwen2")
+    out = {}
+    for micro, dyn, max_tokens in ENGINE_SPLITS:
+        actor = H.make_training_worker(model_dir, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro,
+                                       use_dynamic_bsz=dyn, ppo_max_token_len_per_gpu=max_tokens, lr=0.0,
+                                       clip_grad=1e9)
+        for preset, knobs in (("kl_cov_global", {"ratio": 0.05}),
+                              ("clip_cov_global", {"ratio": 0.05, "cov_lb": -10.0})):
+            seen = []
+            cfg = H.selecting_actor_config(actor, preset, **knobs)
+            batch = B.make_update_batch(actor, n=8, seed=3, resp_len=(4, 12))
+            H.compute_old_log_probs(actor, batch)
+
+            def observe(rec, seen=seen):
+                rows = [tuple(r.tolist()) for r in rec["data"]["responses"].unbind(0)]
+                seen.append((rows, rec["mask"].clone(), rec["response_mask"].clone()))
+
+            result = H.run_train_step(actor, batch, loss_fn=SelectingLoss(cfg, observer=observe),
+                                      capture_grads=False, capture_params=False)
+            out[(preset, micro, dyn)] = (seen, result)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global"])
+def test_engine_selection_is_the_same_for_any_micro_batch_split(engine_runs, preset):
+    chosen = {}
+    for micro, dyn, _ in ENGINE_SPLITS:
+        seen, result = engine_runs[(preset, micro, dyn)]
+        assert len(seen) > 1 or micro == 8  # the mini-batch really was split
+        picks, n_valid = {}, 0
+        for rows, mask, valid in seen:
+            for i, resp in enumerate(rows):
+                picks[resp] = tuple(mask[i].nonzero().flatten().tolist())
+            n_valid += int(valid.sum())
+        assert sum(len(p) for p in picks.values()) == cov_budget(0.05, n_valid)
+        losses = [v for k, vs in result.metrics.items() if k.endswith("pg_loss")
+                  for v in (vs if isinstance(vs, list) else [vs])]
+        assert losses and all(math.isfinite(float(v)) for v in losses)
+        chosen[(micro, dyn)] = picks
+    first, *others = chosen.values()
+    assert all(o == first for o in others), chosen
