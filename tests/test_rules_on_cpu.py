@@ -354,3 +354,24 @@ def test_engine_selection_is_the_same_for_any_micro_batch_split(engine_runs, pre
         chosen[(micro, dyn)] = picks
     first, *others = chosen.values()
     assert all(o == first for o in others), chosen
+
+
+def test_each_action_reports_its_own_metrics():
+    """tokensel/<rule>/... keys, so a side-by-side comparison reads the same names for every run of a rule."""
+    cases = {"kl_cov_global": ("kl_cov", {}), "clip_cov_global": ("clip_cov", {}),
+             "archer": ("archer", dict(use_kl_loss=True, calculate_entropy=True))}
+    for preset, (group, extra) in cases.items():
+        knobs = {**IN_LOSS, "ratio": 0.1} if preset != "archer" else {}
+        if preset == "clip_cov_global":
+            knobs["cov_lb"] = -10.0
+        cfg = actor_config(preset, knobs, **extra)
+        mo, data, lp = micro_batch(3, batch=6, resp_len=20, noise=0.3, with_ref=True)
+        _, _, metrics = run(tokensel_ppo_loss, cfg, mo, data, lp)
+        n = int(data["response_mask"].sum())
+        assert _stat(metrics, f"{group}/selected_tokens") == _stat(metrics, "selected_tokens") > 0, preset
+        assert _stat(metrics, f"{group}/selected_share") == pytest.approx(_stat(metrics, "selected_tokens") / n)
+    assert "tokensel/kl_cov/min_selected_cov" in run(
+        tokensel_ppo_loss, actor_config("kl_cov_global", {**IN_LOSS, "ratio": 0.1}), *micro_batch(3))[2]
+    _, _, metrics = run(tokensel_ppo_loss, actor_config("archer", None, use_kl_loss=True, calculate_entropy=True),
+                        *micro_batch(5, batch=6, resp_len=20, noise=0.6, with_ref=True))
+    assert {"tokensel/archer/clipfrac_selected", "tokensel/archer/clipfrac_unselected"} <= set(metrics)

@@ -77,6 +77,23 @@ def _apply_action(sel: Selection, batch: ScoreBatch, out: Selected) -> None:
             out.kl_weight = torch.where(mask, float(sel.selected_kl_weight), 1.0).to(torch.float32)
 
 
+#: the metric group of each action's own stats (``tokensel/<group>/...``), named after the rule it comes from
+ACTION_METRICS = {"kl_penalty": "kl_cov", "zero_loss": "clip_cov", "clip_class": "archer"}
+
+
+def action_stats(sel: Selection, out: Selected) -> dict[str, float]:
+    """The action's own metrics: how many tokens it treats differently, their share of the pool, and (KL-Cov)
+    the smallest covariance it penalised."""
+    group = ACTION_METRICS.get(sel.action)
+    if group is None:
+        return {}
+    n_sel, n_pool = int(out.mask.sum()), int(out.pool.sum())
+    stats = {f"{group}/selected_tokens": float(n_sel), f"{group}/selected_share": n_sel / n_pool if n_pool else 0.0}
+    if sel.action == "kl_penalty" and n_sel:
+        stats[f"{group}/min_selected_cov"] = float(out.scores[out.mask].min())
+    return stats
+
+
 def _cov_rule(sel: Selection, batch: ScoreBatch, pool: torch.Tensor, ratio: float, scope: str,
               dp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mask, scores)`` of a covariance score (KL-Cov, Clip-Cov): pooled over ``dp_group`` for the pooled scopes,
@@ -150,7 +167,8 @@ def apply_rule(
             entropy = torch.where(finite, entropy, 0.0)
         out.stats = selection_stats(mask, batch.valid, scores, entropy=entropy,
                                     grad_mass=grad_mass(sel.score, scores, batch.inputs))
+        out.stats.update(action_stats(sel, out))
     return out
 
 
-__all__ = ["Selected", "apply_rule"]
+__all__ = ["ACTION_METRICS", "Selected", "action_stats", "apply_rule"]

@@ -56,12 +56,14 @@ def ppo_clip_per_token(
     rollout_is_weights: Optional[torch.Tensor] = None,
     clip_low: Optional[torch.Tensor] = None,
     clip_high: Optional[torch.Tensor] = None,
+    classes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's vanilla PPO/DAPO loss with per-token clip ratios ``clip_low`` / ``clip_high`` (None: the config's).
 
     Same conventions as ``compute_policy_loss_vanilla`` of verl 0.9.1: the log-ratio clamped to +-20, the dual clip
     ``-A * clip_ratio_c`` for ``A < 0``, the same metrics (``pg_clipfrac`` counts every token the clip clipped,
-    whatever its bound).
+    whatever its bound). ``classes`` (bool, the selected tokens): adds the clip fraction of each class,
+    ``tokensel/archer/clipfrac_selected`` / ``_unselected``.
     """
     if config is None:
         raise ValueError(f"{PPO_CLIP_PER_TOKEN} needs the actor config (clip_ratio, clip_ratio_c)")
@@ -89,8 +91,14 @@ def ppo_clip_per_token(
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
                        **config.global_batch_info)
-    return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item(),
-                     "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item()}
+    metrics = {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item(),
+               "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item()}
+    if classes is not None:
+        clipped = torch.gt(pg_losses2, pg_losses1).float()
+        for name, part in (("selected", classes), ("unselected", ~classes)):
+            metrics[f"tokensel/archer/clipfrac_{name}"] = verl_F.masked_mean(
+                clipped, response_mask.bool() & part).detach().item()
+    return pg_loss, metrics
 
 
 def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -139,7 +147,8 @@ def rule_policy_loss(selected: Selected) -> Optional[Callable]:
     if selected.loss_weight is not None:
         return partial(clip_cov_loss, loss_weight=selected.loss_weight)
     if selected.clip_low is not None or selected.clip_high is not None:
-        return partial(ppo_clip_per_token, clip_low=selected.clip_low, clip_high=selected.clip_high)
+        return partial(ppo_clip_per_token, clip_low=selected.clip_low, clip_high=selected.clip_high,
+                       classes=selected.mask)
     return None
 
 
