@@ -1,8 +1,9 @@
 """`verl-tokensel demo`: dataset format, reward function, report, CLI arguments and orchestration.
 
 The orchestration tests replace the pipeline launcher (``verl_tokensel.launch``) with a fake that
-writes verl-style ``step:N - key:value`` lines; the real end-to-end run (three verl pipelines, ~10
-min) is the ``slow`` test at the bottom.
+writes verl-style ``step:N - key:value`` lines; the real end-to-end runs are the ``slow`` tests at the
+bottom: three verl pipelines (~10 min), and one through the Megatron engine (``--engine megatron``, 115 s on 2
+cores).
 """
 
 from __future__ import annotations
@@ -556,3 +557,31 @@ def test_demo_end_to_end(tmp_path):
         assert (out / f"view_{preset}.html").exists()
     # forking keeps the top 20% by entropy: the decision tokens are among them
     assert rows["forking"]["selected_on_decision_share"] > 2 * rows["forking"]["decision_token_share"]
+
+
+@pytest.mark.slow  # 115 s on 2 cores (warm start cached): a Megatron GRPO pipeline; CI's time is spent
+@pytest.mark.timeout(1500)
+def test_demo_megatron_end_to_end(tmp_path):
+    """``--engine megatron``: the warm start, then one real verl GRPO run through the Megatron engine (``forking``,
+    2 steps): vLLM runs on the weights Megatron exports, and the final policy is read from the Megatron checkpoint's
+    HF folder."""
+    from verl_tokensel.cpu.megatron import SHIMS_ANNOUNCEMENT, megatron_available
+
+    if megatron_available():
+        pytest.skip(megatron_available())
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "verl_tokensel.cli.main", "demo", "--out", str(out), "--steps", "2",
+                           "--presets", "forking", "--engine", "megatron"],
+                          capture_output=True, text=True, timeout=1400, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["engine"] == "megatron"
+    (row,) = results["summary"]
+    assert row["preset"] == "forking" and row["steps"] == 2 and 0.15 <= row["selected_fraction"] <= 0.3, row
+    assert row["entropy_selected"] is not None and row["entropy_unselected"] is not None
+    # vLLM's log-probs equal the actor's after each weight sync (Megatron -> mbridge -> vLLM)
+    assert all(s["training/rollout_probs_diff_max"] < 1e-4 for s in results["steps"]["forking"]), results["steps"]
+    assert results["rollouts"]["forking"]["scored_with"] == "final policy"  # actor/model/huggingface was found
+    assert row["selected_on_decision_share"] > 2 * row["decision_token_share"], row
+    assert SHIMS_ANNOUNCEMENT.split("{pid}")[0] in (out / "logs" / "forking.log").read_text(errors="replace")
