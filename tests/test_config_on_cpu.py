@@ -50,6 +50,15 @@ def test_megatron_composition_gives_mcore_class():
     assert actor.selection == PRESETS["forking"]
 
 
+@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer"])
+def test_toolbox_presets_compose_for_megatron(preset):
+    extra = ["actor_rollout_ref.actor.use_kl_loss=true"] if preset == "archer" else []
+    cfg = _compose("tokensel_megatron_trainer", [f"actor_rollout_ref.actor.token_selector={preset}", *extra])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert type(actor) is TokenselMcoreActorConfig
+    assert actor.selection == PRESETS[preset]
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_resolves(preset):
     # archer weights the KL loss per token: it needs the KL loss on (refused otherwise: test_rules_on_cpu.py)
