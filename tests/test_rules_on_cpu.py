@@ -375,3 +375,26 @@ def test_each_action_reports_its_own_metrics():
     _, _, metrics = run(tokensel_ppo_loss, actor_config("archer", None, use_kl_loss=True, calculate_entropy=True),
                         *micro_batch(5, batch=6, resp_len=20, noise=0.6, with_ref=True))
     assert {"tokensel/archer/clipfrac_selected", "tokensel/archer/clipfrac_unselected"} <= set(metrics)
+
+
+def test_clip_cov_gradient_matches_the_restatement():
+    """Restatement from the paper's Clip-Cov: candidates lb < cov < ub among the tokens the PPO clip has not
+    clipped; with a budget that holds them all, each gets no gradient; every other token keeps the clipped
+    surrogate's (no dual clip), token-mean over all valid tokens. Written here from the formula, in float64."""
+    lb, ub = -0.05, 0.05
+    ours = actor_config("clip_cov_global", {**IN_LOSS, "ratio": 1.0, "cov_lb": lb, "cov_ub": ub})
+    mo, data, lp = micro_batch(9, batch=6, resp_len=20, noise=0.4)
+    _, grad, _ = run(tokensel_ppo_loss, ours, mo, data, lp)
+    valid = data["response_mask"].bool()
+    adv, old = data["advantages"].double(), data["old_log_probs"].double()
+    x = padded(mo["log_probs"], data).detach().double()
+    n = valid.sum()
+    cov = (adv - adv[valid].mean()) * (x - x[valid].mean())
+    r = torch.exp(x - old)
+    clipped = (-adv * torch.clamp(r, 0.8, 1.2)) > (-adv * r)
+    detached = valid & ~clipped & (cov > lb) & (cov < ub)
+    assert 0 < int(detached.sum()) < int(valid.sum())
+    # d/dlp max(-A r, -A clip(r)): -A r where the unclipped term is the max, 0 where the clip binds
+    g = torch.where(clipped, 0.0, -adv * r)
+    expect = torch.where(valid & ~detached, g / n, 0.0)
+    torch.testing.assert_close(padded(grad, data).double(), expect, rtol=1e-5, atol=1e-8)
