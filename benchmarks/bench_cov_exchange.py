@@ -1,6 +1,7 @@
 """Global KL-Cov selection across data-parallel ranks: this project's exchange vs an all-gather of every token.
 
-Run (from the repository root; about 25 minutes at the default grid on a busy 2-core machine)::
+Run (from the repository root; 15 minutes at the default grid on a shared 2-core machine, where 2^24 x 8 ranks
+does not fit in memory and is skipped)::
 
     python benchmarks/bench_cov_exchange.py [--max-log2 24] [--ranks 2,4,8]
 
@@ -64,10 +65,11 @@ from verl_tokensel.core.dist_topk import topk_mask_distributed
 MIN_LEN, MAX_LEN = 512, 4096  # response lengths, tokens
 GROUP = 8  # responses per prompt (GRPO's rollout.n)
 
-# Peak resident memory of one rank (measured by the RSS column): ~100 B per local valid token (the padded
-# (responses, 4096) inputs at ~1.8 elements per valid token, the float64 sums' and the covariance's temporaries
-# over them) and ~40 B per element of the union (W * N) in the all-gather baseline (the gathered parts and
-# their concatenation, float32 x 2, a float64 copy for the sums, the covariance and its two temporaries).
+# Peak resident memory of one rank: ~100 B per local valid token (the padded (responses, 4096) inputs at ~1.8
+# elements per valid token, the float64 sums' and the covariance's temporaries over them) and ~40 B per element of
+# the union (W * N) in the all-gather baseline (the gathered parts and their concatenation, float32 x 2, a float64
+# copy for the sums, the covariance and its two temporaries). On the safe side: the RSS column measured 1.7 GiB per
+# rank at 2^24 x 2 ranks, 2.3 GiB at 2^24 x 4 and 1.4 GiB at 2^22 x 8 where this estimates 3.1, 4.3 and 1.9 GiB.
 LOCAL_BYTES_PER_TOKEN = 100
 UNION_BYTES_PER_ELEMENT = 40
 RANK_BASE_BYTES = 300 << 20  # python + torch + gloo per process
