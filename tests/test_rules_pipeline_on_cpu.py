@@ -37,7 +37,8 @@ CASES = {
     "kl_cov_global": [f"{A}.token_selection.ratio=0.05", f"{A}.ppo_mini_batch_size=2",
                       f"{A}.ppo_micro_batch_size_per_gpu=4"],
     "clip_cov_global": [f"{A}.token_selection.ratio=0.05", f"{A}.token_selection.cov_lb=-10.0"],
-    "archer": [f"{A}.use_kl_loss=True", f"{A}.kl_loss_coef=0.001", f"{A}.kl_loss_type=low_var_kl"],
+    "archer": [f"{A}.use_kl_loss=True", f"{A}.kl_loss_coef=0.001", f"{A}.kl_loss_type=low_var_kl",
+               "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=16"],
 }
 
 
