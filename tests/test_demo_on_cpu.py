@@ -511,9 +511,9 @@ def test_engine_option_composes_the_megatron_run(tmp_path):
     with pytest.raises(ValueError, match="engine='fsdp' is not an engine of the demo; valid: fsdp2, megatron"):
         demo_cli.demo_overrides(*args, steps=3, engine="fsdp")
     # the final policy: where each engine's checkpoint keeps the HF weights
-    assert demo_cli.final_model_dir(tmp_path, "forking", 3) == tmp_path / "checkpoints/forking/global_step_3/actor/huggingface"
-    assert (demo_cli.final_model_dir(tmp_path, "forking", 3, "megatron")
-            == tmp_path / "checkpoints/forking/global_step_3/actor/model/huggingface")
+    step_3 = tmp_path / "checkpoints/forking/global_step_3"
+    assert demo_cli.final_model_dir(tmp_path, "forking", 3) == step_3 / "actor/huggingface"
+    assert demo_cli.final_model_dir(tmp_path, "forking", 3, "megatron") == step_3 / "actor/model/huggingface"
     if megatron_available():
         pytest.skip(megatron_available())
     overrides = ["trainer.device=cpu", *megatron]

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 __all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV",
-           "ENGINE_OVERRIDES", "HF_CHECKPOINT_DIRS", "RayHead", "RayNode", "start_ray_head", "kill_marked", "marked_pids", "what_died", "DEATHS"]
+           "ENGINE_OVERRIDES", "HF_CHECKPOINT_DIRS", "RayHead", "RayNode", "start_ray_head", "kill_marked",
+           "marked_pids", "what_died", "DEATHS"]
 
 #: every process started by a run inherits this variable; the kill path finds them by it
 RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
