@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+from verl_tokensel.launch import HF_CHECKPOINT_DIRS
 
 __all__ = ["write_tiny_rl_dataset", "write_reward_file", "tiny_pipeline_overrides", "prepare_tiny_run", "REWARD_SOURCE",
            "check_selecting_run", "check_params_changed", "HF_DIR", "loss_announcements", "FULL_CHECKPOINT",
@@ -175,7 +176,7 @@ def resume_overrides(overrides: list[str], checkpoint: Path, work: Path) -> list
 
 
 #: where a step's checkpoint keeps the actor's HF weights: FSDP, and Megatron (written through mbridge)
-HF_DIR = {"fsdp": "actor/huggingface", "megatron": "actor/model/huggingface"}
+HF_DIR = {"fsdp": HF_CHECKPOINT_DIRS["fsdp2"], "megatron": HF_CHECKPOINT_DIRS["megatron"]}
 
 
 def check_selecting_run(result, model_dir: Path, checkpoints: Path, *, steps: list[int], ratio: float = 0.2,
