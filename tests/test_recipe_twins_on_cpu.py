@@ -1,13 +1,15 @@
 """The recipes' Megatron twins on CPU: verl's whole ``main_ppo`` pipeline, run as a user runs a recipe, on a tiny model.
 
 Each twin in :data:`TWINS` runs as ``python -m verl_tokensel.main_ppo --config-path=pkg://verl_tokensel.recipes
---config-name=<twin>`` (through :func:`verl_tokensel.launch.run_main_ppo`, which adds ``trainer.device=cpu``), with its
-paths in the ``TOKENSEL_*`` variables the recipe reads (:data:`RECIPE_ENV`) and the overrides of
-:func:`tiny_overrides`, each listed there with its reason: sizes (batches, lengths and the token budgets that follow
-them, two steps, one node of two logical GPUs), the tiny data's reward, where the run writes, and the twin's parallel
-layout scaled to two ranks (:data:`TWINS`). Everything else is the twin's own: its preset, the Megatron engine with its
-TP / distributed optimizer / full recompute, loss_agg_mode, clip values, dynamic batch size, KL settings, DAPO's
-dynamic sampling and reward manager, learning rate and warm-up, epochs, validation and checkpoint frequencies.
+--config-name=<twin>`` (through :func:`verl_tokensel.launch.run_main_ppo`), with its paths in the ``TOKENSEL_*``
+variables the recipe reads (:data:`RECIPE_ENV`) and the overrides of :func:`tiny_overrides`, each listed there with its
+reason: sizes (batches, lengths and the token budgets that follow them, two steps, one node of two logical GPUs), the
+tiny data's reward, where the run writes, and the twin's parallel layout scaled to two ranks (:data:`TWINS`). The
+launcher adds the CPU switch ``trainer.device=cpu``, ``trainer.logger=[console,file]`` (the twins' wandb needs a login;
+``file``: the metrics read here), the metrics path and a private Ray instance. Everything else is the twin's own: its
+preset, the Megatron engine with its TP / distributed optimizer / full recompute, loss_agg_mode, clip values, dynamic
+batch size, KL settings, DAPO's dynamic sampling and reward manager, learning rate and warm-up, epochs, validation and
+checkpoint frequencies.
 
 What the CPU switch changes of a twin's own settings, and what a twin as shipped cannot run on CPU, is pinned here
 (:data:`TWINS`: ``replaced_by_switch``, ``refused``) rather than hidden: the 80/20 twins' context parallelism 2 is
@@ -177,6 +179,28 @@ def _select(cfg, key):
     return OmegaConf.select(cfg, key, default="<absent>")
 
 
+def _flat(node, prefix=""):
+    """{dotted key: leaf} of a nested mapping (lists are leaves)."""
+    return {key: leaf for k, v in node.items() for key, leaf in
+            (_flat(v, f"{prefix}{k}.").items() if isinstance(v, dict) and v else [(f"{prefix}{k}", v)])}
+
+
+def recipe_keys(part: str) -> set[str]:
+    """The keys the recipe file ``part`` (a name under verl_tokensel/recipes, no ``.yaml``) and the recipe parts its
+    defaults name (base/*, cluster/*) set: the twin's own settings."""
+    raw = yaml.safe_load((RECIPES / f"{part}.yaml").read_text())
+    keys: set[str] = set()
+    for entry in raw.pop("defaults", []):
+        if isinstance(entry, str) and entry != "_self_" and not entry.startswith("/"):  # ours, not verl's
+            keys |= recipe_keys(entry if (RECIPES / f"{entry}.yaml").is_file() else f"{Path(part).parent}/{entry}")
+    raw.pop("hydra", None)
+    return keys | set(_flat(raw))
+
+
+def _unresolved(cfg) -> dict:
+    return _flat(OmegaConf.to_container(cfg, resolve=False))
+
+
 # ------------------------------------------------------------------------------------------------ default suite
 
 
@@ -201,6 +225,11 @@ def test_twin_composes_for_a_cpu_run(name, recipe_env):
     cfg = compose_twin(name, [CPU, *overrides])
     apply_cpu_pipeline(cfg, explicit_keys=cli_override_keys([CPU, *overrides]), environ={})
     replaced = TWINS[name]["replaced_by_switch"]
+    # the twin's own settings that differ in the run's config: the overrides' keys, and what the switch replaces
+    before, after = _unresolved(twin), _unresolved(cfg)
+    changed = {k: (before[k], after.get(k, "<absent>")) for k in recipe_keys(name) - cli_override_keys(overrides)
+               if before[k] != after.get(k, "<absent>")}
+    assert changed == replaced, changed
     for key in KEPT:
         want = replaced[key][1] if key in replaced else _select(twin, key)
         assert _select(cfg, key) == want, (key, _select(cfg, key), want)
@@ -255,7 +284,7 @@ def tiny_inputs(tmp_path_factory) -> dict[str, Path]:
 def _check_budget(step: dict, prefix: str, ratio: float, pools: int) -> None:
     """The preset's budget, ceil(ratio n) per pool of n tokens: the logged selected / valid tokens (a record's means
     or totals over ``pools`` pools) satisfy 0 <= selected - ratio valid < pools."""
-    frac, sel, valid = step[prefix + "selected_fraction"], step[prefix + "selected_tokens"], step[prefix + "valid_tokens"]
+    frac, sel, valid = (step[prefix + k] for k in ("selected_fraction", "selected_tokens", "valid_tokens"))
     assert valid > 0 and frac >= ratio - 1e-6, step
     assert -1e-6 <= sel - ratio * valid < pools, (sel, valid, pools)
 
