@@ -1,5 +1,5 @@
 """benchmarks/bench_cov_exchange.py at tiny sizes on 2 gloo ranks: it runs, both selections agree, and the bytes
-each design sends are what its algorithm says (6-8 s, most of it starting the two rank processes)."""
+each design sends are what its algorithm says (5-10 s, most of it starting the two rank processes)."""
 
 from __future__ import annotations
 
