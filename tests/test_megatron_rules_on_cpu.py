@@ -1,0 +1,128 @@
+"""The token rules KL-Cov, Clip-Cov and Archer through verl's REAL Megatron engine (``TrainingWorker``,
+``model_engine=megatron``) on the CPU test bed, fp32, learning rate 0 (:mod:`helpers.megatron_rules`).
+
+- ``kl_cov_global`` / ``clip_cov_global`` (ratio 0.05; Clip-Cov with ``cov_lb=-10``): the pre-pass selects over the
+  whole mini-batch, so the loss applies the same tokens of each response whatever the update's micro-batching
+  (micro-batches of 2, dynamic batching at 40 tokens), and two data-parallel ranks holding half the mini-batch
+  each apply the tokens one rank holding all of it applies; the count is ``cov_budget(0.05, N)`` of the
+  mini-batch's N valid tokens; the loss is finite;
+- ``archer`` (``use_kl_loss=true``, a reference log-prob in the batch, old log-probs off the policy so that both
+  clip classes clip): per response, exactly the tokens above its 0.8 entropy quantile get the wide clip; its
+  ``tokensel/archer/*`` metrics reach the step's metrics; its loss and the gradients of the LM head and the
+  embedding equal FSDP2's on the same weights and batch (the tolerances of test_megatron_vs_fsdp_on_cpu.py).
+
+Cost on 2 cores: the one-process run (a Megatron build, ten updates, an FSDP2 build, one update) 13-27 s in the
+default suite; the data-parallel run (two spawned ranks) 23-46 s, marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+
+if importlib.util.find_spec("verl") is None:  # pragma: no cover
+    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:  # pragma: no cover
+    pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+from verl_tokensel.core.cov import cov_budget  # noqa: E402
+from verl_tokensel.cpu import tiny_model  # noqa: E402
+
+from helpers import distributed as D  # noqa: E402
+from helpers.megatron_rules import COV_PRESETS, RATIO, SAME_PARAMS, SPLITS, dp_rank_run, one_rank_run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_megatron_rules") / "qwen2",
+                                               **tiny_model.MEGATRON_TINY_CONFIG))
+
+
+@pytest.fixture(scope="module")
+def one(model_dir):
+    (out,) = D.run_distributed(one_rank_run, world_size=1, args=(model_dir,), timeout=400)
+    print(f"one process, seconds per part: {out['seconds']}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp2(model_dir):
+    return D.run_distributed(dp_rank_run, world_size=2, args=(model_dir,), timeout=400)
+
+
+def _losses_finite(run):
+    values = [v for k, vs in run["metrics"].items() if k.endswith("pg_loss") for v in vs]
+    return bool(values) and all(math.isfinite(v) for v in values) and math.isfinite(run["loss"])
+
+
+@pytest.mark.parametrize("preset", list(COV_PRESETS))
+def test_cov_rule_picks_the_same_tokens_for_any_micro_batch_split(one, preset):
+    runs = {s: one["cov"][(preset, s)] for s in SPLITS}
+    assert runs["micro2"]["micro_rows"] != runs["dynamic40"]["micro_rows"], "the splits did not differ"
+    for split, run in runs.items():
+        assert len(run["micro_rows"]) > 1, f"{split}: the mini-batch was not split"
+        assert len(run["picks"]) == 8
+        n_sel = sum(len(p) for p in run["picks"].values())
+        assert n_sel == cov_budget(RATIO, run["n_valid"]) > 1, (split, n_sel, run["n_valid"])
+        group = "kl_cov" if preset == "kl_cov_global" else "clip_cov"
+        assert sum(run["metrics"][f"tokensel/{group}/selected_tokens"]) == n_sel
+        assert _losses_finite(run), run["metrics"]
+    assert runs["micro2"]["picks"] == runs["dynamic40"]["picks"]
+
+
+def test_a_per_micro_batch_pool_moves_with_the_split(one):
+    """The contrast: KL-Cov pooled inside each micro-batch in the loss (``scope=micro_batch``, verl's own kl_cov)
+    picks other tokens when the engine splits the same mini-batch otherwise."""
+    runs = one["per_micro_batch"]
+    assert all(run["picks"] and _losses_finite(run) for run in runs.values())
+    assert runs["micro2"]["picks"] != runs["dynamic40"]["picks"]
+
+
+@pytest.mark.slow  # 23-46 s on 2 cores (two spawned ranks, a Megatron build each); CI's time is spent
+@pytest.mark.parametrize("preset", list(COV_PRESETS))
+def test_cov_rule_over_two_data_parallel_ranks_picks_the_tokens_of_one(one, dp2, preset):
+    whole = one["cov"][(preset, "micro2")]
+    parts = [r["cov"][preset] for r in dp2]
+    assert all(len(p["picks"]) == 4 for p in parts), "each rank holds half the mini-batch"
+    assert not set(parts[0]["picks"]) & set(parts[1]["picks"])
+    union = {**parts[0]["picks"], **parts[1]["picks"]}
+    assert sum(p["n_valid"] for p in parts) == whole["n_valid"]
+    assert union == whole["picks"]
+    assert all(_losses_finite(p) for p in parts)
+    # each rank selected only its share of the pooled budget, not a budget of its own
+    assert sum(len(v) for v in union.values()) == cov_budget(RATIO, whole["n_valid"])
+
+
+def test_archer_splits_each_response_at_its_entropy_quantile(one):
+    run = one["archer"]["megatron"]
+    assert len(run["masks"]) == 8
+    for row, mask in run["masks"].items():
+        h = run["entropy"][row]
+        assert torch.equal(mask, h > torch.quantile(h, 0.8)), row
+    assert sum(int(m.sum()) for m in run["masks"].values()) > 0
+    m = run["metrics"]
+    for key in ("selected_tokens", "selected_share", "clipfrac_selected", "clipfrac_unselected"):
+        assert m.get(f"tokensel/archer/{key}"), (key, sorted(k for k in m if k.startswith("tokensel/")))
+    # the off-policy old log-probs make both classes clip: the per-token bounds are exercised
+    assert max(m["tokensel/archer/clipfrac_selected"]) > 0 and max(m["tokensel/archer/clipfrac_unselected"]) > 0
+    assert m.get("kl_loss") and all(math.isfinite(v) for v in m["kl_loss"])
+    assert _losses_finite(run)
+
+
+def test_archer_loss_and_gradient_agree_with_fsdp(one):
+    """Tolerances of test_megatron_vs_fsdp_on_cpu.py: loss rel 1e-5, gradients rtol 1e-4 / atol 1e-6."""
+    m, f = one["archer"]["megatron"], one["archer"]["fsdp"]
+    assert m["masks"].keys() == f["masks"].keys()
+    assert all(torch.equal(m["masks"][r], f["masks"][r]) for r in m["masks"])
+    assert m["loss"] == pytest.approx(f["loss"], rel=1e-5)
+    for mname, fname in SAME_PARAMS.items():
+        gm, gf = m["grads"][mname], f["grads"][fname]
+        assert gm.shape == gf.shape and gf.abs().max() > 0
+        print(f"archer {fname}: max |megatron - fsdp| = {float((gm - gf).abs().max()):.2e}, "
+              f"max |fsdp| = {float(gf.abs().max()):.2e}")
+        torch.testing.assert_close(gm, gf, rtol=1e-4, atol=1e-6)
