@@ -59,9 +59,9 @@ def pooled_count(pool: torch.Tensor, group: Optional[dist.ProcessGroup]) -> int:
 def _pooled_means(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor,
                   group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
     """Means of A and log pi over the pool on every rank of ``group``: one all-reduce of three float64 sums."""
-    sums = torch.stack([
-        advantages.double().masked_fill(~pool, 0.0).sum(),
-        log_prob.detach().double().masked_fill(~pool, 0.0).sum(),
+    sums = torch.stack([  # summed in float64 without a float64 copy of the inputs
+        torch.where(pool, advantages, 0.0).sum(dtype=torch.float64),
+        torch.where(pool, log_prob.detach(), 0.0).sum(dtype=torch.float64),
         pool.sum().double(),
     ])
     if _pooled(group):
