@@ -1,9 +1,10 @@
 """Recipes (package data under verl_tokensel/recipes/, launch scripts under recipes/).
 
 A recipe is a primary config of a few dozen lines whose defaults name an engine part (base/fsdp, base/megatron),
-a setup (base/dapo_8020, base/gmts, base/gmts_dapo) and its model's cluster (cluster/<model>). Checked here:
-each recipe composes to its snapshot (tests/data/recipes_composed.json); every recipe x every preset composes,
-resolves and passes verl's validate_config and our driver check; the paper hyperparameters; a recipe file adds
+a setup (base/dapo_8020, base/gmts, base/gmts_dapo, base/kl_cov, base/archer) and its model's cluster
+(cluster/<model>). Checked here: each recipe composes to its snapshot (tests/data/recipes_composed.json); every
+recipe x every preset composes, resolves and passes verl's validate_config and our driver check, or is refused by
+our validation naming the key when the recipe's settings cannot serve the preset; the paper hyperparameters; a recipe file adds
 only its engine layout to its parts; the Megatron layouts fit the models and the clusters; a missing env var is
 a clear error (Hydra and run.sh); every YAML key has a comment; no two recipe files share 40 lines;
 recipes/README.md gives a source for exactly the keys the recipe files set; the scripts parse.
@@ -32,7 +33,9 @@ from omegaconf import OmegaConf
 import verl
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
-from verl_tokensel.core.config import PRESETS
+from dataclasses import replace
+
+from verl_tokensel.core.config import ENGINE_SWITCHES, PRESETS
 from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, TokenselMcoreActorConfig
 from verl_tokensel.verl_glue.install import validate_driver_config
 
@@ -45,7 +48,9 @@ DUMMY_ENV = {"TOKENSEL_MODEL_PATH": "/dummy/model", "TOKENSEL_TRAIN_FILES": "/du
              "TOKENSEL_VAL_FILES": "/dummy/val.parquet"}
 DAPO_8020 = ["dapo_qwen3_8b", "dapo_qwen3_14b", "dapo_qwen3_32b"]  # FSDP engine
 GMTS = [f"gmts_qwen2.5_math_{s}_{a}" for s in ("1.5b", "7b") for a in ("dapo", "grpo")]  # FSDP engine
-FSDP = DAPO_8020 + GMTS
+KL_COV = ["kl_cov_qwen2.5_7b"]  # FSDP engine
+ARCHER = ["archer_r1_distill_qwen_1.5b_code"]  # FSDP engine
+FSDP = DAPO_8020 + GMTS + KL_COV + ARCHER
 MEGATRON = [f"{n}_megatron" for n in FSDP]  # each FSDP recipe's Megatron twin
 ALL = FSDP + MEGATRON
 SEL = "actor_rollout_ref.actor.token_selector"
@@ -53,9 +58,11 @@ ABSENT = "<absent>"  # in a snapshot: a key of the trainer config that the recip
 
 # (attention heads, KV heads, layers) of each recipe's model: num_attention_heads, num_key_value_heads and
 # num_hidden_layers of the model's config.json on Hugging Face (Qwen/Qwen3-8B, Qwen/Qwen3-14B, Qwen/Qwen3-32B,
-# whose -Base checkpoints share the architecture; Qwen/Qwen2.5-Math-1.5B, Qwen/Qwen2.5-Math-7B).
+# whose -Base checkpoints share the architecture; Qwen/Qwen2.5-Math-1.5B, Qwen/Qwen2.5-Math-7B; Qwen/Qwen2.5-7B;
+# deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B, a Qwen2.5-Math-1.5B fine-tune).
 MODEL_SHAPES = {"qwen3_8b": (32, 8, 36), "qwen3_14b": (40, 8, 40), "qwen3_32b": (64, 8, 64),
-                "qwen2.5_math_1.5b": (12, 2, 28), "qwen2.5_math_7b": (28, 4, 28)}
+                "qwen2.5_math_1.5b": (12, 2, 28), "qwen2.5_math_7b": (28, 4, 28), "qwen2.5_7b": (28, 4, 28),
+                "r1_distill_qwen_1.5b": (12, 2, 28)}
 # What a recipe file may set beside its defaults: the engine's layout and the run name; everything else
 # comes from its parts, so a Megatron recipe holds its FSDP twin's hyperparameters by construction.
 LAYOUT = {"fsdp": {"actor_rollout_ref.actor.fsdp_config.ulysses_sequence_parallel_size"},
@@ -111,7 +118,7 @@ def _raw(path):
 
 
 def _model(name):
-    return re.search(r"qwen3_\d+b|qwen2\.5_math_[\d.]+b", name).group(0)
+    return re.search(r"qwen3_\d+b|qwen2\.5_math_[\d.]+b|qwen2\.5_[\d.]+b|r1_distill_qwen_[\d.]+b", name).group(0)
 
 
 def _leaves(cfg):
@@ -162,17 +169,44 @@ def test_preset_on_a_copy_equals_the_hydra_override(env, name):
         _with_preset(name, "random"), resolve=True)
 
 
+def _knobs(cfg):
+    """The token_selection knobs the recipe sets (the KL-Cov recipes: the script's ratio and coefficient)."""
+    return {k: v for k, v in cfg.actor_rollout_ref.actor.token_selection.items()
+            if v is not None and k not in ENGINE_SWITCHES and not k.startswith("_")}
+
+
+def _expected_refusal(cfg, preset):
+    """The key our validation must name when the recipe's settings cannot serve ``preset`` (None: it runs)."""
+    a, sel, knobs = cfg.actor_rollout_ref.actor, PRESETS[preset], _knobs(cfg)
+    if sel is None:  # knobs with no selector would be ignored
+        return f"token_selection.{sorted(knobs)[0]}" if knobs else None
+    if sel.normaliser == "selected" and a.loss_agg_mode != "token-mean":  # a mean over selected tokens: token-mean
+        return "token_selection.normaliser"
+    if sel.action == "clip_class" and sel.selected_kl_weight != 1 and not a.use_kl_loss:  # archer weights the KL
+        return "use_kl_loss"
+    return None
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("name", ALL)
 def test_recipe_composes_and_validates(env, name, preset):
     cfg = _with_preset(name, preset)
     OmegaConf.resolve(cfg)
-    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
-    validate_driver_config(cfg)
-    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+    def validate():  # verl's validate_config builds the actor config too
+        validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+        validate_driver_config(cfg)
+        return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+    refusal = _expected_refusal(cfg, preset)
+    if refusal is not None:
+        with pytest.raises(Exception, match=re.escape(refusal)):
+            validate()
+        return
+    actor = validate()
     assert (cfg.model_engine, type(actor)) == (("megatron", TokenselMcoreActorConfig) if name in MEGATRON else
                                                ("dp", TokenselFSDPActorConfig))
-    assert actor.selection == PRESETS[preset]
+    assert actor.selection == (None if PRESETS[preset] is None else replace(PRESETS[preset], **_knobs(cfg)))
     assert cfg.actor_rollout_ref.model.path == "/dummy/model"
     assert cfg.data.train_files == "/dummy/train.parquet" and cfg.data.val_files == "/dummy/val.parquet"
     assert cfg.trainer.v1.trainer_mode == "tokensel_sync"
@@ -231,6 +265,53 @@ def test_gmts_setups(env, name):
         kw = cfg.reward.reward_kwargs
         assert kw.max_resp_len == cfg.data.max_response_length
         assert 0 < kw.overlong_buffer_cfg.len < kw.max_resp_len
+
+
+@pytest.mark.parametrize("name", KL_COV + [f"{n}_megatron" for n in KL_COV])
+def test_kl_cov_script_hyperparameters(env, name):
+    """PRIME-RL/Entropy-Mechanism-of-RL recipe/dapo/7b_kl_cov.sh (its k_percent=0.2 is a percent: ratio 0.002)."""
+    cfg = _resolved(name)
+    a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert a.token_selector == "kl_cov_global" and _knobs(cfg) == {"ratio": 0.002, "kl_penalty_coef": 1.0}
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.use_kl_in_reward is False
+    assert a.use_kl_loss is False and not need_reference_policy(cfg)
+    assert a.entropy_coeff == 0 and a.clip_ratio_low == a.clip_ratio_high == 0.2 and a.clip_ratio_c == 10.0
+    assert a.loss_agg_mode == "token-mean" and a.use_dynamic_bsz is True and a.ppo_max_token_len_per_gpu == 30720
+    assert a.optim.lr == 5e-7 and a.optim.weight_decay == 0 and a.optim.lr_warmup_steps == 0
+    assert a.optim.lr_warmup_steps_ratio == 0 and a.optim.clip_grad == 1.0  # a constant learning rate
+    assert cfg.data.train_batch_size == cfg.data.gen_batch_size == 256 and a.ppo_mini_batch_size == 32
+    assert cfg.data.max_prompt_length == 2048 and cfg.data.max_response_length == 8192
+    fg = cfg.algorithm.filter_groups
+    assert fg.enable is True and fg.metric == "acc" and fg.max_num_gen_batches == 10
+    assert cfg.reward.reward_manager.name == "dapo" and not cfg.reward.get("reward_kwargs")  # no overlong buffer
+    assert r.n == 8 and r.temperature == 1.0 and r.top_p == 1.0 and r.gpu_memory_utilization == 0.85
+    assert r.max_num_batched_tokens == 30720 and r.val_kwargs.do_sample is False and r.val_kwargs.n == 1
+    assert cfg.trainer.nnodes == 4 and cfg.trainer.n_gpus_per_node == 8 and r.tensor_model_parallel_size == 2
+    assert name.endswith("_megatron") or a.fsdp_config.ulysses_sequence_parallel_size == 1
+
+
+@pytest.mark.parametrize("name", ARCHER + [f"{n}_megatron" for n in ARCHER])
+def test_archer_script_hyperparameters(env, name):
+    """wizard-III/ArcherCodeR scripts/train/run_archer_qwen2.5_1.5b_code.sh; its token-mean over micro-batches of
+    one response is seq-mean-token-mean."""
+    cfg = _resolved(name)
+    a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert a.token_selector == "archer" and not _knobs(cfg)
+    assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.use_kl_in_reward is False
+    assert a.use_kl_loss is True and a.kl_loss_coef == 0.001 and a.kl_loss_type == "low_var_kl"
+    assert need_reference_policy(cfg) and not need_critic(cfg)
+    assert a.entropy_coeff == 0 and a.clip_ratio_low == a.clip_ratio_high == 0.2 and a.clip_ratio_c == 10.0
+    assert a.loss_agg_mode == "seq-mean-token-mean" and a.ppo_epochs == 3
+    assert a.ppo_max_token_len_per_gpu >= cfg.data.max_prompt_length + cfg.data.max_response_length
+    assert a.optim.lr == 1e-6 and a.optim.lr_warmup_steps == 10 and a.optim.weight_decay == 0.1
+    assert a.optim.clip_grad == 1.0
+    assert cfg.data.train_batch_size == 64 and a.ppo_mini_batch_size == 32 and not cfg.data.get("gen_batch_size")
+    assert cfg.data.max_prompt_length == 2048 and cfg.data.max_response_length == 32768
+    assert not cfg.algorithm.filter_groups.enable and cfg.trainer.balance_batch is False
+    assert r.n == 16 and r.temperature == 1.0 and r.top_p == 1.0 and r.gpu_memory_utilization == 0.75
+    assert r.val_kwargs.n == 4 and r.val_kwargs.temperature == 0.8 and r.val_kwargs.top_p == 1.0
+    assert cfg.trainer.nnodes == 2 and cfg.trainer.n_gpus_per_node == 8 and r.tensor_model_parallel_size == 1
+    assert name.endswith("_megatron") or a.fsdp_config.ulysses_sequence_parallel_size == 1
 
 
 @pytest.mark.parametrize("name", ALL)
