@@ -166,6 +166,13 @@ def tiny_overrides(name: str, twin, *, reward_file: Path, work: Path) -> dict[st
         out[f"reward.reward_kwargs.overlong_buffer_cfg.len={max(1, round(buffer * TINY_RESPONSE / response))}"] = (
             f"DAPO's overlong buffer ({buffer} of {response} answer tokens), the same share of the tiny run's "
             f"{TINY_RESPONSE} (max_resp_len follows data.max_response_length)")
+    optim = twin.actor_rollout_ref.actor.optim
+    if optim.lr_decay_steps is None and optim.lr_warmup_steps >= STEPS:
+        out[f"{A}.optim.lr_decay_steps={optim.lr_warmup_steps + 1}"] = (
+            f"megatron-core's OptimizerParamScheduler asserts lr_warmup_steps ({optim.lr_warmup_steps}) < "
+            f"lr_decay_steps, which defaults to the run's length (total_training_steps: {STEPS} here, thousands in "
+            f"the twin's run); the smallest it accepts. The twin's decay is {optim.lr_decay_style!r}: the learning "
+            f"rates of the twin's first steps, warm-up included")
     for override, why in TWINS[name]["layout"].items():
         out[override] = why
     return out
@@ -237,6 +244,8 @@ def test_twin_composes_for_a_cpu_run(name, recipe_env):
         assert _select(twin, key) == twin_value, key
     assert _select(cfg, f"{A}.token_selector") in PRESETS
     assert cfg.actor_rollout_ref.model.path == str(recipe_env / "tiny")  # the recipe's env var
+    optim = cfg.actor_rollout_ref.actor.optim  # megatron-core's scheduler refuses a warm-up as long as the decay
+    assert optim.lr_decay_style == "constant" and optim.lr_warmup_steps < (optim.lr_decay_steps or STEPS), optim
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert isinstance(actor, TokenselMcoreActorConfig) and actor.megatron.dtype == "float32"
 
