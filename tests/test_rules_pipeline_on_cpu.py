@@ -6,7 +6,7 @@ the default suite's budget has left; their selection maths is in the default sui
 losses against verl's, the real FSDP2 TrainingWorker at two micro-batch splits, DP 2 exactness). Run before a
 release: ``python -m pytest tests/test_rules_pipeline_on_cpu.py -m slow``.
 
-- ``kl_cov_global`` with two mini-batches per step (the first reuses the old-log-prob pass, the second runs the
+- ``kl_cov_global`` (FSDP2, and the Megatron engine: ``model_engine=megatron``) with two mini-batches per step (the first reuses the old-log-prob pass, the second runs the
   pre-pass forward) and micro-batches smaller than the log-prob pass's: exits 0, and every step's pre-pass metrics
   show ``max(1, int(0.05 N))`` tokens of the mini-batch;
 - ``clip_cov_global``: exits 0, a draw no larger than its budget;
@@ -27,7 +27,7 @@ for _mod in ("verl", "ray", "vllm", "transfer_queue"):
 
 from verl_tokensel.core.cov import cov_budget  # noqa: E402
 from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel.launch import run_main_ppo  # noqa: E402
+from verl_tokensel.launch import ENGINE_OVERRIDES, run_main_ppo  # noqa: E402
 
 from helpers.pipeline import prepare_tiny_run, with_overrides  # noqa: E402
 
@@ -47,10 +47,10 @@ def model_dir(tmp_path_factory) -> Path:
     return Path(build_tiny_model_dir(tmp_path_factory.mktemp("rules_model") / "tiny"))
 
 
-def _run(preset, model_dir, work):
+def _run(preset, model_dir, work, engine="fsdp2"):
     overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector=preset, use_v1=True, steps=2)
-    result = run_main_ppo(with_overrides(overrides, CASES[preset]), timeout_s=RUN_TIMEOUT_S,
-                          log_path=work / "main_ppo.log")
+    extra = [*CASES[preset], *ENGINE_OVERRIDES[engine]]
+    result = run_main_ppo(with_overrides(overrides, extra), timeout_s=RUN_TIMEOUT_S, log_path=work / "main_ppo.log")
     result.raise_for_status()
     assert [s["step"] for s in result.steps] == [1, 2], result.describe()
     return result.steps
@@ -58,13 +58,14 @@ def _run(preset, model_dir, work):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_kl_cov_global_pipeline(model_dir, tmp_path):
-    for s in _run("kl_cov_global", model_dir, tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp2", "megatron"])
+def test_kl_cov_global_pipeline(model_dir, tmp_path, engine):
+    for s in _run("kl_cov_global", model_dir, tmp_path, engine):
         p = "actor/tokensel/prepass/"
         assert s[p + "selected_tokens"] > 0 and s["actor/tokensel/nan_scores"] == 0, s
         # per mini-batch (the metric is its mean over the step's mini-batches): never above the budget
         assert s[p + "selected_tokens"] <= cov_budget(0.05, int(s[p + "valid_tokens"])) + 1e-6, s
-        print(f"kl_cov_global step {s['step']}: {p}selected_tokens={s[p + 'selected_tokens']} of "
+        print(f"kl_cov_global ({engine}) step {s['step']}: {p}selected_tokens={s[p + 'selected_tokens']} of "
               f"{s[p + 'valid_tokens']} actor/pg_loss={s['actor/pg_loss']:.4f}")
 
 
