@@ -6,9 +6,9 @@ the default suite's budget has left; their selection maths is in the default sui
 losses against verl's, the real FSDP2 TrainingWorker at two micro-batch splits, DP 2 exactness). Run before a
 release: ``python -m pytest tests/test_rules_pipeline_on_cpu.py -m slow``.
 
-- ``kl_cov_global`` (FSDP2, and the Megatron engine: ``model_engine=megatron``) with two mini-batches per step (the first reuses the old-log-prob pass, the second runs the
-  pre-pass forward) and micro-batches smaller than the log-prob pass's: exits 0, and every step's pre-pass metrics
-  show ``max(1, int(0.05 N))`` tokens of the mini-batch;
+- ``kl_cov_global`` (FSDP2, and the Megatron engine: ``model_engine=megatron``) with two mini-batches per step
+  (the first reuses the old-log-prob pass, the second runs the pre-pass forward) and micro-batches smaller than the
+  log-prob pass's: exits 0, and every step's pre-pass metrics show ``max(1, int(0.05 N))`` tokens of the mini-batch;
 - ``clip_cov_global``: exits 0, a draw no larger than its budget;
 - ``archer`` with the KL loss on (a reference worker): exits 0; the loss's metrics show the per-response quantile's
   share of tokens (about 0.2) and the KL term.
