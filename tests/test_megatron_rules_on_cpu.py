@@ -3,8 +3,9 @@
 
 - ``kl_cov_global`` / ``clip_cov_global`` (ratio 0.05; Clip-Cov with ``cov_lb=-10``): the pre-pass selects over the
   whole mini-batch, so the loss applies the same tokens of each response whatever the update's micro-batching
-  (micro-batches of 2, dynamic batching at 40 tokens), and two data-parallel ranks holding half the mini-batch
-  each apply the tokens one rank holding all of it applies; the count is ``cov_budget(0.05, N)`` of the
+  (micro-batches of 2, dynamic batching at 40 tokens; the pre-pass reading the old pass's values or running its
+  own forward), and two data-parallel ranks holding half the mini-batch each apply the tokens one rank holding
+  all of it applies; the count is ``cov_budget(0.05, N)`` of the
   mini-batch's N valid tokens; the loss is finite;
 - ``archer`` (``use_kl_loss=true``, a reference log-prob in the batch, old log-probs off the policy so that both
   clip classes clip): per response, exactly the tokens above its 0.8 entropy quantile get the wide clip; its
@@ -34,7 +35,8 @@ from verl_tokensel.core.cov import cov_budget  # noqa: E402
 from verl_tokensel.cpu import tiny_model  # noqa: E402
 
 from helpers import distributed as D  # noqa: E402
-from helpers.megatron_rules import COV_PRESETS, RATIO, SAME_PARAMS, SPLITS, dp_rank_run, one_rank_run  # noqa: E402
+from helpers.megatron_rules import (COV_PRESETS, DP_SPLITS, RATIO, SAME_PARAMS, SPLITS, dp_rank_run,  # noqa: E402
+                                    one_rank_run)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +57,10 @@ def dp2(model_dir):
     return D.run_distributed(dp_rank_run, world_size=2, args=(model_dir,), timeout=400)
 
 
+def len_sel(picks: dict) -> int:
+    return sum(len(p) for p in picks.values())
+
+
 def _losses_finite(run):
     values = [v for k, vs in run["metrics"].items() if k.endswith("pg_loss") for v in vs]
     return bool(values) and all(math.isfinite(v) for v in values) and math.isfinite(run["loss"])
@@ -64,15 +70,20 @@ def _losses_finite(run):
 def test_cov_rule_picks_the_same_tokens_for_any_micro_batch_split(one, preset):
     runs = {s: one["cov"][(preset, s)] for s in SPLITS}
     assert runs["micro2"]["micro_rows"] != runs["dynamic40"]["micro_rows"], "the splits did not differ"
+    # the pre-pass read the old pass's values, or ran its own forward, as each split asked
+    assert [runs[s]["metrics"]["tokensel/prepass/reused_old_pass"] for s in SPLITS] == [[float(SPLITS[s][3])]
+                                                                                        for s in SPLITS]
     for split, run in runs.items():
         assert len(run["micro_rows"]) > 1, f"{split}: the mini-batch was not split"
         assert len(run["picks"]) == 8
-        n_sel = sum(len(p) for p in run["picks"].values())
+        n_sel = len_sel(run["picks"])
         assert n_sel == cov_budget(RATIO, run["n_valid"]) > 1, (split, n_sel, run["n_valid"])
         group = "kl_cov" if preset == "kl_cov_global" else "clip_cov"
         assert sum(run["metrics"][f"tokensel/{group}/selected_tokens"]) == n_sel
+        assert run["metrics"]["tokensel/prepass/selected_tokens"] == [n_sel]  # one mini-batch, one pre-pass
         assert _losses_finite(run), run["metrics"]
-    assert runs["micro2"]["picks"] == runs["dynamic40"]["picks"]
+    first, *others = (runs[s]["picks"] for s in SPLITS)
+    assert all(o == first for o in others)
 
 
 def test_a_per_micro_batch_pool_moves_with_the_split(one):
@@ -84,18 +95,21 @@ def test_a_per_micro_batch_pool_moves_with_the_split(one):
 
 
 @pytest.mark.slow  # 23-46 s on 2 cores (two spawned ranks, a Megatron build each); CI's time is spent
+@pytest.mark.parametrize("split", DP_SPLITS)
 @pytest.mark.parametrize("preset", list(COV_PRESETS))
-def test_cov_rule_over_two_data_parallel_ranks_picks_the_tokens_of_one(one, dp2, preset):
+def test_cov_rule_over_two_data_parallel_ranks_picks_the_tokens_of_one(one, dp2, preset, split):
     whole = one["cov"][(preset, "micro2")]
-    parts = [r["cov"][preset] for r in dp2]
+    parts = [r["cov"][(preset, split)] for r in dp2]
     assert all(len(p["picks"]) == 4 for p in parts), "each rank holds half the mini-batch"
     assert not set(parts[0]["picks"]) & set(parts[1]["picks"])
     union = {**parts[0]["picks"], **parts[1]["picks"]}
     assert sum(p["n_valid"] for p in parts) == whole["n_valid"]
     assert union == whole["picks"]
     assert all(_losses_finite(p) for p in parts)
-    # each rank selected only its share of the pooled budget, not a budget of its own
-    assert sum(len(v) for v in union.values()) == cov_budget(RATIO, whole["n_valid"])
+    # the pre-pass's count is over both ranks (all-reduced), the same on each
+    assert [p["metrics"]["tokensel/prepass/selected_tokens"] for p in parts] == [[len_sel(union)]] * 2
+    # each rank selected its share of the pooled budget, not a budget of its own
+    assert len_sel(union) == cov_budget(RATIO, whole["n_valid"])
 
 
 def test_archer_splits_each_response_at_its_entropy_quantile(one):

@@ -35,8 +35,12 @@ COV_PRESETS = {"kl_cov_global": ("kl_cov_global", {"ratio": RATIO}),
                "clip_cov_global": ("clip_cov_global", {"ratio": RATIO, "cov_lb": -10.0})}
 #: the contrast: KL-Cov pooled inside each micro-batch in the loss (verl's own kl_cov), which moves with the split
 PER_MICRO_BATCH = ("kl_cov_global", {"ratio": RATIO, "scope": "micro_batch", "score_source": "current"})
-#: name -> (use_dynamic_bsz, ppo_micro_batch_size_per_gpu, ppo_max_token_len_per_gpu) of the update
-SPLITS = {"micro2": (False, 2, 56), "dynamic40": (True, 2, 40)}
+#: name -> (use_dynamic_bsz, ppo_micro_batch_size_per_gpu, ppo_max_token_len_per_gpu) of the update, and
+#: token_selection.prepass_reuse (True: the pre-pass reads the old pass's values; False: its own no-grad forward,
+#: micro-batched as the update)
+SPLITS = {"micro2": (False, 2, 56, True), "dynamic40": (True, 2, 40, True), "dynamic40_forward": (True, 2, 40, False)}
+#: the splits of the data-parallel run
+DP_SPLITS = ("micro2", "dynamic40_forward")
 ARCHER_BATCH_KW = dict(n=8, seed=11, resp_len=(6, 16))
 ARCHER_ACTOR = dict(use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type="low_var_kl", clip_ratio_c=10.0)
 OLD_SHIFT = 1.2  # old log-probs moved by uniform(-0.6, 0.6): ratios in [0.55, 1.8], beyond both clip bounds
@@ -57,9 +61,15 @@ def _plain_metrics(metrics: dict) -> dict[str, list[float]]:
 
 
 def _set_split(actor, split: str) -> None:
-    dyn, micro, max_tokens = SPLITS[split]
+    dyn, micro, max_tokens, _ = SPLITS[split]
     ec = actor.worker.engine_config
     ec.use_dynamic_bsz, ec.micro_batch_size_per_gpu, ec.max_token_len_per_gpu = dyn, micro, max_tokens
+
+
+def _by_prepass(preset: str, knobs: dict) -> bool:
+    from verl_tokensel.core.config import PRESETS
+
+    return knobs.get("score_source", PRESETS[preset].score_source) == "prepass"
 
 
 def _renest(xs):
@@ -72,6 +82,8 @@ def cov_run(actor, run: tuple, split: str, world: int = 1, rank: int = 0) -> dic
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     preset, knobs = run
+    if _by_prepass(preset, knobs):
+        knobs = {**knobs, "prepass_reuse": SPLITS[split][3]}
     cfg = H.selecting_actor_config(actor, preset, **knobs)
     full = B.make_update_batch(actor, **BATCH_KW)
     H.compute_old_log_probs(actor, full)  # the whole batch on every rank: what the driver holds
@@ -162,4 +174,5 @@ def one_rank_run(rank: int, world: int, model_dir: str) -> dict:
 def dp_rank_run(rank: int, world: int, model_dir: str) -> dict:
     """One of ``world`` data-parallel Megatron ranks: both covariance presets on its part of the mini-batch."""
     actor = H.make_training_worker(model_dir, engine="megatron", rank=rank, world_size=world, **WORKER_KW)
-    return {"cov": {name: cov_run(actor, run, "micro2", world, rank) for name, run in COV_PRESETS.items()}}
+    return {"cov": {(name, s): cov_run(actor, run, s, world, rank) for name, run in COV_PRESETS.items()
+                    for s in DP_SPLITS}}
