@@ -344,8 +344,10 @@ def check_twin_run(twin, result, model_dir: Path, work: Path) -> None:
     selector = twin.actor_rollout_ref.actor.token_selector
     preset = PRESETS[selector]
     prefix = PREFIX[preset.score_source]
-    pools = {"micro_batch": 1, "group": TINY_MINI_BATCH}[preset.scope]  # per record: a micro-batch, a mini-batch
     for s in train_steps:
+        # pools per record: the loss's scope micro_batch, one per micro-batch; the pre-pass's group scope, the groups
+        # with rows in the mini-batch (it logs them: verl's balance_batch spreads a group's rows over mini-batches)
+        pools = {"micro_batch": lambda: 1, "group": lambda: s[prefix + "groups"]}[preset.scope]()
         _check_budget(s, prefix, preset.ratio, pools)
         assert s["actor/tokensel/nan_scores"] == 0, s
         assert "critic/score/mean" in s and "actor/pg_loss" in s, s
