@@ -29,6 +29,8 @@ allows. Measured on 2 cores (``-m slow``, 2026-12-02): see the marker's reason.
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import math
 import re
@@ -115,10 +117,16 @@ KEPT = [
 RECIPE_ENV = {"TOKENSEL_MODEL_PATH": "model", "TOKENSEL_TRAIN_FILES": "train", "TOKENSEL_VAL_FILES": "val"}
 
 
-def compose_twin(name: str, overrides=()):
-    """The twin as ``--config-path=pkg://verl_tokensel.recipes --config-name=<name> <overrides>`` composes it."""
+@functools.lru_cache(maxsize=None)
+def _composed(name: str, overrides: tuple):
     with initialize_config_module(RECIPES_MODULE, version_base=None):
         return compose(name, overrides=list(overrides))
+
+
+def compose_twin(name: str, overrides=()):
+    """The twin as ``--config-path=pkg://verl_tokensel.recipes --config-name=<name> <overrides>`` composes it (a
+    copy: composition is the slow part; ``${oc.env:...}`` resolves per copy)."""
+    return copy.deepcopy(_composed(name, tuple(overrides)))
 
 
 def _scaled(tokens: int, twin_prompt: int, twin_response: int) -> int:
