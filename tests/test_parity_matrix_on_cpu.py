@@ -11,12 +11,17 @@ the policy so that clipping acts). Stock refuses -> each preset raises the same 
 each preset runs with a finite loss and its selection at the budget of its scope: ``ceil(ratio n)`` of every
 micro-batch (``micro_batch``; ``tokensel/selected_tokens`` their mean per mini-batch), of every prompt group of a
 mini-batch over the ranks (``gmts``, ``tokensel/prepass/*``), of the batch (``forking_paper``, the driver's
-``tokensel/driver_*``, applied as is by the loss). A preset that cannot serve a combination (``normaliser=selected``
-with a seq-mean ``loss_agg_mode``) must be refused by our config validation, naming the keys.
+``tokensel/driver_*``, applied as is by the loss), ``max(1, int(ratio N))`` of each mini-batch over the ranks
+(``kl_cov_global``; ``clip_cov_global`` at most that many, its candidates may be fewer; the loss applies the
+pre-pass's tokens), every response's tokens strictly above its 0.8 entropy quantile (``archer``). A preset that
+cannot serve a combination (``normaliser=selected`` with a seq-mean ``loss_agg_mode``; ``archer`` without the KL
+loss) must be refused by our config validation, naming the keys. ``kl_cov_global`` and ``clip_cov_global`` have
+no dual clip (as verl's ``loss_mode=kl_cov`` / ``clip_cov``), so they must run on the refusal row.
 
-Default suite: a fixed subset (two worker builds of ~8-11 s, ~2 s a row with its seven updates, on 2 cores). The
-whole matrix (plus two DP 2 spawns of ~50 s for three rows, one Megatron spawn of ~30 s for two rows), which
-rewrites ``benchmarks/results/parity_matrix_cpu.md``::
+Default suite: a fixed subset (two worker builds of ~4-11 s, ~2 s a row with its ten updates, of which
+``kl_cov_global``, ``clip_cov_global`` and ``archer`` take ~0.6 s, on 2 cores; 25 s in all on a loaded machine, 18 s
+before those three). The whole matrix (plus two DP 2 spawns for three rows, one Megatron spawn for three rows; 200 s
+in all on a loaded machine), which rewrites ``benchmarks/results/parity_matrix_cpu.md``::
 
     TOKENSEL_PARITY_FULL=1 flock /tmp/heavy.lock \
         python -m pytest tests/test_parity_matrix_on_cpu.py -q -p no:cacheprovider

@@ -40,7 +40,8 @@ FACTORS: dict[str, list] = {
 }
 DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
 SEED = 20261202
-PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm"]
+PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm", "kl_cov_global",
+           "clip_cov_global", "archer"]
 #: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
 REFUSAL_PROBE = {"dp": 1, "rmpad": True, "mini": 2, "rollout_n": 2, "micro": 2, "log_prob_micro": "eq", "dyn": "off",
                  "epochs": 1, "mini_batches": 1, "loss_agg_mode": "token-mean", "clip_ratio_c": 1.0, "kl_loss": False,
@@ -138,13 +139,26 @@ def _log_prob_micro(row: dict) -> int:
 
 
 def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]:
-    """The keys our validation must name when ``preset`` cannot serve ``row`` (None: it must run)."""
+    """The keys our validation must name when ``preset`` cannot serve ``row`` (None: it must run). The matrix
+    keeps ``policy_loss.loss_mode=vanilla``, which every action accepts."""
     from verl_tokensel.core.config import PRESETS as ALL
 
     sel = ALL[preset]
     if sel.normaliser == "selected" and row["loss_agg_mode"] != "token-mean":
         return ("token_selection.normaliser", "loss_agg_mode")
+    if sel.action == "clip_class" and sel.selected_kl_weight != 1.0 and not row["kl_loss"]:
+        return ("use_kl_loss",)  # archer weights the KL loss per token
     return None
+
+
+def runs_where_stock_refuses(preset: str, row: dict, stock: dict) -> bool:
+    """Whether ``preset`` must run although stock refused ``row``: stock's refusal is verl's dual-clip assert
+    (``clip_ratio_c <= 1``) and the preset's loss has no dual clip (KL-Cov's and Clip-Cov's, as verl's own
+    ``loss_mode=kl_cov`` / ``clip_cov``, which run there too)."""
+    from verl_tokensel.core.config import PRESETS as ALL
+
+    return (ALL[preset].action in ("kl_penalty", "zero_loss") and row["clip_ratio_c"] <= 1.0
+            and stock.get("stage") == "update" and stock.get("error") == "AssertionError")
 
 
 def _actor_view(actor, row: dict):
@@ -281,7 +295,9 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
 
         def observe(rec):
             out["micro"].append({"mini": mini_idx[0], "selected": int(rec["mask"].sum()),
-                                 "valid": int(rec["response_mask"].sum())})
+                                 "valid": int(rec["response_mask"].sum()),
+                                 "row_selected": rec["mask"].sum(-1).tolist(),
+                                 "row_valid": rec["response_mask"].sum(-1).tolist()})
 
         inner = view.worker.train_batch
 
@@ -301,6 +317,7 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
     except Exception as e:  # noqa: BLE001
         return {**_error(e, stage), **{k: v for k, v in out.items() if k not in ("micro", "minibatches")}}
     out.update(status="ok", loss=r.loss, ratio=cfg.selection.ratio, scope=cfg.selection.scope,
+               budget=cfg.selection.budget, score=cfg.selection.score,
                metrics={k: _plain(v) for k, v in r.metrics.items()
                         if k.startswith("tokensel/") and ("tokens" in k or "groups" in k)})
     return out
@@ -387,6 +404,17 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
             problems.append(f"the loss applied {applied} tokens, the pre-pass selected {sum(want)}")
     elif scope == "group":
         problems.append("gmts ran without tokensel/prepass/* metrics")
+    elif scope == "mini_batch":
+        problems += _cov_problems(per_rank)
+    elif scope == "sequence" and first["budget"] == "quantile":
+        # strictly above the (1 - ratio) quantile of the response, linear interpolation: with distinct scores
+        # the top n - 1 - floor((1 - ratio)(n - 1)) of its n valid tokens
+        for r, res in enumerate(per_rank):
+            for k, mb in enumerate(res["micro"]):
+                want = [n - 1 - math.floor((1 - ratio) * (n - 1)) if n else 0 for n in mb["row_valid"]]
+                if mb["row_selected"] != want:
+                    problems.append(f"rank {r} micro-batch {k}: {mb['row_selected']} selected per response of "
+                                    f"{mb['row_valid']}, above the {1 - ratio:g} quantile {want}")
     elif scope == "batch":
         d = first.get("driver", {})
         want = budget(ratio, first["driver_valid"])
@@ -398,6 +426,32 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
             if applied != row["epochs"] * res["driver_rank_selected"]:
                 problems.append(f"rank {r}: the loss applied {applied} tokens, the driver's mask has "
                                 f"{res['driver_rank_selected']} per epoch")
+    return problems
+
+
+def _cov_problems(per_rank: list[dict]) -> list[str]:
+    """KL-Cov / Clip-Cov over the mini-batch (the pre-pass): per mini-batch, max(1, int(ratio N)) of its N valid
+    tokens over the ranks (KL-Cov; Clip-Cov at most that many, its candidates may be fewer), and the loss applies
+    exactly the pre-pass's tokens."""
+    from verl_tokensel.core.cov import cov_budget
+
+    first = per_rank[0]
+    got = first["metrics"].get("tokensel/prepass/selected_tokens")
+    valid = [sum(sum(res["minibatches"][i]["valid"]) for res in per_rank) for i in range(len(first["minibatches"]))]
+    want = [float(cov_budget(first["ratio"], n)) for n in valid]
+    if got is None or len(got) != len(want):
+        return [f"tokensel/prepass/selected_tokens {got}, one value per mini-batch of {valid} valid tokens"]
+    problems = []
+    if first["score"] == "kl_cov" and got != want:
+        problems.append(f"tokensel/prepass/selected_tokens {got}, max(1, int(ratio N)) of {valid}: {want}")
+    if first["score"] == "clip_cov" and any(not 0 <= g <= w for g, w in zip(got, want)):
+        problems.append(f"tokensel/prepass/selected_tokens {got}, at most max(1, int(ratio N)) of {valid}: {want}")
+    applied = [0] * len(want)
+    for res in per_rank:
+        for mb in res["micro"]:
+            applied[mb["mini"]] += mb["selected"]
+    if applied != [int(g) for g in got]:
+        problems.append(f"the loss applied {applied} tokens per mini-batch, the pre-pass selected {got}")
     return problems
 
 
@@ -416,6 +470,15 @@ def verdict(result_per_rank: list[dict], preset: str) -> tuple[str, str]:
         return "config refused (" + ", ".join(keys) + ")", ""
     if keys is not None:
         return f"{first['status']} (config not refused)", f"{preset}: our validation let it through, it needs {keys}"
+    if stock["status"] != "ok" and runs_where_stock_refuses(preset, row, stock):
+        if any(r["status"] != "ok" for r in res):
+            bad = next(r for r in res if r["status"] != "ok")
+            return (f"FAILED {bad['error']}", f"{preset} has no dual clip, so it must run where stock's dual-clip "
+                    f"assert refuses; it failed (stage {bad['stage']}): {bad['error']}: {bad['message']}")
+        problems = budget_problems(preset, res, row)
+        if problems:
+            return "ok, budget off", f"{preset}: " + "; ".join(problems)
+        return f"ok {first['loss']:.4g} (no dual clip)", ""
     if stock["status"] != "ok":
         if first["status"] == "refused" and first["error"] == stock["error"]:
             return f"refused {first['error']}", ""
@@ -441,7 +504,9 @@ def render_markdown(results: dict[str, list[dict]], seconds: float, command: str
         f"Written by `{command}` ({len(results)} combinations, {seconds:.0f} s). A seeded pairwise design "
         f"(seed {SEED}) over {', '.join(FACTORS)}, plus a row every loss must refuse. `ok <loss>`: one update, "
         "finite loss, selection at its scope's budget; `refused <Error>`: stock and the preset refused alike; "
-        "`config refused (keys)`: our validation refused a combination the preset cannot serve.",
+        "`config refused (keys)`: our validation refused a combination the preset cannot serve; `(no dual clip)`: "
+        "the preset's loss, as verl's `loss_mode=kl_cov` / `clip_cov`, has no dual clip, so it runs where stock's "
+        "dual-clip assert refuses.",
         "",
         "| combination | stock | " + " | ".join(PRESETS) + " |",
         "|---|---|" + "---|" * len(PRESETS),
