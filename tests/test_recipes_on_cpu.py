@@ -4,10 +4,10 @@ A recipe is a primary config of a few dozen lines whose defaults name an engine 
 a setup (base/dapo_8020, base/gmts, base/gmts_dapo, base/kl_cov, base/archer) and its model's cluster
 (cluster/<model>). Checked here: each recipe composes to its snapshot (tests/data/recipes_composed.json); every
 recipe x every preset composes, resolves and passes verl's validate_config and our driver check, or is refused by
-our validation naming the key when the recipe's settings cannot serve the preset; the paper hyperparameters; a recipe file adds
-only its engine layout to its parts; the Megatron layouts fit the models and the clusters; a missing env var is
-a clear error (Hydra and run.sh); every YAML key has a comment; no two recipe files share 40 lines;
-recipes/README.md gives a source for exactly the keys the recipe files set; the scripts parse.
+our validation naming the key when the recipe's settings cannot serve the preset; the paper hyperparameters; a
+recipe file adds only its engine layout to its parts; the Megatron layouts fit the models and the clusters; a
+missing env var is a clear error (Hydra and run.sh); every YAML key has a comment; no two recipe files share 40
+lines; recipes/README.md gives a source for exactly the keys the recipe files set; the scripts parse.
 
 After a meant change of a recipe's values, rewrite the snapshot: python tests/test_recipes_on_cpu.py --write-snapshot
 """
