@@ -64,7 +64,7 @@ CPU = "trainer.device=cpu"
 #: the tiny run's sequence: prompts of at most 32 tokens (the tiny data's chat prompts fit), answers of at most 16
 TINY_PROMPT, TINY_RESPONSE = 32, 16
 #: prompts per step, answers per prompt, prompts per PPO mini-batch: two updates per step, like the twins' several
-#: (512 / 32 = 16), so the second mini-batch trains on weights the first moved
+#: (512 / 32 = 16), so the second follows an optimizer step (gmts: its pre-pass runs a forward, not the old pass's)
 TINY_BATCH, TINY_N, TINY_MINI_BATCH = 4, 4, 2
 STEPS = 2
 
