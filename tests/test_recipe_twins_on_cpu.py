@@ -168,8 +168,8 @@ def tiny_overrides(name: str, twin, *, reward_file: Path, work: Path) -> dict[st
         tokens = twin.actor_rollout_ref.rollout.max_num_batched_tokens
         scaled = max(_scaled(tokens, prompt, response), twin.actor_rollout_ref.rollout.max_num_seqs)
         out[f"{R}.max_num_batched_tokens={scaled}"] = (
-            f"vLLM's token budget ({tokens}), scaled like the micro-batch budget, at least max_num_seqs (vLLM "
-            f"refuses a smaller one)")
+            f"vLLM's token budget ({tokens}: the twin's, or verl's default where the twin sets none), scaled like "
+            f"the micro-batch budget, at least max_num_seqs (vLLM refuses a smaller one)")
     if OmegaConf.select(twin, "reward.reward_kwargs.overlong_buffer_cfg.enable"):
         buffer = twin.reward.reward_kwargs.overlong_buffer_cfg.len
         out[f"reward.reward_kwargs.overlong_buffer_cfg.len={max(1, round(buffer * TINY_RESPONSE / response))}"] = (
