@@ -180,6 +180,12 @@ def _expected_refusal(cfg, preset):
     a, sel, knobs = cfg.actor_rollout_ref.actor, PRESETS[preset], _knobs(cfg)
     if sel is None:  # knobs with no selector would be ignored
         return f"token_selection.{sorted(knobs)[0]}" if knobs else None
+    rule = replace(sel, **knobs)
+    reads = {"kl_penalty_coef": rule.action == "kl_penalty", "cov_lb": rule.score == "clip_cov",
+             "cov_ub": rule.score == "clip_cov"}  # knobs one kind of rule reads: ignored by the others, so refused
+    ignored = sorted(k for k in knobs if not reads.get(k, True))
+    if ignored:
+        return f"token_selection.{ignored[0]}"
     if sel.normaliser == "selected" and a.loss_agg_mode != "token-mean":  # a mean over selected tokens: token-mean
         return "token_selection.normaliser"
     if sel.action == "clip_class" and sel.selected_kl_weight != 1 and not a.use_kl_loss:  # archer weights the KL

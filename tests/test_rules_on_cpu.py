@@ -398,3 +398,14 @@ def test_clip_cov_gradient_matches_the_restatement():
     g = torch.where(clipped, 0.0, -adv * r)
     expect = torch.where(valid & ~detached, g / n, 0.0)
     torch.testing.assert_close(padded(grad, data).double(), expect, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("preset,knob", [("forking", "kl_penalty_coef"), ("kl_cov_global", "cov_lb"),
+                                         ("gmts", "selected_kl_weight"), ("clip_cov_global", "kl_penalty_coef")])
+def test_a_knob_the_rule_does_not_read_is_refused(preset, knob):
+    """e.g. a KL-Cov recipe's kl_penalty_coef with token_selector=forking would be ignored: refused, named."""
+    from verl_tokensel.core.config import TokenSelectionConfig
+
+    with pytest.raises(TokenSelectionConfigError, match=rf"token_selection\.{knob}=.*would be ignored"):
+        resolve_selection(preset, TokenSelectionConfig(**{knob: 0.5}))
+    assert resolve_selection("kl_cov_global", TokenSelectionConfig(kl_penalty_coef=1.0)).kl_penalty_coef == 1.0

@@ -442,8 +442,31 @@ def resolve_selection(
             )
         return None
     sel = replace(preset, **given)
+    _check_knobs_serve_rule(token_selector, sel, given)
     check_with_actor(sel, auto_enable_entropy=overrides.auto_enable_entropy, **actor)
     return sel
+
+
+#: knobs that only one kind of rule reads: (what the rule must be, the test on the resolved rule)
+RULE_KNOBS = {
+    "kl_penalty_coef": ("action=kl_penalty", lambda s: s.action == "kl_penalty"),
+    "cov_lb": ("score=clip_cov", lambda s: SCORE_REGISTRY[s.score].cov_rule == "clip_cov"),
+    "cov_ub": ("score=clip_cov", lambda s: SCORE_REGISTRY[s.score].cov_rule == "clip_cov"),
+    "selected_clip_ratio_low": ("action=clip_class", lambda s: s.action == "clip_class"),
+    "selected_clip_ratio_high": ("action=clip_class", lambda s: s.action == "clip_class"),
+    "selected_kl_weight": ("action=clip_class", lambda s: s.action == "clip_class"),
+}
+
+
+def _check_knobs_serve_rule(token_selector: str, sel: Selection, given: dict[str, Any]) -> None:
+    """A knob set for a rule that does not read it would be silently ignored: refuse it, naming it."""
+    for key in sorted(given):
+        if key in RULE_KNOBS and not RULE_KNOBS[key][1](sel):
+            raise _err(
+                f"token_selection.{key}", given[key], f"null (with token_selector={token_selector}, action="
+                f"{sel.action}, score={sel.score})", f"only a rule with {RULE_KNOBS[key][0]} reads it, so it would "
+                f"be ignored. Fix: remove token_selection.{key} (a recipe may set it for its own preset: "
+                f"override it with token_selection.{key}=null) or pick a preset that reads it.")
 
 
 def check_with_actor(
