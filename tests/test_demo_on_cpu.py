@@ -585,3 +585,19 @@ def test_demo_megatron_end_to_end(tmp_path):
     assert results["rollouts"]["forking"]["scored_with"] == "final policy"  # actor/model/huggingface was found
     assert row["selected_on_decision_share"] > 2 * row["decision_token_share"], row
     assert SHIMS_ANNOUNCEMENT.split("{pid}")[0] in (out / "logs" / "forking.log").read_text(errors="replace")
+
+
+@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer"])
+def test_demo_composes_the_toolbox_presets(tmp_path, preset):
+    """The demo's overrides for each toolbox preset compose and resolve to the preset (archer gets the KL loss
+    its per-token KL weight needs, and its reference worker's micro-batch). In-process Hydra, no Ray."""
+    from hydra import compose, initialize_config_module
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl_tokensel.core.config import PRESETS
+
+    overrides = demo_cli.demo_overrides(preset, "/m", "/d/train.parquet", "/d/val.parquet", tmp_path, steps=3)
+    assert ("actor_rollout_ref.actor.use_kl_loss=True" in overrides) == (preset == "archer")
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        cfg = compose("tokensel_trainer", overrides=overrides)
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).selection == PRESETS[preset]

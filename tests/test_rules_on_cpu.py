@@ -409,3 +409,23 @@ def test_a_knob_the_rule_does_not_read_is_refused(preset, knob):
     with pytest.raises(TokenSelectionConfigError, match=rf"token_selection\.{knob}=.*would be ignored"):
         resolve_selection(preset, TokenSelectionConfig(**{knob: 0.5}))
     assert resolve_selection("kl_cov_global", TokenSelectionConfig(kl_penalty_coef=1.0)).kl_penalty_coef == 1.0
+
+
+@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer"])
+def test_the_analysis_tools_select_as_the_rule_does(preset):
+    """view / analyze / the demo's report rank a preset's tokens with select_preset: for the toolbox presets its
+    mask is the rule step's and its budgets are the counts the rule kept (a quantile, verl's count, a draw)."""
+    from verl_tokensel.analysis.selection import select_preset
+
+    valid, adv, lp, old, _ = _pool_data(seed=8, rows=6, length=12)
+    sel = PRESETS[preset]
+    knobs = {"ratio": 0.2, "cov_lb": -10.0} if preset == "clip_cov_global" else {"ratio": 0.2} if preset != "archer" \
+        else {}
+    sel = Selection(**{**sel.__dict__, **knobs})
+    tensors = {"response_mask": valid, "advantages": adv, "old_log_probs": old, "log_probs": lp,
+               "entropy": -lp * 0.5}
+    batch = score_batch(sel.score, tensors, keys=torch.arange(valid.shape[0]))
+    out = select_preset(batch, sel)
+    assert torch.equal(out.mask, apply_rule(sel, batch, stats=False, scope=out.scope).mask)
+    assert sum(out.budgets) == int(out.mask.sum()) if out.scope == "sequence" else out.budgets[0] == int(out.mask.sum())
+    assert int(out.mask.sum()) > 0

@@ -16,6 +16,7 @@ import torch
 from verl_tokensel.core.batch import ScoreBatch, pad_rows, score_batch
 from verl_tokensel.core.pools import budget
 from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import selection_ranks
 
 def scored_batch(scored, advantages: Sequence[float], score: Union[str, Sequence[str]], *,
@@ -70,6 +71,12 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     scores, mask = selected.scores, selected.mask
     valid = selected.pool & (scores != 0) if sel.pool == "nonzero" else selected.pool  # the pool the budget counts
     ranks = selection_ranks(scores, valid, sel.direction, scope)
+    if sel.budget == "quantile" or SCORE_REGISTRY[sel.score].cov_rule is not None:
+        # the count is the rule's own (a quantile, verl's max(1, int(r N)), Clip-Cov's draw among candidates):
+        # the budget reported is what the rule kept
+        per_row = mask.sum(-1).tolist()
+        budgets = per_row if scope == "sequence" else [int(mask.sum())] * valid.shape[0]
+        return PresetSelection(scores=scores, mask=mask, ranks=ranks, ratio=ratio, scope=scope, budgets=budgets)
     if scope == "sequence":
         budgets = [budget(ratio, int(valid[i].sum())) for i in range(valid.shape[0])]
     else:

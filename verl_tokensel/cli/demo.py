@@ -116,6 +116,19 @@ def _engine_overrides(engine: str) -> tuple[str, ...]:
     return ENGINE_OVERRIDES[engine]
 
 
+def _kl_overrides(preset: str, micro: int) -> tuple[str, ...]:
+    """The KL loss is off, except for a rule that weights it per token (``archer``: Archer's low_var_kl at 0.001,
+    with the reference worker's log-prob micro-batch)."""
+    from verl_tokensel.core.config import PRESETS
+
+    sel = PRESETS.get(preset)
+    if sel is not None and sel.action == "clip_class" and sel.selected_kl_weight != 1.0:
+        return ("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+                "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+                f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}")
+    return ("actor_rollout_ref.actor.use_kl_loss=False",)
+
+
 def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path, steps: int,
                    seed: int = 0, lr: float = ACTOR_LR, engine: str = "fsdp2") -> list[str]:
     """The Hydra overrides of one demo run. The launcher adds the CPU switch (``trainer.device=cpu``), which fills
@@ -138,7 +151,7 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"actor_rollout_ref.actor.ppo_mini_batch_size={PPO_MINI_BATCH_SIZE}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.actor.optim.lr={lr:g}",
-        "actor_rollout_ref.actor.use_kl_loss=False",
+        *_kl_overrides(preset, micro),
         "actor_rollout_ref.actor.entropy_coeff=0",
         # entropy in the update pass for every preset, so the table can compare selected vs unselected
         # tokens also for presets whose scores come from elsewhere (gmts: a pre-pass)
