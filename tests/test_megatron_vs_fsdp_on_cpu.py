@@ -28,10 +28,10 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbr
     pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
                 allow_module_level=True)
 
-import torch  # noqa: E402
 
 from verl_tokensel.cpu import tiny_model  # noqa: E402
 from helpers import distributed as D  # noqa: E402
+from helpers.megatron_runs import SAME_PARAMS, assert_grads_agree  # noqa: E402
 
 TOL = 1e-5  # nats, per token
 TIE = 1e-5  # score units: a mask difference within this of the pool's threshold is a tie
@@ -41,9 +41,6 @@ BATCH_KW = dict(n=16, seed=9, resp_len=(4, 24), group_size=4)
 #: (name, preset, knobs): what each engine selects
 CASES = [("forking_sequence", "forking", {"scope": "sequence"}), ("forking_paper", "forking_paper", {}),
          ("gmts", "gmts", {"scope": "sequence"})]
-#: the same parameter in both engines (Megatron's name after the chunk index, HF's)
-SAME_PARAMS = {"0.module.output_layer.weight": "lm_head.weight",
-               "0.module.embedding.word_embeddings.weight": "model.embed_tokens.weight"}
 
 
 def _per_row(field, batch):
@@ -136,9 +133,4 @@ def test_same_selector_same_mask(runs, case):
 def test_loss_and_gradient_agree(runs, case):
     m, f = runs["megatron"]["cases"][case], runs["fsdp"]["cases"][case]
     assert m["loss"] == pytest.approx(f["loss"], rel=1e-5)
-    for mname, fname in SAME_PARAMS.items():
-        gm, gf = m["grads"][mname], f["grads"][fname]
-        assert gm.shape == gf.shape and gf.abs().max() > 0
-        print(f"{case} {fname}: max |megatron - fsdp| = {float((gm - gf).abs().max()):.2e}, "
-              f"max |fsdp| = {float(gf.abs().max()):.2e}")
-        torch.testing.assert_close(gm, gf, rtol=1e-4, atol=1e-6)
+    assert_grads_agree(m["grads"], f["grads"], case)

@@ -24,6 +24,7 @@ from verl_tokensel.cpu import batches as B, worker as H
 
 from helpers import distributed as D
 from helpers.grad_probe import row_ids
+from helpers.megatron_runs import SAME_PARAMS
 
 #: one worker per layout; the update's micro-batching is changed per run (SPLITS)
 WORKER_KW = dict(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=56, lr=0.0,
@@ -44,9 +45,6 @@ DP_SPLITS = ("micro2", "dynamic40_forward")
 ARCHER_BATCH_KW = dict(n=8, seed=11, resp_len=(6, 16))
 ARCHER_ACTOR = dict(use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type="low_var_kl", clip_ratio_c=10.0)
 OLD_SHIFT = 1.2  # old log-probs moved by uniform(-0.6, 0.6): ratios in [0.55, 1.8], beyond both clip bounds
-#: the same parameter in both engines (Megatron's name after the chunk index, HF's)
-SAME_PARAMS = {"0.module.output_layer.weight": "lm_head.weight",
-               "0.module.embedding.word_embeddings.weight": "model.embed_tokens.weight"}
 
 
 def _plain_metrics(metrics: dict) -> dict[str, list[float]]:

@@ -20,6 +20,22 @@ from helpers import distributed as D
 from helpers.grad_probe import (capture_logit_grads, padded_response_field, prompt_lengths, response_lengths, row_ids,
                                 token_grad_norms)
 
+#: the same parameter in both engines (Megatron's name after the chunk index, HF's)
+SAME_PARAMS = {"0.module.output_layer.weight": "lm_head.weight",
+               "0.module.embedding.word_embeddings.weight": "model.embed_tokens.weight"}
+
+
+def assert_grads_agree(megatron_grads: dict, fsdp_grads: dict, label: str) -> None:
+    """The gradients of :data:`SAME_PARAMS` in both engines agree (rtol 1e-4 / atol 1e-6), each non-zero; prints
+    the largest difference."""
+    for mname, fname in SAME_PARAMS.items():
+        gm, gf = megatron_grads[mname], fsdp_grads[fname]
+        assert gm.shape == gf.shape and gf.abs().max() > 0
+        print(f"{label} {fname}: max |megatron - fsdp| = {float((gm - gf).abs().max()):.2e}, "
+              f"max |fsdp| = {float(gf.abs().max()):.2e}")
+        torch.testing.assert_close(gm, gf, rtol=1e-4, atol=1e-6)
+
+
 PRESETS = ["none", "forking", "forking_bottom", "random", "grad_norm", "forking_paper", "gmts", "gmts_mini_batch"]
 #: runs that are a preset with knobs: name -> (preset, token_selection knobs)
 VARIANTS = {"gmts_mini_batch": ("gmts", {"scope": "mini_batch"})}
