@@ -100,9 +100,7 @@ def _cov_rule(sel: Selection, batch: ScoreBatch, pool: torch.Tensor, ratio: floa
     verl's own arithmetic for ``micro_batch``."""
     inp = batch.inputs
     rule = SCORE_REGISTRY[sel.score].cov_rule
-    draw = None
-    if rule == "clip_cov":
-        draw = batch.score("random") if inp.row_keys is not None else None
+    draw = batch.score("random") if rule == "clip_cov" else None  # the random score's keyed draw
     return select_cov(rule, advantages=inp.advantages, log_prob=inp.log_prob, pool=pool, ratio=ratio,
                       group=None if scope == "micro_batch" else dp_group, verl_means=scope == "micro_batch",
                       old_log_prob=inp.old_log_prob, draw=draw, clip_low=inp.clip_ratio_low,
@@ -112,7 +110,7 @@ def _cov_rule(sel: Selection, batch: ScoreBatch, pool: torch.Tensor, ratio: floa
 def _select(sel: Selection, batch: ScoreBatch, scores: torch.Tensor, pool: torch.Tensor, ratio: float, scope: str,
             dp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     if sel.budget == "quantile":
-        return above_quantile(scores, pool, 1.0 - ratio, per_row=scope == "sequence") & pool
+        return above_quantile(scores, pool, 1.0 - ratio, per_row=scope == "sequence")
     return select_tokens(scores, pool, ratio, scope=scope, direction=sel.direction, dp_group=dp_group,
                          group_ids=batch.group_ids if scope == "group" else None, pool=sel.pool) & pool
 
@@ -144,11 +142,9 @@ def apply_rule(
     cov = SCORE_REGISTRY[sel.score].cov_rule is not None and measured is None
     if measured is not None:
         scores = measured[1].float()
-    elif cov:  # the covariance needs the pool's means: scored after the non-finite tokens leave the pool
-        scores = torch.zeros_like(batch.inputs.log_prob, dtype=torch.float32)
-    else:
+    elif not cov:  # the covariance needs the pool's means: scored below, once the non-finite tokens left the pool
         scores = batch.score(sel.score)
-    finite = batch.finite & ~torch.isnan(scores)
+    finite = batch.finite if cov else batch.finite & ~torch.isnan(scores)
     pool = batch.valid & finite
     dropped = bool((batch.valid & ~finite).any())
     if measured is not None:

@@ -36,7 +36,7 @@ def _bounds(config) -> tuple[float, float]:
     return low, high
 
 
-def _one_minus(bound, fallback: float, sign: float) -> Any:
+def _ratio_bound(bound, fallback: float, sign: float) -> Any:
     """``1 + sign * bound`` for a scalar or a per-token float64 tensor (computed in float64 then cast, so a token
     whose bound equals the config's scalar gets the scalar's float32 bound, as verl's clamp does)."""
     if bound is None:
@@ -79,7 +79,7 @@ def ppo_clip_per_token(
     if (clip_low is None) != (clip_high is None):  # torch.clamp takes two tensors or two numbers
         clip_low = torch.full_like(clip_high, low, dtype=torch.float64) if clip_low is None else clip_low
         clip_high = torch.full_like(clip_low, high, dtype=torch.float64) if clip_high is None else clip_high
-    pg_losses2 = -advantages * torch.clamp(ratio, _one_minus(clip_low, low, -1.0), _one_minus(clip_high, high, 1.0))
+    pg_losses2 = -advantages * torch.clamp(ratio, _ratio_bound(clip_low, low, -1.0), _ratio_bound(clip_high, high, 1.0))
     clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
     pg_clipfrac = verl_F.masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
     pg_losses3 = -advantages * clip_ratio_c
