@@ -15,6 +15,10 @@ The embedded-default main job. With no network and no GPU it:
    first / last and whether it rose beyond its noise, ``think`` share, entropy statistics, selected share on
    the decisions), and writes ``demo.png``, ``view_<preset>.html`` and ``results.json``.
 
+``--task multi`` runs the same on the multi-decision task (:mod:`verl_tokensel.demo.task_multi`: K arithmetic
+steps per answer, each with its own route word, all of which must be right; its own warm start, dataset and
+reward, :mod:`verl_tokensel.demo.tasks`).
+
 Exits 1 naming the preset, its log and the log's last lines if a run fails. Measured results:
 ``docs/benchmarks.md``.
 
@@ -24,6 +28,7 @@ Examples::
     verl-tokensel demo --out /tmp/demo --presets none,forking,forking_bottom,random,gmts --steps 16
     verl-tokensel demo --presets forking --steps 6 --timeout 900
     verl-tokensel demo --engine megatron --presets none,forking --steps 4
+    verl-tokensel demo --task multi --presets none,forking,random
 """
 
 from __future__ import annotations
@@ -37,23 +42,22 @@ import time
 from collections import deque
 from pathlib import Path
 
+from verl_tokensel.demo.tasks import DEFAULT_TASK, TASK_NAMES, get_task
 from verl_tokensel.launch import ENGINE_OVERRIDES, HF_CHECKPOINT_DIRS
 
 HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
 DEFAULT_PRESETS = ("none", "forking", "gmts")
-REWARD_FN = "pkg://verl_tokensel.demo.reward"
+_ROUTE = get_task(DEFAULT_TASK)  # the default task's settings (verl_tokensel/demo/tasks.py is their home)
+REWARD_FN = _ROUTE.reward_fn
 
-# Run shape: 16 prompts x 8 responses of <= 48 tokens per step, two PPO updates per step.
+# Run shape: 16 prompts x 8 responses of <= 48 tokens per step (multi task: 96), two PPO updates per step.
 TRAIN_BATCH_SIZE = 16
 ROLLOUT_N = 8
 PPO_MINI_BATCH_SIZE = 8
-MAX_PROMPT_LENGTH = 64
-MAX_RESPONSE_LENGTH = 48
-# Actor learning rate: on the single-decision warm start of WARMUP_VERSION 1 the reward fell at 1e-3 (0.29 -> 0.12
-# in 12 forking steps) and rose at 1e-4..3e-4; on the two-route task, 3e-4 raises it by 0.11-0.15 in 12 steps
-# (benchmarks/results/bench_learning_cpu.md).
-ACTOR_LR = 3e-4
-DEFAULT_STEPS = 12
+MAX_PROMPT_LENGTH = _ROUTE.max_prompt_length
+MAX_RESPONSE_LENGTH = _ROUTE.max_response_length
+ACTOR_LR = _ROUTE.default_lr
+DEFAULT_STEPS = _ROUTE.default_steps
 
 
 def preset_list(value: str) -> list[str]:
@@ -70,6 +74,14 @@ def preset_list(value: str) -> list[str]:
     if len(set(names)) != len(names):
         raise argparse.ArgumentTypeError(f"preset listed twice in {value!r}")
     return names
+
+
+def task_name(value: str) -> str:
+    """argparse type of ``--task``: a name from :data:`verl_tokensel.demo.tasks.TASK_NAMES`."""
+    if value not in TASK_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown task {value!r}; valid: {', '.join(TASK_NAMES)} "
+                                         f"(default {DEFAULT_TASK})")
+    return value
 
 
 def _positive(kind):
@@ -92,10 +104,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--presets", type=preset_list, default=list(DEFAULT_PRESETS),
                         help="comma-separated token_selector presets, run in this order (default none,forking,gmts; "
                              "also forking_bottom, random, forking_paper, grad_norm)")
-    parser.add_argument("--steps", type=_positive(int), default=DEFAULT_STEPS,
-                        help=f"GRPO training steps per run (default {DEFAULT_STEPS})")
-    parser.add_argument("--lr", type=_positive(float), default=ACTOR_LR,
-                        help=f"actor learning rate of the GRPO runs (default {ACTOR_LR:g})")
+    parser.add_argument("--task", type=task_name, default=DEFAULT_TASK,
+                        help=f"the synthetic task: {'; '.join(f'{n}: {get_task(n).summary}' for n in TASK_NAMES)} "
+                             f"(default {DEFAULT_TASK})")
+    parser.add_argument("--steps", type=_positive(int), default=None,
+                        help=f"GRPO training steps per run (default {DEFAULT_STEPS}; task multi: "
+                             f"{get_task('multi').default_steps})")
+    parser.add_argument("--lr", type=_positive(float), default=None,
+                        help=f"actor learning rate of the GRPO runs (default {ACTOR_LR:g}; task multi: "
+                             f"{get_task('multi').default_lr:g})")
     parser.add_argument("--timeout", type=_positive(float), default=900.0,
                         help="seconds allowed per run, start-up and shutdown included (default 900; a run "
                              "takes 3-6 min on an idle 2-core machine)")
@@ -130,10 +147,13 @@ def _kl_overrides(preset: str, micro: int) -> tuple[str, ...]:
 
 
 def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path, steps: int,
-                   seed: int = 0, lr: float = ACTOR_LR, engine: str = "fsdp2") -> list[str]:
-    """The Hydra overrides of one demo run. The launcher adds the CPU switch (``trainer.device=cpu``), which fills
-    the engine's CPU settings, and verl's ``file`` logger (per-step metrics)."""
+                   seed: int = 0, lr: float = ACTOR_LR, engine: str = "fsdp2", task: str = DEFAULT_TASK) -> list[str]:
+    """The Hydra overrides of one demo run on ``task`` (its reward function and lengths). The launcher adds the CPU
+    switch (``trainer.device=cpu``), which fills the engine's CPU settings, and verl's ``file`` logger (per-step
+    metrics)."""
     micro = PPO_MINI_BATCH_SIZE * ROLLOUT_N // 2
+    spec = get_task(task)
+    prompt_len, response_len = spec.max_prompt_length, spec.max_response_length
     return [
         *_engine_overrides(engine),
         "algorithm.adv_estimator=grpo",
@@ -141,8 +161,8 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"data.train_files={train}",
         f"data.val_files={val}",
         f"data.train_batch_size={TRAIN_BATCH_SIZE}",
-        f"data.max_prompt_length={MAX_PROMPT_LENGTH}",
-        f"data.max_response_length={MAX_RESPONSE_LENGTH}",
+        f"data.max_prompt_length={prompt_len}",
+        f"data.max_response_length={response_len}",
         f"data.seed={seed}",
         "data.dataloader_num_workers=0",
         f"actor_rollout_ref.model.path={model_dir}",
@@ -160,10 +180,10 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]",
         f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
-        f"actor_rollout_ref.rollout.max_model_len={MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH}",
+        f"actor_rollout_ref.rollout.max_model_len={prompt_len + response_len}",
         "actor_rollout_ref.rollout.max_num_batched_tokens="
-        f"{TRAIN_BATCH_SIZE * ROLLOUT_N * (MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH)}",
-        f"reward.custom_reward_function.path={REWARD_FN}",
+        f"{TRAIN_BATCH_SIZE * ROLLOUT_N * (prompt_len + response_len)}",
+        f"reward.custom_reward_function.path={spec.reward_fn}",
         "reward.custom_reward_function.name=compute_score",
         f"trainer.total_training_steps={steps}",
         "trainer.total_epochs=100",  # the step count ends the run (one epoch is 13 steps)
@@ -182,6 +202,9 @@ def _think(warm: dict) -> str:
     share, acc = warm.get("think_share"), warm.get("think_accuracy")
     if share is None:
         return "think route not measured"
+    if warm.get("task") == "multi":
+        return (f"think route at {share:.3f} of the steps, at every step in {warm['all_think_share']:.3f} of answers"
+                + (f" (right {acc:.3f} of those)" if acc is not None else ""))
     return f"think route {share:.3f} of answers" + (f" (right {acc:.3f} of those)" if acc is not None else "")
 
 
@@ -253,9 +276,8 @@ def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, pro
 def run(args) -> int:
     from verl_tokensel import launch
     from verl_tokensel.demo import report
-    from verl_tokensel.demo.dataset import write_dataset
     from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
-    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
+    from verl_tokensel.demo.warmup import warm_model_dir
 
     if args.engine == "megatron":
         from verl_tokensel.cpu.megatron import megatron_available
@@ -264,10 +286,13 @@ def run(args) -> int:
         if reason:
             print(f"error: --engine megatron: {reason}", file=sys.stderr)
             return 2
+    spec = get_task(args.task)
+    args.steps = spec.default_steps if args.steps is None else args.steps
+    args.lr = spec.default_lr if args.lr is None else args.lr
     progress = _Progress()
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    cfg = WarmupConfig(seed=args.seed)
+    cfg = spec.warmup_config(args.seed)
     progress(f"warm start: supervised warm-up of the tiny model ({cfg.steps} steps, cached by its settings)")
     try:
         model_dir, warm = warm_model_dir(cfg, cache_dir=args.cache_dir, progress=progress)
@@ -276,8 +301,8 @@ def run(args) -> int:
               "with verl. Fix: rerun with --cache-dir pointing at a writable folder.", file=sys.stderr)
         return 1
     progress(f"warm model {model_dir}: accuracy {warm['accuracy']:.3f} at temperature 1 on the "
-             f"{warm['problems']} training problems, {_think(warm)}")
-    train, val = write_dataset(out / "data", n_val=cfg.n_val, seed=args.seed)
+             f"{warm['problems']} training {'prompts' if args.task == 'multi' else 'problems'}, {_think(warm)}")
+    train, val = spec.write_dataset(out / "data", cfg)
     progress(f"wrote {train} and {val}")
 
     runs, rows, analyses = {}, [], {}
@@ -288,7 +313,7 @@ def run(args) -> int:
         shutil.rmtree(out / "rollouts" / preset, ignore_errors=True)
         shutil.rmtree(out / "checkpoints" / preset, ignore_errors=True)
         overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed, lr=args.lr,
-                                   engine=args.engine)
+                                   engine=args.engine, task=args.task)
         try:
             result = _run_one(launch, overrides, log_path, args.timeout, progress, label, args.steps)
         except Exception as e:  # noqa: BLE001
@@ -311,7 +336,7 @@ def run(args) -> int:
             if scorer != final:
                 progress(f"{label}: warning: no final checkpoint at {final}; scoring under the warm start")
             try:
-                analysis = analyse_rollouts(dump, scorer, preset, out / f"view_{preset}.html")
+                analysis = analyse_rollouts(dump, scorer, preset, out / f"view_{preset}.html", task=args.task)
                 analysis["scored_with"] = "final policy" if scorer == final else "warm start"
             except Exception as e:  # noqa: BLE001
                 return _fail(preset, result.log_path, f"the analysis of its rollouts {dump} failed "
@@ -324,8 +349,8 @@ def run(args) -> int:
     table = report.format_table(rows)
     png = report.plot(runs, out / "demo.png")
     (out / "results.json").write_text(json.dumps(
-        {"settings": {"engine": args.engine, "steps": args.steps, "lr": args.lr, "seed": args.seed,
-                      "train_batch_size": TRAIN_BATCH_SIZE,
+        {"settings": {"task": args.task, "engine": args.engine, "steps": args.steps, "lr": args.lr,
+                      "seed": args.seed, "train_batch_size": TRAIN_BATCH_SIZE,
                       "rollout_n": ROLLOUT_N, "ppo_mini_batch_size": PPO_MINI_BATCH_SIZE},
          "summary": report.to_json(rows), "warm_start": {"model": model_dir, **warm}, "rollouts": analyses,
          "steps": runs}, indent=1))

@@ -13,6 +13,11 @@ final policy when its checkpoint is there, else the warm start; the result says 
   (the same selector the loss uses, on-policy: r = 1; all responses form one pool, as
   ``verl-tokensel view`` does; ``none`` selects every token, so it equals ``decision_token_share``);
 * ``decision_selected_share``: share of decision tokens that the preset selects;
+* ``route_token_share`` and ``selected_on_route_share``: the same two shares for the route words alone;
+
+with ``task="multi"`` (:mod:`.task_multi`) the decisions are every step's route word and value,
+``think_share`` is the share of the steps on the ``think`` route and ``all_think_share`` the share of the
+responses on ``think`` at every step;
 
 and writes the ``verl-tokensel view`` page of those responses, the preset's selected tokens marked.
 """
@@ -49,17 +54,19 @@ def prompt_ids(tokenizer, dumped_prompt: str, fallback: list[int]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_path: str | Path) -> dict:
-    """Statistics of ``data`` (one rollout dump file) under ``model_dir`` for ``preset``; writes the
-    view page to ``html_path``. See the module docstring for the keys."""
+def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_path: str | Path,
+                     task: str = "route") -> dict:
+    """Statistics of ``data`` (one rollout dump file) under ``model_dir`` for ``preset`` on the demo task ``task``
+    (:mod:`.tasks`); writes the view page to ``html_path``. See the module docstring for the keys."""
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.scorer import score_responses
     from verl_tokensel.analysis.page import build_page, token_texts
     from verl_tokensel.analysis.selection import scored_batch, select_preset
     from verl_tokensel.analysis.stats import advantages_or_unit
     from verl_tokensel.core.config import PRESETS
-    from verl_tokensel.demo.task import decision_token_mask, route_of
+    from verl_tokensel.demo.tasks import get_task
 
+    spec = get_task(task)
     sel = PRESETS[preset]
     records = io.load_records(data)
     tokenizer = io.load_tokenizer(model_dir)
@@ -74,18 +81,20 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     batch = scored_batch(scored, advantages, sel.score if sel is not None else "entropy", pairs=pairs,
                          seed=sel.seed if sel is not None else 0)
     valid, ent = batch.valid, batch.inputs.entropy
-    decision = torch.zeros_like(valid)
-    think = 0
+    decision, route = torch.zeros_like(valid), torch.zeros_like(valid)
+    think = steps = all_think = 0
     for i, (s, (p_ids, r_ids)) in enumerate(zip(scored, pairs)):
         n = len(s.token_ids)
         texts = token_texts(tokenizer, p_ids, r_ids)
         response = "".join(texts)
-        decision[i, :n] = torch.tensor(decision_token_mask(texts, response), dtype=torch.bool)
-        think += route_of(response) == "think"
+        decision[i, :n] = torch.tensor(spec.decision_mask(texts, response), dtype=torch.bool)
+        route[i, :n] = torch.tensor(spec.decision_mask(texts, response, routes_only=True), dtype=torch.bool)
+        th, n_steps = spec.think_counts(response)
+        think, steps, all_think = think + th, steps + n_steps, all_think + (n_steps > 0 and th == n_steps)
     mask = valid.clone() if sel is None else select_preset(batch, sel).mask
 
     h = ent[valid]
-    n_tok, n_sel, n_dec = int(valid.sum()), int(mask.sum()), int(decision.sum())
+    n_tok, n_sel, n_dec, n_route = int(valid.sum()), int(mask.sum()), int(decision.sum()), int(route.sum())
     args = argparse.Namespace(preset=preset, ratio=None, scope=None, max_responses=None, temperature=1.0,
                               model=str(model_dir), data=str(data))
     shade = sel.score if sel is not None and sel.score != "random" else "entropy"
@@ -96,7 +105,9 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     def share(num: int, den: int) -> Optional[float]:
         return num / den if den else None
 
+    extra = {} if task == "route" else {"all_think_share": share(all_think, b), "decision_steps": steps}
     return {
+        "task": task,
         "responses": b,
         "response_tokens": n_tok,
         "entropy_below_0_01_share": share(int((h < 0.01).sum()), n_tok),
@@ -107,7 +118,11 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
         "selected_on_decision_share": share(int((mask & decision).sum()), n_sel),
         "decision_selected_share": share(int((mask & decision).sum()), n_dec),
         "on_template_share": share(sum(1 for i in range(b) if decision[i].any()), b),
-        "think_share": share(think, b),
+        "selected_share": share(n_sel, n_tok),
+        "route_token_share": share(n_route, n_tok),
+        "selected_on_route_share": share(int((mask & route).sum()), n_sel),
+        "think_share": share(think, b if task == "route" else steps),
+        **extra,
         "html": str(html_path),
         "data": str(data),
         "model": str(model_dir),
