@@ -22,6 +22,7 @@ from verl.workers.utils.losses import ppo_loss
 
 import verl_tokensel.verl_glue.loss as loss_mod
 from verl_tokensel.core.config import PRESETS
+from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.verl_glue.actor_config import StockLossGuard, TokenselFSDPActorConfig
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
@@ -29,7 +30,11 @@ from helpers.actor_configs import actor_config, micro_batch, padded
 from helpers.loss_inputs import make_micro_batch
 
 # the presets whose mask gates the policy gradient (the other actions: tests/test_rules_on_cpu.py)
-SELECTING_PRESETS = [p for p in PRESETS if p != "none" and PRESETS[p].action == "gradient"]
+# the presets whose rule is a ranked gradient mask (the reweighting rules, the phases and STAPO's unbudgeted mask are
+# tested in tests/test_reweight_rules_on_cpu.py)
+SELECTING_PRESETS = [p for p in PRESETS if p != "none" and PRESETS[p].action == "gradient"
+                     and SCORE_REGISTRY[PRESETS[p].score].mask_rule is None and PRESETS[p].shaping == "none"
+                     and PRESETS[p].phases == "one"]
 # The in-loss twin of a preset whose scores are measured before the update (score_source prepass or
 # rollout): same score, ratio, direction and normaliser, ranked inside the micro-batch. The loss maths
 # under test is the same; how a precomputed mask is applied is tested at the end of this file.

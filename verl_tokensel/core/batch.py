@@ -78,12 +78,17 @@ class ScoreBatch:
         finite: ``(batch, response_len)`` bool, False on a valid token with a non-finite loss input
             (:data:`~verl_tokensel.core.fields.FINITE_INPUTS`); such a token is dropped by the rule step.
         group_ids: ``(batch,)`` int64 or None (only for ``scope=group``).
+        advantages: the advantages as given (``inputs.advantages`` carries the ``rollout_is_weights`` product),
+            for a rule that shapes them; None when none were given.
+        is_weights: the ``rollout_is_weights`` given, or None.
     """
 
     inputs: ScoreInputs
     valid: torch.Tensor
     finite: torch.Tensor
     group_ids: Optional[torch.Tensor] = None
+    advantages: Optional[torch.Tensor] = None
+    is_weights: Optional[torch.Tensor] = None
 
     def score(self, name: str) -> torch.Tensor:
         """The registered score ``name`` (float32, detached), 0 off ``valid``."""
@@ -163,7 +168,8 @@ def score_batch(
     for name in F.FINITE_INPUTS:
         if name in t:
             finite &= torch.isfinite(t[name].detach())
-    return ScoreBatch(inputs=inp, valid=valid, finite=finite | ~valid, group_ids=groups)
+    return ScoreBatch(inputs=inp, valid=valid, finite=finite | ~valid, group_ids=groups,
+                      advantages=t.get(F.ADVANTAGES), is_weights=t.get(F.ROLLOUT_IS_WEIGHTS))
 
 
 def pad_rows(rows: Sequence[torch.Tensor], fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

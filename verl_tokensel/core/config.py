@@ -22,8 +22,11 @@ from typing import Any, Optional
 from verl_tokensel.core.cov import COV_SCOPES
 from verl_tokensel.core.pools import DIRECTIONS, POOLS, SCOPES, invalid_rule_arg
 from verl_tokensel.core.scores import SCORE_REGISTRY
+from verl_tokensel.core.shaping import PHASES, SHAPINGS
 
-NORMALISERS = ("all", "selected")
+# the token-mean denominator: all valid tokens; each micro-batch's selected tokens (80/20 code); or the selected
+# (kept) tokens of the whole mini-batch, which then are the loss's only tokens (STAPO's renormalisation)
+NORMALISERS = ("all", "selected", "kept")
 # Where the ranking scores come from, and the scopes each source can fill. A scope wider than one
 # micro-batch needs every score of the pool before the first backward of that pool:
 # - current: the update forward of each micro-batch (scores of the policy being trained);
@@ -113,6 +116,14 @@ class Selection:
     selected_clip_ratio_low: Optional[float] = None
     selected_clip_ratio_high: Optional[float] = None
     selected_kl_weight: float = 1.0
+    shaping: str = "none"
+    ar_alpha: float = 0.3
+    entropy_alpha: float = 0.4
+    entropy_kappa: float = 2.0
+    phases: str = "one"
+    lopti_eta: float = 0.5
+    stapo_prob: float = 0.002
+    stapo_entropy_quantile: float = 0.75
 
     def __post_init__(self) -> None:
         """Every check a rule can make on its own; those that need the actor's other settings are in
@@ -135,6 +146,55 @@ class Selection:
             raise _err("token_selection.ref_model_path", self.ref_model_path, "null or a local checkpoint folder")
         self._check_source_serves_score()
         self._check_action()
+        self._check_shaping()
+        self._check_mask_rule()
+
+    def _check_shaping(self) -> None:
+        _check_choice("token_selection.shaping", self.shaping, SHAPINGS)
+        _check_number("token_selection.ar_alpha", self.ar_alpha, 0.0, 1.0, "a number in [0, 1]")
+        _check_number("token_selection.entropy_alpha", self.entropy_alpha, 0.0, None, "a number >= 0")
+        _check_number("token_selection.entropy_kappa", self.entropy_kappa, 1.0, None, "a number > 1")
+        if self.entropy_kappa <= 1.0:
+            raise _err("token_selection.entropy_kappa", self.entropy_kappa, "a number > 1",
+                       "kappa > 1 keeps the shaped advantage's sign (the paper's condition; its value is 2).")
+        _check_choice("token_selection.phases", self.phases, PHASES)
+        _check_number("token_selection.lopti_eta", self.lopti_eta, 0.0, 1.0, "a number in (0, 1]")
+        if self.lopti_eta <= 0.0:
+            raise _err("token_selection.lopti_eta", self.lopti_eta, "a number in (0, 1]")
+        if self.phases == "lopti" and self.action != "gradient":
+            raise _err("token_selection.phases", "lopti", f"one (with action={self.action})",
+                       "Lopti zeroes the other phase's advantages in each update pass; its reference defines that "
+                       "for the plain policy gradient only. Fix: set token_selection.phases=one or action=gradient.")
+
+    def _check_mask_rule(self) -> None:
+        _check_number("token_selection.stapo_prob", self.stapo_prob, 0.0, 1.0, "a number in (0, 1]")
+        if self.stapo_prob <= 0.0:
+            raise _err("token_selection.stapo_prob", self.stapo_prob, "a number in (0, 1]")
+        _check_number("token_selection.stapo_entropy_quantile", self.stapo_entropy_quantile, 0.0, 1.0,
+                      "a number in [0, 1]")
+        if self.normaliser == "kept" and self.score_source != "prepass":
+            raise _err("token_selection.normaliser", "kept", "all or selected (with score_source="
+                       f"{self.score_source}); kept needs score_source=prepass",
+                       "the kept tokens' count over the whole mini-batch is the denominator, which only the pre-pass "
+                       "knows before the first micro-batch's backward. Fix: set token_selection.score_source=prepass "
+                       "or normaliser=all.")
+        rule = SCORE_REGISTRY[self.score].mask_rule
+        if rule is None:
+            return
+        keeps = "every valid token" if rule == "all" else "every token but STAPO's spurious ones"
+        for key, want in (("ratio", 1.0), ("direction", "top"), ("budget", "count"), ("pool", "valid")):
+            if getattr(self, key) != want:
+                raise _err(f"token_selection.{key}", getattr(self, key), f"{want} (with score={self.score})",
+                           f"score={self.score} has no budget: it keeps {keeps}, so {key} would be ignored. "
+                           f"Fix: remove token_selection.{key}.")
+        if rule == "stapo" and (self.scope != "mini_batch" or self.score_source != "prepass"
+                                or self.normaliser != "kept"):
+            key, value, want = next((k, getattr(self, k), w) for k, w in (("scope", "mini_batch"),
+                                    ("score_source", "prepass"), ("normaliser", "kept")) if getattr(self, k) != w)
+            raise _err(f"token_selection.{key}", value, f"{want} (with score=stapo)",
+                       "STAPO takes its entropy quantile over each mini-batch's candidates, at the policy that "
+                       "starts the mini-batch's update, and averages the loss over the kept tokens only. Fix: use "
+                       "token_selector=stapo as it is (scope mini_batch, score_source prepass, normaliser kept).")
 
     def _check_action(self) -> None:
         _check_choice("token_selection.budget", self.budget, BUDGETS)
@@ -259,6 +319,26 @@ PRESETS: dict[str, Optional[Selection]] = {
     "archer": Selection(score="entropy", ratio=0.2, direction="top", scope="sequence", normaliser="all",
                         budget="quantile", action="clip_class", selected_clip_ratio_low=0.5,
                         selected_clip_ratio_high=0.5, selected_kl_weight=0.0),
+    # AR (Yang et al., arXiv 2505.12929; code zhyang2226/AR-Lopti): every token's advantage times
+    # alpha * pi_old + 1 - alpha; alpha 0.3 (the paper's K&K figure; its AR-only script 0.2, its math table 0.1)
+    "ar": Selection(score="all", ratio=1.0, direction="top", scope="micro_batch", normaliser="all", shaping="ar",
+                    ar_alpha=0.3),
+    # Lopti (same paper): a first whole update pass on the tokens with pi_old < eta (0.5), then one on the rest,
+    # each with the other tokens' advantages zeroed and kept in the denominator
+    "lopti": Selection(score="all", ratio=1.0, direction="top", scope="micro_batch", normaliser="all",
+                       phases="lopti", lopti_eta=0.5),
+    # the paper's best setting on K&K: AR (alpha 0.3) and Lopti (eta 0.5) together (its AR-Lopti script)
+    "ar_lopti": Selection(score="all", ratio=1.0, direction="top", scope="micro_batch", normaliser="all",
+                          shaping="ar", ar_alpha=0.3, phases="lopti", lopti_eta=0.5),
+    # entropy advantage shaping (Cheng et al., arXiv 2506.14758, Eq. 5-6): A + min(alpha * H.detach(), |A| / kappa)
+    # on every token, H the update pass's entropy; alpha 0.4 (GRPO; 0.1 for PPO), kappa 2 (Sec. 4)
+    "entropy_adv": Selection(score="all", ratio=1.0, direction="top", scope="micro_batch", normaliser="all",
+                             shaping="entropy", entropy_alpha=0.4, entropy_kappa=2.0),
+    # STAPO (arXiv 2602.15620, Sec. 3 and 5.1): the spurious tokens (A > 0, pi < 0.002, H under the 0.75 entropy
+    # quantile of those candidates in each mini-batch, at the policy starting its update) leave the loss, which is
+    # the token-mean over the kept tokens of the whole mini-batch
+    "stapo": Selection(score="stapo", ratio=1.0, direction="top", scope="mini_batch", normaliser="kept",
+                       score_source="prepass", stapo_prob=0.002, stapo_entropy_quantile=0.75),
 }
 
 
@@ -303,10 +383,11 @@ class TokenSelectionConfig:
     )
     normaliser: Optional[str] = field(
         default=None,
-        metadata={"help": "Token-mean denominator: all valid tokens (paper formula) or each micro-batch's "
+        metadata={"help": "Token-mean denominator: all valid tokens (paper formula); each micro-batch's "
                   "selected tokens, the micro-batch weighted by its share of the mini-batch's responses "
-                  "(80/20 released code); 'selected' needs loss_agg_mode=token-mean.",
-                  "paper": "all (80/20 paper, GMTS); selected (80/20 code)"},
+                  "(80/20 released code; needs loss_agg_mode=token-mean); or kept = the selected tokens of the "
+                  "whole mini-batch over all ranks, which are then the loss's only tokens (score_source=prepass).",
+                  "paper": "all (80/20 paper, GMTS); selected (80/20 code); kept (STAPO)"},
     )
     pool: Optional[str] = field(
         default=None,
@@ -382,6 +463,51 @@ class TokenSelectionConfig:
         metadata={"help": "action=clip_class: factor of the KL loss (use_kl_loss) on the selected tokens; the others "
                   "keep 1.", "paper": "0 (Archer: no KL on high-entropy tokens)"},
     )
+    shaping: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Advantage shaping before the policy loss (and before a score that reads the advantage): "
+                  f"one of {', '.join(SHAPINGS)}. ar = A * (ar_alpha * pi_old + 1 - ar_alpha); entropy = A + "
+                  "min(entropy_alpha * H, |A| / entropy_kappa), H the update pass's entropy, detached.",
+                  "paper": "ar (AR, arXiv 2505.12929); entropy (arXiv 2506.14758)"},
+    )
+    ar_alpha: Optional[float] = field(
+        default=None,
+        metadata={"help": "shaping=ar: alpha in [0, 1] of A * (alpha * pi_old + 1 - alpha).",
+                  "paper": "0.3 (K&K figure, AR-Lopti script); 0.2 (AR-only script); 0.1 (math table)"},
+    )
+    entropy_alpha: Optional[float] = field(
+        default=None,
+        metadata={"help": "shaping=entropy: alpha of min(alpha * H, |A| / kappa).", "paper": "0.4 (GRPO); 0.1 (PPO)"},
+    )
+    entropy_kappa: Optional[float] = field(
+        default=None,
+        metadata={"help": "shaping=entropy: kappa > 1 of min(alpha * H, |A| / kappa); the shaped advantage keeps its "
+                  "sign.", "paper": "2"},
+    )
+    phases: Optional[str] = field(
+        default=None,
+        metadata={"help": f"Update schedule: one of {', '.join(PHASES)}. lopti = two whole update passes per step "
+                  "(every mini-batch, every epoch): first the tokens with pi_old < lopti_eta, then the rest, the "
+                  "other tokens' advantages, KL and entropy terms zeroed and kept in the denominators; both passes "
+                  "use the step's old log-probs, so a step makes twice the optimizer and lr-scheduler steps.",
+                  "paper": "lopti (Lopti, arXiv 2505.12929)"},
+    )
+    lopti_eta: Optional[float] = field(
+        default=None,
+        metadata={"help": "phases=lopti: the first pass updates the tokens with pi_old < eta (strict).",
+                  "paper": "0.5 (paper; AR-Lopti script); 0.4 (Lopti-only script)"},
+    )
+    stapo_prob: Optional[float] = field(
+        default=None,
+        metadata={"help": "score=stapo: tau_p, a spurious token has pi < tau_p (and A > 0).",
+                  "paper": "0.002 (STAPO v1, Sec. 5.1)"},
+    )
+    stapo_entropy_quantile: Optional[float] = field(
+        default=None,
+        metadata={"help": "score=stapo: q; a candidate (A > 0, pi < tau_p) is spurious when its entropy is under the q "
+                  "quantile of the mini-batch's candidates (exact over the data-parallel ranks).",
+                  "paper": "0.75 (STAPO v1, Sec. 5.1)"},
+    )
     auto_enable_entropy: bool = field(
         default=True,
         metadata={"help": "Turn on actor.calculate_entropy for the update pass when the score needs "
@@ -455,6 +581,12 @@ RULE_KNOBS = {
     "selected_clip_ratio_low": ("action=clip_class", lambda s: s.action == "clip_class"),
     "selected_clip_ratio_high": ("action=clip_class", lambda s: s.action == "clip_class"),
     "selected_kl_weight": ("action=clip_class", lambda s: s.action == "clip_class"),
+    "ar_alpha": ("shaping=ar", lambda s: s.shaping == "ar"),
+    "entropy_alpha": ("shaping=entropy", lambda s: s.shaping == "entropy"),
+    "entropy_kappa": ("shaping=entropy", lambda s: s.shaping == "entropy"),
+    "lopti_eta": ("phases=lopti", lambda s: s.phases == "lopti"),
+    "stapo_prob": ("score=stapo", lambda s: SCORE_REGISTRY[s.score].mask_rule == "stapo"),
+    "stapo_entropy_quantile": ("score=stapo", lambda s: SCORE_REGISTRY[s.score].mask_rule == "stapo"),
 }
 
 
@@ -491,12 +623,14 @@ def check_with_actor(
         )
     _check_action_with_actor(sel, loss_mode, use_kl_loss)
     spec = SCORE_REGISTRY[sel.score]
-    if spec.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or auto_enable_entropy):
+    if (spec.needs_entropy or sel.shaping == "entropy") and not (calculate_entropy or entropy_coeff != 0
+                                                                  or auto_enable_entropy):
         raise _err(
             "calculate_entropy",
             calculate_entropy,
             "true",
-            f"token_selection.score={sel.score} ranks by the policy entropy, which the engine only computes "
+            f"token_selection.score={sel.score} / shaping={sel.shaping} reads the policy entropy, which the engine "
+            "only computes "
             "when calculate_entropy=true or entropy_coeff != 0, and token_selection.auto_enable_entropy=false. "
             "Fix: set actor_rollout_ref.actor.calculate_entropy=true or token_selection.auto_enable_entropy=true.",
         )

@@ -19,6 +19,8 @@ from verl_tokensel.core.config import Selection
 from verl_tokensel.core.cov import select_cov
 from verl_tokensel.core.scores import SCORE_REGISTRY, grad_mass
 from verl_tokensel.core.select import above_quantile, select_tokens, selection_stats
+from verl_tokensel.core.shaping import ar_weight, lopti_active, lopti_low, shaped_advantages
+from verl_tokensel.core.stapo import spurious_tokens
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Selected:
         kl_weight: per-token factor of the KL-loss term (None: 1).
         kl_penalty: per-token coefficient of ``|log r|`` added to an unclipped surrogate (KL-Cov; None: off).
         loss_weight: per-token factor of the policy loss, 0 detaching the token (Clip-Cov; None: 1).
+        entropy_weight: per-token factor of the entropy bonus (a Lopti pass's other tokens: 0; None: 1).
         gate: whether ``mask`` gates the policy gradient (action ``gradient``); False for the other actions,
             whose mask marks the tokens the per-token outputs above treat differently.
     """
@@ -52,6 +55,7 @@ class Selected:
     kl_weight: Optional[torch.Tensor] = None
     kl_penalty: Optional[torch.Tensor] = None
     loss_weight: Optional[torch.Tensor] = None
+    entropy_weight: Optional[torch.Tensor] = None
     gate: bool = True
 
 
@@ -77,20 +81,73 @@ def _apply_action(sel: Selection, batch: ScoreBatch, out: Selected) -> None:
             out.kl_weight = torch.where(mask, float(sel.selected_kl_weight), 1.0).to(torch.float32)
 
 
+def _apply_shaping(sel: Selection, batch: ScoreBatch, out: Selected, phase: Optional[int]) -> None:
+    """The advantage shaping's weight / shift and, in a Lopti pass, the other tokens' advantages, KL and entropy
+    terms zeroed (they stay in the denominators)."""
+    if sel.shaping != "none":
+        adv = batch.advantages if batch.advantages is not None else torch.zeros_like(batch.inputs.log_prob)
+        alpha = sel.ar_alpha if sel.shaping == "ar" else sel.entropy_alpha
+        weight, shift = shaped_advantages(
+            sel.shaping, adv, old_log_prob=batch.inputs.old_log_prob, entropy=batch.inputs.entropy, alpha=alpha,
+            kappa=sel.entropy_kappa)
+        # off the pool (padding, dropped tokens) A stays as is: a NaN entropy there must not reach a masked sum
+        out.advantage_weight = None if weight is None else torch.where(out.pool, weight, 1.0)
+        out.advantage_shift = None if shift is None else torch.where(out.pool, shift, 0.0)
+    if sel.phases == "lopti" and phase is not None:
+        active = lopti_active(batch.inputs.old_log_prob, sel.lopti_eta, phase).to(torch.float32)
+        out.advantage_weight = active if out.advantage_weight is None else out.advantage_weight * active
+        if out.advantage_shift is not None:
+            out.advantage_shift = out.advantage_shift * active
+        out.kl_weight = active if out.kl_weight is None else out.kl_weight * active
+        out.entropy_weight = active
+
+
+def _shape_score_inputs(sel: Selection, batch: ScoreBatch) -> None:
+    """A score that reads the advantage (omega) ranks by the shaped one: shaping comes first."""
+    if sel.shaping == "none" or batch.advantages is None or not SCORE_REGISTRY[sel.score].needs_omega:
+        return
+    tmp = Selected(mask=batch.valid, scores=batch.valid.float(), pool=batch.valid, dropped=False)
+    _apply_shaping(sel, batch, tmp, None)
+    adv = batch.advantages.float()
+    adv = adv * tmp.advantage_weight if tmp.advantage_weight is not None else adv
+    adv = adv + tmp.advantage_shift if tmp.advantage_shift is not None else adv
+    batch.inputs.advantages = adv * batch.is_weights.float() if batch.is_weights is not None else adv
+    batch.inputs.omega_cache = None
+
+
 #: the metric group of each action's own stats (``tokensel/<group>/...``), named after the rule it comes from
 ACTION_METRICS = {"kl_penalty": "kl_cov", "zero_loss": "clip_cov", "clip_class": "archer"}
 
 
-def action_stats(sel: Selection, out: Selected) -> dict[str, float]:
-    """The action's own metrics: how many tokens it treats differently, their share of the pool, and (KL-Cov)
-    the smallest covariance it penalised."""
+def action_stats(sel: Selection, out: Selected, batch: Optional[ScoreBatch] = None) -> dict[str, float]:
+    """The rule's own metrics under ``<rule>/``: how many tokens its action treats differently and their share of
+    the pool (KL-Cov also the smallest covariance it penalised), STAPO's spurious tokens, the shaping's mean
+    factor / shift, a Lopti pass's number and token shares."""
+    stats: dict[str, float] = {}
+    n_pool = int(out.pool.sum())
     group = ACTION_METRICS.get(sel.action)
-    if group is None:
-        return {}
-    n_sel, n_pool = int(out.mask.sum()), int(out.pool.sum())
-    stats = {f"{group}/selected_tokens": float(n_sel), f"{group}/selected_share": n_sel / n_pool if n_pool else 0.0}
-    if sel.action == "kl_penalty" and n_sel:
-        stats[f"{group}/min_selected_cov"] = float(out.scores[out.mask].min())
+    if group is not None:
+        n_sel = int(out.mask.sum())
+        stats = {f"{group}/selected_tokens": float(n_sel),
+                 f"{group}/selected_share": n_sel / n_pool if n_pool else 0.0}
+        if sel.action == "kl_penalty" and n_sel:
+            stats[f"{group}/min_selected_cov"] = float(out.scores[out.mask].min())
+    if SCORE_REGISTRY[sel.score].mask_rule == "stapo":
+        n_spur = int((out.pool & ~out.mask).sum())
+        stats["stapo/spurious_tokens"] = float(n_spur)
+        stats["stapo/spurious_share"] = n_spur / n_pool if n_pool else 0.0
+    pool = out.pool
+    if n_pool and sel.shaping == "ar" and batch is not None:
+        stats["ar/mean_weight"] = float(ar_weight(batch.inputs.old_log_prob, sel.ar_alpha)[pool].mean())
+    if n_pool and sel.shaping == "entropy" and out.advantage_shift is not None:
+        stats["entropy_adv/mean_shift"] = float(out.advantage_shift[pool].mean())
+        if batch is not None and batch.advantages is not None:
+            capped = (out.advantage_shift < sel.entropy_alpha * batch.inputs.entropy.float()) & pool
+            stats["entropy_adv/capped_share"] = float(capped.sum()) / n_pool
+    if n_pool and sel.phases == "lopti" and batch is not None:
+        stats["lopti/low_share"] = float((lopti_low(batch.inputs.old_log_prob, sel.lopti_eta) & pool).sum()) / n_pool
+        if out.entropy_weight is not None:
+            stats["lopti/active_share"] = float(out.entropy_weight[pool].sum()) / n_pool
     return stats
 
 
@@ -115,6 +172,22 @@ def _select(sel: Selection, batch: ScoreBatch, scores: torch.Tensor, pool: torch
                          group_ids=batch.group_ids if scope == "group" else None, pool=sel.pool) & pool
 
 
+def _mask_rule(sel: Selection, batch: ScoreBatch, pool: torch.Tensor, scope: str,
+               dp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, scores)`` of a rule with no budget: every pool token (``all``), or all but STAPO's spurious
+    tokens, their entropy quantile pooled over ``dp_group`` for the pooled scopes."""
+    rule = SCORE_REGISTRY[sel.score].mask_rule
+    if rule == "all":
+        return pool.clone(), torch.zeros_like(batch.inputs.log_prob, dtype=torch.float32)
+    inp = batch.inputs
+    scores = batch.score(sel.score)
+    adv = batch.advantages if batch.advantages is not None else inp.advantages
+    spurious, _ = spurious_tokens(adv, inp.log_prob, scores, pool, prob_threshold=sel.stapo_prob,
+                                  entropy_quantile=sel.stapo_entropy_quantile,
+                                  group=None if scope in ("micro_batch", "sequence") else dp_group)
+    return pool & ~spurious, scores
+
+
 def apply_rule(
     sel: Selection,
     batch: ScoreBatch,
@@ -124,6 +197,7 @@ def apply_rule(
     stats: bool = True,
     ratio: Optional[float] = None,
     scope: Optional[str] = None,
+    phase: Optional[int] = None,
 ) -> Selected:
     """Apply the rule ``sel`` to ``batch``.
 
@@ -136,34 +210,45 @@ def apply_rule(
     4. stats (one host synchronisation), unless ``stats=False``.
 
     ``ratio`` / ``scope`` replace the rule's own for this call (the analysis tools rank one tensor as one pool).
+    The rule's advantage shaping comes first (a score that reads the advantage ranks by the shaped one); ``phase``
+    (1 or 2) is the Lopti update pass the loss runs in (None: not in a pass, no zeroing).
     """
     ratio = sel.ratio if ratio is None else ratio
     scope = sel.scope if scope is None else scope
-    cov = SCORE_REGISTRY[sel.score].cov_rule is not None and measured is None
+    spec = SCORE_REGISTRY[sel.score]
+    # the covariance needs the pool's means, and STAPO its quantile: scored below, once the non-finite tokens
+    # left the pool
+    deferred = (spec.cov_rule is not None or spec.mask_rule is not None) and measured is None
+    cov = spec.cov_rule is not None and measured is None
+    if measured is None:
+        _shape_score_inputs(sel, batch)
     if measured is not None:
         scores = measured[1].float()
-    elif not cov:  # the covariance needs the pool's means: scored below, once the non-finite tokens left the pool
+    elif not deferred:
         scores = batch.score(sel.score)
-    finite = batch.finite if cov else batch.finite & ~torch.isnan(scores)
+    finite = batch.finite if deferred else batch.finite & ~torch.isnan(scores)
     pool = batch.valid & finite
     dropped = bool((batch.valid & ~finite).any())
     if measured is not None:
         mask = measured[0].to(torch.bool) & pool
     elif cov:
         mask, scores = _cov_rule(sel, batch, pool, ratio, scope, dp_group)
+    elif deferred:
+        mask, scores = _mask_rule(sel, batch, pool, scope, dp_group)
     else:
         mask = _select(sel, batch, scores, pool, ratio, scope, dp_group)
     if dropped:
         scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
     out = Selected(mask=mask, scores=scores, pool=pool, dropped=dropped)
     _apply_action(sel, batch, out)
+    _apply_shaping(sel, batch, out, phase)
     if stats:
         entropy = batch.inputs.entropy
         if entropy is not None and dropped:
             entropy = torch.where(finite, entropy, 0.0)
         out.stats = selection_stats(mask, batch.valid, scores, entropy=entropy,
                                     grad_mass=grad_mass(sel.score, scores, batch.inputs))
-        out.stats.update(action_stats(sel, out))
+        out.stats.update(action_stats(sel, out, batch))
     return out
 
 

@@ -225,6 +225,7 @@ class ScoreSpec:
     needs_external: tuple[str, ...] = ()
     uses_sum_pi_squared: bool = False
     cov_rule: Optional[str] = None
+    mask_rule: Optional[str] = None
 
 
 SCORE_REGISTRY: dict[str, ScoreSpec] = {}
@@ -240,6 +241,7 @@ def register_score(
     needs_external: tuple[str, ...] = (),
     uses_sum_pi_squared: bool = False,
     cov_rule: Optional[str] = None,
+    mask_rule: Optional[str] = None,
 ):
     """Decorator registering a score; refuses to overwrite an existing name.
 
@@ -250,13 +252,15 @@ def register_score(
     so the pass that measures it should ask the engine for sum_j p_j^2.
     ``cov_rule``: ``kl_cov`` or ``clip_cov``: the rule step selects with
     :func:`~verl_tokensel.core.cov.select_cov` (means over the scope's pool, verl's budget) instead of a top-k.
+    ``mask_rule``: ``all`` (every pool token, nothing ranked) or ``stapo`` (the tokens that are not STAPO's
+    spurious ones, :func:`~verl_tokensel.core.stapo.spurious_tokens`): a rule with no budget.
     """
 
     def deco(fn: ScoreFn) -> ScoreFn:
         if name in SCORE_REGISTRY:
             raise ValueError(f"score {name!r} is already registered; pick another name")
         SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help, needs_row_keys,
-                                         tuple(needs_external), uses_sum_pi_squared, cov_rule)
+                                         tuple(needs_external), uses_sum_pi_squared, cov_rule, mask_rule)
         return fn
 
     return deco
@@ -310,6 +314,19 @@ def kl_cov_score(inp: ScoreInputs) -> torch.Tensor:
                 help="the covariance as kl_cov; a keyed draw of the tokens with lb < cov < ub, not clipped (Clip-Cov)")
 def clip_cov_score(inp: ScoreInputs) -> torch.Tensor:
     return cov_scores(_need_advantages(inp, "clip_cov"), inp.log_prob, inp.response_mask, rule="clip_cov")
+
+
+@register_score("all", needs_entropy=False, needs_omega=False, mask_rule="all",
+                help="no ranking: every valid token is kept (the shaping and phase presets: ar, entropy_adv, lopti)")
+def all_score(inp: ScoreInputs) -> torch.Tensor:
+    return torch.zeros_like(inp.log_prob, dtype=torch.float32)
+
+
+@register_score("stapo", needs_entropy=True, needs_omega=False, mask_rule="stapo",
+                help="H_t; keeps every token but STAPO's spurious ones (A > 0, pi < stapo_prob, H under the "
+                     "candidates' stapo_entropy_quantile)")
+def stapo_score(inp: ScoreInputs) -> torch.Tensor:
+    return _need_entropy(inp, "stapo")
 
 
 def _need_advantages(inp: ScoreInputs, name: str) -> torch.Tensor:

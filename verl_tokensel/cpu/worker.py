@@ -294,7 +294,7 @@ def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Op
 
     if calculate_entropy is None:
         sel = PRESETS[preset]
-        calculate_entropy = sel is not None and SCORE_REGISTRY[sel.score].needs_entropy
+        calculate_entropy = sel is not None and (SCORE_REGISTRY[sel.score].needs_entropy or sel.shaping == "entropy")
     node = actor.cfg.actor_rollout_ref.actor.copy()
     OmegaConf.set_struct(node, False)
     node._target_ = ("verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig" if actor.engine_name == "megatron"

@@ -103,9 +103,12 @@ class _TokenSelectMixin:
 
     @property
     def needs_entropy(self) -> bool:
-        """The update forward must return entropy: only when it is where the scores are measured."""
+        """The update forward must return entropy: where the scores are measured, or for the entropy shaping
+        (the update pass's entropy shifts the advantage)."""
         sel = self.selection
-        return sel is not None and sel.score_source == "current" and SCORE_REGISTRY[sel.score].needs_entropy
+        if sel is None:
+            return False
+        return sel.shaping == "entropy" or (sel.score_source == "current" and SCORE_REGISTRY[sel.score].needs_entropy)
 
 
 @dataclass

@@ -186,4 +186,20 @@ class _TokenselTrainerMixin:
     def _update_actor(self, batch, metrics):
         if self.tokensel_driver is not None:
             batch = self.tokensel_driver.select_v1(batch, metrics)
-        return super()._update_actor(batch, metrics)
+        from verl_tokensel.verl_glue.actor_config import actor_selection
+        from verl_tokensel.verl_glue.lopti import LOPTI_PHASE_KEY, run_lopti_passes, uses_lopti
+
+        if not uses_lopti(actor_selection(self.config)):
+            return super()._update_actor(batch, metrics)
+
+        def update(phase: int) -> dict:  # one whole actor update with the pass number for the loss
+            out: dict = {}
+            batch.extra_info[LOPTI_PHASE_KEY] = phase
+            super(_TokenselTrainerMixin, self)._update_actor(batch, out)
+            return out
+
+        try:
+            metrics.update(run_lopti_passes(update))
+        finally:
+            batch.extra_info.pop(LOPTI_PHASE_KEY, None)
+        return batch

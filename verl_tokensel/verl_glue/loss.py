@@ -34,6 +34,7 @@ from verl_tokensel.core import fields as F
 from verl_tokensel.core.config import Selection
 from verl_tokensel.core.rule import Selected, apply_rule
 from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
+from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
 from verl_tokensel.verl_glue.announce import announce_loss
 from verl_tokensel.verl_glue.micro_batch import MicroBatch, unpack_micro_batch
 from verl_tokensel.verl_glue.policy_loss import rule_policy_loss
@@ -105,11 +106,26 @@ def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, obs
         guard.active = False
 
 
+def _lopti_phase(sel: Selection, data: TensorDict) -> int | None:
+    """The Lopti update pass this micro-batch belongs to (None without phases), set by the driver."""
+    if sel.phases != "lopti":
+        return None
+    phase = tu.get_non_tensor_data(data=data, key=LOPTI_PHASE_KEY, default=None)
+    if phase not in (1, 2):
+        raise RuntimeError(
+            f"token_selection.phases=lopti but the update batch carries {LOPTI_PHASE_KEY}={phase!r}: the driver "
+            "did not split the update into Lopti's two passes. They are run by python -m verl_tokensel.main_ppo "
+            "(trainer modes tokensel_*, and the v0 driver); a custom trainer must call update_actor once per phase "
+            f"with {LOPTI_PHASE_KEY} set to 1, then 2.")
+    return int(phase)
+
+
 def _select(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, Selected]:
     """The micro-batch and the rule step on it (or, for a selection measured before the update, its fields)."""
+    phase = _lopti_phase(sel, data)
     if sel.score_source == "current":
         mb = unpack_micro_batch(config, sel, model_output, data)
-        return mb, apply_rule(sel, mb.scores, dp_group=dp_group)
+        return mb, apply_rule(sel, mb.scores, dp_group=dp_group, phase=phase)
     if F.MASK not in data.keys():
         raise RuntimeError(
             f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
@@ -119,7 +135,7 @@ def _select(config, sel: Selection, model_output, data: TensorDict, dp_group) ->
         )
     mb = unpack_micro_batch(config, sel, model_output, data, rank=False, extra_fields=(F.MASK, F.SCORE))
     scores = mb.padded[F.SCORE] if F.SCORE in mb.padded.keys() else torch.zeros_like(mb.log_prob)
-    return mb, apply_rule(sel, mb.scores, measured=(mb.padded[F.MASK], scores))
+    return mb, apply_rule(sel, mb.scores, measured=(mb.padded[F.MASK], scores), phase=phase)
 
 
 def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: Selected) -> dict:
@@ -143,6 +159,8 @@ def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: Selected) -> 
         inputs[F.ADVANTAGES] = inputs[F.ADVANTAGES] + selected.advantage_shift
     if entropy is not None and sel.mask_entropy_bonus:
         entropy = torch.where(mask, entropy, entropy.detach())
+    if entropy is not None and selected.entropy_weight is not None:
+        entropy = entropy * selected.entropy_weight
     inputs.update(log_prob=gated, entropy=entropy, kl_log_prob=gated if sel.mask_kl_loss else kl_log_prob)
     return inputs
 
@@ -158,7 +176,7 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     def policy_loss(info):  # verl's registered loss for loss_mode (only its inputs are ours), or the rule's
         policy_loss_fn = rule_policy_loss(selected) or get_policy_loss_fn(config.policy_loss.get("loss_mode",
                                                                                                  "vanilla"))
-        loss_mask = pool
+        loss_mask = mask if sel.normaliser == "kept" else pool
         saved = info["batch_num_tokens"]
         if sel.normaliser == "selected":
             n_sel = int(mask.sum())
@@ -174,8 +192,11 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
         finally:
             info["batch_num_tokens"] = saved
 
+    # normaliser kept: the unselected tokens leave the loss (the pre-pass made the mini-batch's loss_mask the kept
+    # tokens, so verl's batch_num_tokens counts them over all ranks)
     loss, metrics = verl_ppo_loss_body(
-        config, data, policy_loss, response_mask=pool, entropy=inputs["entropy"], kl_log_prob=inputs["kl_log_prob"],
+        config, data, policy_loss, response_mask=mask if sel.normaliser == "kept" else pool, entropy=inputs["entropy"],
+        kl_log_prob=inputs["kl_log_prob"],
         ref_log_prob=inputs[F.REF_LOG_PROB] if config.use_kl_loss else None, kl_weight=selected.kl_weight,
     )
     for key, value in selected.stats.items():

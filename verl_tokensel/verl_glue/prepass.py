@@ -147,6 +147,11 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
         data.unlock_()
     data[F.MASK] = _as_response_field(mask.to(rm.dtype), rm)
     data[F.SCORE] = _as_response_field(selected.scores, rm)
+    if sel.normaliser == "kept":
+        # the kept tokens are the loss's only tokens: verl's engine counts the mini-batch's token-mean denominator
+        # (batch_num_tokens, all-reduced over the data-parallel ranks) from loss_mask; a new tensor, so
+        # response_mask (which loss_mask may alias) keeps every valid token
+        data["loss_mask"] = _as_response_field((mask & selected.pool).to(rm.dtype), rm)
     seconds = time.perf_counter() - t0
 
     counts = torch.stack([mask.sum(), response_mask.sum()]).to(torch.float64)

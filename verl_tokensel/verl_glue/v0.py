@@ -108,10 +108,26 @@ def tokensel_ray_ppo_trainer_class():
             return old_log_prob, mfu
 
         def _update_actor(self, batch):
-            if self.tokensel_driver is None:
-                return super()._update_actor(batch)
-            metrics = select_v0(self.tokensel_driver, batch)
-            output = super()._update_actor(batch)
+            from verl_tokensel.verl_glue.actor_config import actor_selection
+            from verl_tokensel.verl_glue.lopti import LOPTI_PHASE_KEY, run_lopti_passes, uses_lopti
+
+            metrics = select_v0(self.tokensel_driver, batch) if self.tokensel_driver is not None else {}
+            if not uses_lopti(actor_selection(self.config)):
+                output = super()._update_actor(batch)
+            else:  # Lopti: two whole actor updates, the pass number reaching the loss as a non-tensor key
+                outputs = []
+
+                def update(phase: int) -> dict:
+                    batch.meta_info[LOPTI_PHASE_KEY] = phase
+                    outputs.append(super(TokenselRayPPOTrainer, self)._update_actor(batch))
+                    return outputs[-1].meta_info["metrics"]
+
+                try:
+                    merged = run_lopti_passes(update)
+                finally:
+                    batch.meta_info.pop(LOPTI_PHASE_KEY, None)
+                output = outputs[-1]
+                output.meta_info["metrics"] = merged
             output.meta_info["metrics"].update(metrics)
             return output
 
