@@ -110,7 +110,7 @@ def table(runs: list[dict], presets, task: str = "route") -> str:
 def run_one(preset: str, seed: int, steps: int, lr: float, model_dir: str, out: Path, timeout_s: float,
             task: str = "route") -> dict:
     from verl_tokensel import launch
-    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE, demo_overrides, final_model_dir, launch_problem
+    from verl_tokensel.cli.demo import ROLLOUT_N, demo_overrides, final_model_dir, launch_problem
     from verl_tokensel.demo import report
     from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
     from verl_tokensel.demo.tasks import get_task
@@ -126,15 +126,22 @@ def run_one(preset: str, seed: int, steps: int, lr: float, model_dir: str, out: 
         raise RuntimeError(f"{preset} seed {seed}: {problem}\n{result.log_tail(30)}")
     final = final_model_dir(run_dir, preset, steps)
     scorer = final if (final / "config.json").is_file() else Path(model_dir)
-    analysis = analyse_rollouts(last_step_file(run_dir / "rollouts" / preset), scorer, preset,
-                                run_dir / f"view_{preset}.html", task=task)
+    try:
+        analysis = analyse_rollouts(last_step_file(run_dir / "rollouts" / preset), scorer, preset,
+                                    run_dir / f"view_{preset}.html", task=task)
+        analysis_error = None
+    except Exception as e:  # noqa: BLE001 - keep the run's rewards; its rollouts can be analysed again from run_dir
+        analysis, analysis_error = {}, f"{type(e).__name__}: {e}"
+        print(f"[bench] {preset} seed {seed}: warning: the analysis of the last rollouts failed ({analysis_error}); "
+              "the row has no selection statistics", file=sys.stderr, flush=True)
     row = report.summarise(preset, result.steps, wall_s=result.wall_s, rollouts=analysis,
-                           responses_per_step=TRAIN_BATCH_SIZE * ROLLOUT_N)
+                           responses_per_step=spec.train_batch_size * ROLLOUT_N)
     rewards = [report.metric(s, *report.REWARD_KEYS) for s in result.steps]
     extra = {k: analysis.get(k) for k in ("selected_share", "route_token_share", "selected_on_route_share",
                                           "decision_selected_share", "all_think_share")}
     return {**report.to_json([row])[0], "task": task, "seed": seed, "lr": lr, "rewards": rewards, **extra,
-            "wall_s": result.wall_s, "scored_with": "final policy" if scorer == final else "warm start"}
+            "wall_s": result.wall_s, "scored_with": "final policy" if scorer == final else "warm start",
+            **({"analysis_error": analysis_error} if analysis_error else {})}
 
 
 def null_noise(model_dir: str, steps: int, seed: int = 0, task: str = "route") -> dict:
@@ -173,7 +180,7 @@ def _null_noise_multi(model_dir: str, steps: int, seed: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
+    from verl_tokensel.cli.demo import ROLLOUT_N
     from verl_tokensel.demo.dataset_multi import split_prompts
     from verl_tokensel.demo.tasks import get_task
     from verl_tokensel.demo.warmup import MultiWarmupConfig, sample_stats_multi
@@ -183,16 +190,18 @@ def _null_noise_multi(model_dir: str, steps: int, seed: int) -> dict:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     prompts = split_prompts(cfg.k, n_val=cfg.n_val, seed=cfg.seed)[0]  # the RL dataset's training prompts
+    spec = get_task("multi")
     rng = random.Random(seed)
     rewards = []
     for step in range(steps):
-        batch = [p for p in rng.sample(prompts, TRAIN_BATCH_SIZE) for _ in range(ROLLOUT_N)]
+        batch = [p for p in rng.sample(prompts, spec.train_batch_size) for _ in range(ROLLOUT_N)]
         rewards.append(sample_stats_multi(model, tok, batch, seed=seed * 100003 + step, batch_size=len(batch),
-                                          max_new_tokens=get_task("multi").max_response_length)["accuracy"])
+                                          max_new_tokens=spec.max_response_length)["accuracy"])
         print(f"[null] step {step + 1}/{steps}: reward {rewards[-1]:.3f}", file=sys.stderr, flush=True)
     sd = statistics.stdev(rewards)
-    return {"task": "multi", "steps": steps, "seed": seed, "rewards": rewards, "mean": statistics.fmean(rewards),
-            "sd_step": sd, "sd_gain_k1": sd * 2 ** 0.5, "sd_gain_k3": sd * (2 / 3) ** 0.5}
+    return {"task": "multi", "steps": steps, "seed": seed, "prompts_per_step": spec.train_batch_size,
+            "answers_per_prompt": ROLLOUT_N, "rewards": rewards, "mean": statistics.fmean(rewards), "sd_step": sd,
+            "sd_gain_k1": sd * 2 ** 0.5, "sd_gain_k3": sd * (2 / 3) ** 0.5}
 
 
 def _import_demo(record: dict, demo_out: Path, steps: int, lr: float, task: str = "route") -> None:
@@ -222,7 +231,7 @@ def _key(run: dict) -> tuple:
 
 
 def main(argv=None) -> int:
-    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE, preset_list, task_name
+    from verl_tokensel.cli.demo import ROLLOUT_N, preset_list, task_name
     from verl_tokensel.core.config import PRESETS as REGISTRY
     from verl_tokensel.demo.tasks import get_task
     from verl_tokensel.demo.warmup import warm_model_dir
@@ -293,8 +302,8 @@ def main(argv=None) -> int:
                 path.write_text(json.dumps(record, indent=1))
     runs = [r for r in record["runs"] if _key(r)[0] == args.task and r["steps"] == args.steps and r["lr"] == args.lr]
     print(table(runs, args.presets, args.task))
-    print(f"\n{args.steps} GRPO steps per run, lr {args.lr:g}, {TRAIN_BATCH_SIZE} prompts x {ROLLOUT_N} answers per "
-          "step; mean +- sample sd over seeds; entropy statistics and 'sel on dec' from the last step's rollouts "
+    print(f"\n{args.steps} GRPO steps per run, lr {args.lr:g}, {spec.train_batch_size} prompts x {ROLLOUT_N} answers "
+          "per step; mean +- sample sd over seeds; entropy statistics and 'sel on dec' from the last step's rollouts "
           "under the final policy.")
     if args.task != "route":
         print(MULTI_NOTE)

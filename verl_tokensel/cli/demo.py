@@ -50,10 +50,11 @@ DEFAULT_PRESETS = ("none", "forking", "gmts")
 _ROUTE = get_task(DEFAULT_TASK)  # the default task's settings (verl_tokensel/demo/tasks.py is their home)
 REWARD_FN = _ROUTE.reward_fn
 
-# Run shape: 16 prompts x 8 responses of <= 48 tokens per step (multi task: 96), two PPO updates per step.
-TRAIN_BATCH_SIZE = 16
+# Run shape: 16 prompts x 8 responses of <= 48 tokens per step (multi task: 8 prompts, <= 96 tokens), two PPO
+# updates per step.
+TRAIN_BATCH_SIZE = _ROUTE.train_batch_size
 ROLLOUT_N = 8
-PPO_MINI_BATCH_SIZE = 8
+PPO_MINI_BATCH_SIZE = _ROUTE.ppo_mini_batch_size
 MAX_PROMPT_LENGTH = _ROUTE.max_prompt_length
 MAX_RESPONSE_LENGTH = _ROUTE.max_response_length
 ACTOR_LR = _ROUTE.default_lr
@@ -151,8 +152,8 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
     """The Hydra overrides of one demo run on ``task`` (its reward function and lengths). The launcher adds the CPU
     switch (``trainer.device=cpu``), which fills the engine's CPU settings, and verl's ``file`` logger (per-step
     metrics)."""
-    micro = PPO_MINI_BATCH_SIZE * ROLLOUT_N // 2
     spec = get_task(task)
+    micro = spec.ppo_mini_batch_size * ROLLOUT_N // 2
     prompt_len, response_len = spec.max_prompt_length, spec.max_response_length
     return [
         *_engine_overrides(engine),
@@ -160,7 +161,7 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         "algorithm.use_kl_in_reward=False",
         f"data.train_files={train}",
         f"data.val_files={val}",
-        f"data.train_batch_size={TRAIN_BATCH_SIZE}",
+        f"data.train_batch_size={spec.train_batch_size}",
         f"data.max_prompt_length={prompt_len}",
         f"data.max_response_length={response_len}",
         f"data.seed={seed}",
@@ -168,7 +169,7 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"actor_rollout_ref.model.path={model_dir}",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
         f"actor_rollout_ref.actor.token_selector={preset}",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={PPO_MINI_BATCH_SIZE}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={spec.ppo_mini_batch_size}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.actor.optim.lr={lr:g}",
         *_kl_overrides(preset, micro),
@@ -182,7 +183,7 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.rollout.max_model_len={prompt_len + response_len}",
         "actor_rollout_ref.rollout.max_num_batched_tokens="
-        f"{TRAIN_BATCH_SIZE * ROLLOUT_N * (prompt_len + response_len)}",
+        f"{spec.train_batch_size * ROLLOUT_N * (prompt_len + response_len)}",
         f"reward.custom_reward_function.path={spec.reward_fn}",
         "reward.custom_reward_function.name=compute_score",
         f"trainer.total_training_steps={steps}",
@@ -344,14 +345,14 @@ def run(args) -> int:
         runs[preset] = result.steps
         analyses[preset] = analysis
         rows.append(report.summarise(preset, result.steps, wall_s=result.wall_s, rollouts=analysis,
-                                     responses_per_step=TRAIN_BATCH_SIZE * ROLLOUT_N))
+                                     responses_per_step=spec.train_batch_size * ROLLOUT_N))
 
     table = report.format_table(rows)
     png = report.plot(runs, out / "demo.png")
     (out / "results.json").write_text(json.dumps(
         {"settings": {"task": args.task, "engine": args.engine, "steps": args.steps, "lr": args.lr,
-                      "seed": args.seed, "train_batch_size": TRAIN_BATCH_SIZE,
-                      "rollout_n": ROLLOUT_N, "ppo_mini_batch_size": PPO_MINI_BATCH_SIZE},
+                      "seed": args.seed, "train_batch_size": spec.train_batch_size,
+                      "rollout_n": ROLLOUT_N, "ppo_mini_batch_size": spec.ppo_mini_batch_size},
          "summary": report.to_json(rows), "warm_start": {"model": model_dir, **warm}, "rollouts": analyses,
          "steps": runs}, indent=1))
     print()

@@ -24,6 +24,9 @@ class DemoTask:
     reward_fn: str
     max_prompt_length: int
     max_response_length: int
+    #: prompts per GRPO step (8 answers each) and per PPO mini-batch (two updates per step)
+    train_batch_size: int
+    ppo_mini_batch_size: int
     #: the demo's default GRPO steps and actor learning rate on this task
     default_steps: int
     default_lr: float
@@ -62,11 +65,15 @@ def _route_task() -> DemoTask:
     return DemoTask(
         name="route", summary="one route word per answer (think: the right value; guess: a near miss)",
         reward_fn="pkg://verl_tokensel.demo.reward", max_prompt_length=64, max_response_length=48,
-        default_steps=12, default_lr=3e-4, warmup_config=lambda seed: WarmupConfig(seed=seed),
+        train_batch_size=16, ppo_mini_batch_size=8, default_steps=12, default_lr=3e-4,
+        warmup_config=lambda seed: WarmupConfig(seed=seed),
         write_dataset=lambda out, cfg: dataset.write_dataset(out, n_val=cfg.n_val, seed=cfg.seed),
         _decision_mask=mask, think_counts=think_counts)
 
 
+# Multi task: 8 prompts x 8 answers per step and 8 steps keep one run near 4 min on 2 cores (its answers are ~70
+# tokens); the warm start's reward 0.40 rose to 0.83 within 9 steps of 16 prompts with none at 3e-4
+# (benchmarks/results/bench_learning_multi_cpu.md).
 def _multi_task() -> DemoTask:
     from verl_tokensel.demo import dataset_multi, task_multi
     from verl_tokensel.demo.warmup import MultiWarmupConfig
@@ -74,7 +81,8 @@ def _multi_task() -> DemoTask:
     return DemoTask(
         name="multi", summary="K steps per answer, each with its own route word; every step must be right",
         reward_fn="pkg://verl_tokensel.demo.reward_multi", max_prompt_length=80, max_response_length=96,
-        default_steps=10, default_lr=3e-4, warmup_config=lambda seed: MultiWarmupConfig(seed=seed),
+        train_batch_size=8, ppo_mini_batch_size=4, default_steps=8, default_lr=3e-4,
+        warmup_config=lambda seed: MultiWarmupConfig(seed=seed),
         write_dataset=lambda out, cfg: dataset_multi.write_dataset(out, k=cfg.k, n_val=cfg.n_val, seed=cfg.seed),
         _decision_mask=task_multi.decision_token_mask, think_counts=task_multi.think_counts)
 
