@@ -7,7 +7,8 @@ used only by ``python -m verl_tokensel.main_ppo`` with ``trainer.use_v1=false``:
    ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after the actor workers exist, calls ``set_loss_fn``;
 2. the driver's selection (``score_source=rollout``): a ``RayPPOTrainer`` subclass
    (:func:`tokensel_ray_ppo_trainer_class`) keeps the old-policy entropy ``fit`` pops and adds the mask and scores
-   to the ``DataProto`` in ``_update_actor`` (:func:`select_v0`);
+   to the ``DataProto`` in ``_update_actor`` (:func:`select_v0`), and with ``phases=lopti`` calls the update twice
+   (:mod:`~verl_tokensel.verl_glue.lopti`);
 3. building that subclass: :func:`v0_task_runner` rebinds the global ``RayPPOTrainer`` in the globals of the
    TaskRunner's ``run`` inside the TaskRunner process (verl's module is untouched), and swaps in the pre-pass actor
    worker class for ``score_source=prepass``.
