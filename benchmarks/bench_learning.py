@@ -51,8 +51,7 @@ MULTI_PRESETS = PRESETS + ("kl_cov_global", "clip_cov_global", "archer", "ar", "
 #: what "selected" means per rule on the multi task's table (the tokens the rule's mask marks)
 SELECTED_MEANING = {
     "none": "every token (stock verl)",
-    "forking": "the top 20% by entropy (per micro-batch; here the whole last step as one pool), the only tokens "
-               "with gradient",
+    "forking": "the top 20% by entropy, the only tokens with gradient",
     "forking_bottom": "the bottom 80% by entropy, the only tokens with gradient",
     "random": "a keyed random 20%, the only tokens with gradient",
     "gmts": "the top 20% of each prompt group by H x |omega|, the only tokens with gradient",
@@ -63,7 +62,9 @@ SELECTED_MEANING = {
     "archer": "the tokens above their response's 0.8 entropy quantile, which get clip 0.5 / 0.5 and no KL (every "
               "token keeps its gradient)",
     "ar": "every token (advantage reweighting, no mask)",
-    "entropy_adv": "every token (advantage reweighting, no mask)",
+    "entropy_adv": "every token (advantage shaping, no mask)",
+    "stapo": "every token but STAPO's spurious ones (A > 0, pi < 0.002, entropy under the candidates' 0.75 quantile), "
+             "which leave the loss",
 }
 
 
@@ -251,6 +252,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-dir", default=None, help="warm-start cache (default: the demo's)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run (default 1200)")
     p.add_argument("--from-demo", default=None, help="a demo's --out folder whose runs count as seed 0")
+    p.add_argument("--report", action="store_true",
+                   help="only print the table of the runs already in --json (runs nothing; lists the missing runs)")
     p.add_argument("--null-steps", type=int, default=0,
                    help="only measure the no-learning noise of the per-step reward over this many batches "
                         "(no verl run; the basis of tests/test_learning_on_cpu.py's threshold)")
@@ -266,7 +269,9 @@ def main(argv=None) -> int:
 
     path = Path(args.json) if args.json else None
     record = json.loads(path.read_text()) if path and path.exists() else {"commands": [], "runs": []}
-    record["commands"].append("python benchmarks/bench_learning.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    if not args.report:
+        record["commands"].append("python benchmarks/bench_learning.py "
+                                  + " ".join(sys.argv[1:] if argv is None else argv))
     model_dir, warm = warm_model_dir(spec.warmup_config(0), cache_dir=args.cache_dir)
     record["warm_start"] = {k: warm.get(k) for k in ("config", "accuracy", "think_share", "think_accuracy",
                                                       "problems")}
@@ -286,6 +291,12 @@ def main(argv=None) -> int:
     if args.from_demo:
         _import_demo(record, Path(args.from_demo), args.steps, args.lr, args.task)
     out = Path(args.out)
+    if args.report:
+        missing = [f"{preset} seed {seed}" for seed in seeds for preset in args.presets
+                   if not any(_key(r) == (args.task, preset, seed, args.steps, args.lr) for r in record["runs"])]
+        if missing:
+            print(f"missing runs ({len(missing)}): {', '.join(missing)}", file=sys.stderr)
+        seeds = []
     for seed in seeds:  # seed-major: a partial benchmark still has every preset
         for preset in args.presets:
             done = [r for r in record["runs"] if _key(r) == (args.task, preset, seed, args.steps, args.lr)]
@@ -321,7 +332,8 @@ MULTI_NOTE = (
     "route word and written value), route = the route words alone; sel on dec / sel on route: share of the rule's\n"
     "selected tokens that are decision / route-word tokens, against dec share / route share, their share of all\n"
     "response tokens; selected: the selected tokens' share of all response tokens (last step's rollouts, the\n"
-    "whole step as one pool, on-policy). What 'selected' means per rule:")
+    "whole step as one pool, on-policy: the loss ranks per micro-batch, gmts per prompt group). What 'selected'\n"
+    "means per rule:")
 
 
 if __name__ == "__main__":
