@@ -145,6 +145,38 @@ def run_one(preset: str, seed: int, steps: int, lr: float, model_dir: str, out: 
             **({"analysis_error": analysis_error} if analysis_error else {})}
 
 
+START_KEYS = ("selected_share", "selected_on_decision_share", "decision_token_share", "selected_on_route_share",
+              "route_token_share", "think_share")
+
+
+def start_selection(run_dir: Path, preset: str, model_dir: str, task: str) -> dict:
+    """The rule's selection on the run's first-step rollouts (the warm start's answers) under the warm start, where
+    the decisions are still open: ``start_<key>`` for each of :data:`START_KEYS` (``{}`` without the dump)."""
+    from verl_tokensel.demo.rollouts import analyse_rollouts
+
+    first = run_dir / "rollouts" / preset / "1.jsonl"
+    if not first.is_file():
+        return {}
+    a = analyse_rollouts(first, model_dir, preset, run_dir / f"view_{preset}_step1.html", task=task)
+    return {f"start_{k}": a.get(k) for k in START_KEYS}
+
+
+def start_table(runs: list[dict], presets) -> str:
+    head = ("preset", "seeds", "selected", "sel on dec", "dec share", "sel on route", "route share")
+    lines = [head]
+    for preset in presets:
+        rs = [r for r in runs if r["preset"] == preset and "start_selected_share" in r]
+        if not rs:
+            continue
+        col = lambda k: [r.get(f"start_{k}") for r in rs]  # noqa: E731
+        lines.append((preset, str(len(rs)), *(_pm(*_stats(col(k))) for k in START_KEYS[:5])))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
+    out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+           for row in lines]
+    out.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
 def null_noise(model_dir: str, steps: int, seed: int = 0, task: str = "route") -> dict:
     """Per-step reward of the warm start when nothing is learned: ``steps`` independent GRPO-shaped batches
     (16 training prompts drawn at random, 8 answers each at temperature 1, sampled with HF ``generate``:
@@ -312,6 +344,16 @@ def main(argv=None) -> int:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(record, indent=1))
     runs = [r for r in record["runs"] if _key(r)[0] == args.task and r["steps"] == args.steps and r["lr"] == args.lr]
+    if args.task != "route" and not args.report:  # the rules' selection at the warm start, for runs that lack it
+        for r in runs:
+            run_dir = out / f"{r['preset']}_seed{r['seed']}"
+            if "start_selected_share" not in r and run_dir.is_dir():
+                try:
+                    r.update(start_selection(run_dir, r["preset"], model_dir, args.task))
+                except Exception as e:  # noqa: BLE001 - the table is printed without it
+                    print(f"[bench] {r['preset']} seed {r['seed']}: no selection at the start ({e})", file=sys.stderr)
+        if path:
+            path.write_text(json.dumps(record, indent=1))
     print(table(runs, args.presets, args.task))
     print(f"\n{args.steps} GRPO steps per run, lr {args.lr:g}, {spec.train_batch_size} prompts x {ROLLOUT_N} answers "
           "per step; mean +- sample sd over seeds; entropy statistics and 'sel on dec' from the last step's rollouts "
@@ -320,6 +362,9 @@ def main(argv=None) -> int:
         print(MULTI_NOTE)
         for preset in args.presets:
             print(f"  {preset}: {SELECTED_MEANING.get(preset, 'the tokens its mask marks')}")
+        print("\nThe same selection on each run's first-step rollouts (the warm start's answers, scored under the warm "
+              "start: the decisions still open):\n")
+        print(start_table(runs, args.presets))
     null = record.get("null")
     if null and null.get("task", "route") == args.task:
         print(f"no-learning noise: per-step reward sd {null['sd_step']:.4f} over {null['steps']} batches of the warm "

@@ -357,6 +357,10 @@ def test_bench_table_and_keys(bench, capsys):
     assert lines[0].split()[-2:] == ["route", "share"] and len(lines) == 3  # no row without runs
     assert "0.150 +- 0.071" in lines[2] and "0.300" in lines[2]  # gain: mean 0.15, sd 0.0707
     assert "sel on route" not in bench.table(runs, ["forking"])  # the route task's table as before
+    for r, share in zip(runs, (0.2, 0.3)):
+        r.update({f"start_{k}": share for k in bench.START_KEYS})
+    start = bench.start_table(runs, ["none", "forking"]).splitlines()
+    assert len(start) == 3 and start[2].split()[:3] == ["forking", "2", "0.250"] and "+- 0.071" in start[2]
     assert bench._key({"preset": "none", "seed": 0, "steps": 12, "lr": 3e-4}) == ("route", "none", 0, 12, 3e-4)
     assert set(bench.MULTI_PRESETS) >= {"none", "forking", "forking_bottom", "random", "gmts", "kl_cov_global",
                                         "clip_cov_global", "archer", "ar", "entropy_adv", "stapo"}
