@@ -50,7 +50,8 @@ def test_megatron_composition_gives_mcore_class():
     assert actor.selection == PRESETS["forking"]
 
 
-@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer"])
+@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer", "ar", "lopti", "ar_lopti",
+                                    "entropy_adv", "stapo"])
 def test_toolbox_presets_compose_for_megatron(preset):
     extra = ["actor_rollout_ref.actor.use_kl_loss=true"] if preset == "archer" else []
     cfg = _compose("tokensel_megatron_trainer", [f"actor_rollout_ref.actor.token_selector={preset}", *extra])

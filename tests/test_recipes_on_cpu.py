@@ -180,6 +180,8 @@ def _expected_refusal(cfg, preset):
     a, sel, knobs = cfg.actor_rollout_ref.actor, PRESETS[preset], _knobs(cfg)
     if sel is None:  # knobs with no selector would be ignored
         return f"token_selection.{sorted(knobs)[0]}" if knobs else None
+    if sel.score in ("all", "stapo") and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule has no budget to set
+        return "token_selection.ratio"
     rule = replace(sel, **knobs)
     reads = {"kl_penalty_coef": rule.action == "kl_penalty", "cov_lb": rule.score == "clip_cov",
              "cov_ub": rule.score == "clip_cov"}  # knobs one kind of rule reads: ignored by the others, so refused

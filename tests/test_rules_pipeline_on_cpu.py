@@ -1,4 +1,5 @@
-"""The toolbox presets (``kl_cov_global``, ``clip_cov_global``, ``archer``) through verl's WHOLE ``main_ppo``
+"""The toolbox presets (``kl_cov_global``, ``clip_cov_global``, ``archer``, and part 2: ``ar``, ``entropy_adv``,
+``stapo``, ``lopti``, ``ar_lopti``) through verl's WHOLE ``main_ppo``
 pipeline on CPU (V1 driver, vLLM-CPU rollout, FSDP2 update), two GRPO steps each on the tiny random Qwen2.
 
 Marked slow: each run takes ~2-3 min on 2 cores (Ray, vLLM-CPU, the actor workers), three runs ~8 min, beyond what
@@ -80,3 +81,56 @@ def test_archer_pipeline(model_dir, tmp_path):
         assert 0.05 < frac <= 0.25 and "actor/kl_loss" in s, s
         print(f"archer step {s['step']}: selected_fraction={frac:.4f} kl_loss={s['actor/kl_loss']:.5f} "
               f"pg_clipfrac={s.get('actor/pg_clipfrac')}")
+
+
+# --------------------------------------------------------------------------------------------
+# part 2: the reweighting rules (AR, Lopti, entropy shaping) and STAPO
+# --------------------------------------------------------------------------------------------
+REWEIGHT_CASES = {
+    "ar": [],
+    "entropy_adv": [],
+    # the tiny random model's token probabilities sit near 1 / vocabulary: tau_p 0.1 makes most tokens of the
+    # positive-advantage answers candidates, so every step has spurious tokens to drop
+    "stapo": [f"{A}.token_selection.stapo_prob=0.1", f"{A}.ppo_mini_batch_size=2",
+              f"{A}.ppo_micro_batch_size_per_gpu=4"],
+    "lopti": [],
+    "ar_lopti": [],
+}
+
+
+def _run_reweight(preset, model_dir, work, engine="fsdp2", use_v1=True):
+    overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector=preset, use_v1=use_v1, steps=2)
+    extra = [*REWEIGHT_CASES[preset], *ENGINE_OVERRIDES[engine]]
+    result = run_main_ppo(with_overrides(overrides, extra), timeout_s=RUN_TIMEOUT_S, log_path=work / "main_ppo.log")
+    result.raise_for_status()
+    assert [s["step"] for s in result.steps] == [1, 2], result.describe()
+    return result.steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("preset,engine,use_v1", [("ar", "fsdp2", True), ("entropy_adv", "fsdp2", True),
+                                                  ("stapo", "fsdp2", True), ("stapo", "megatron", True),
+                                                  ("lopti", "fsdp2", True), ("lopti", "fsdp2", False),
+                                                  ("ar_lopti", "megatron", True)])
+def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1):
+    t = "actor/tokensel/"
+    for s in _run_reweight(preset, model_dir, tmp_path, engine, use_v1):
+        if preset in ("ar", "ar_lopti"):
+            assert 0.7 <= s[t + "ar/mean_weight"] <= 1.0, s
+        if preset == "entropy_adv":
+            assert s[t + "entropy_adv/mean_shift"] >= 0.0 and t + "entropy_adv/capped_share" in s, s
+        if preset == "stapo":
+            p = t + "prepass/"
+            assert 0 < s[p + "selected_tokens"] < s[p + "valid_tokens"], s  # some tokens dropped, most kept
+            assert s[t + "stapo/spurious_tokens"] > 0, s
+        if preset in ("lopti", "ar_lopti"):  # two whole update passes, each reported
+            assert 0.0 < s[t + "lopti/low_share"] <= 1.0, s
+            for phase in (1, 2):
+                assert f"tokensel/lopti/phase{phase}/actor/pg_loss" in s, sorted(s)
+        print(f"{preset} ({engine}, v1={use_v1}) step {s['step']}: "
+              + " ".join(f"{k}={v:.4g}" for k, v in sorted(s.items())
+                         if isinstance(v, float) and ("tokensel/" in k and ("ar/" in k or "entropy_adv/" in k
+                                                                            or "stapo/" in k or "lopti" in k
+                                                                            or "prepass/selected" in k)))
+              + f" actor/pg_loss={s['actor/pg_loss']:.4f}")
