@@ -1,5 +1,6 @@
-"""The token rules KL-Cov, Clip-Cov and Archer through verl's REAL Megatron engine (``TrainingWorker``,
-``model_engine=megatron``) on the CPU test bed, fp32, learning rate 0 (:mod:`helpers.megatron_rules`).
+"""The token rules KL-Cov, Clip-Cov, Archer, AR, Lopti, entropy shaping and STAPO through verl's REAL Megatron
+engine (``TrainingWorker``, ``model_engine=megatron``) on the CPU test bed, fp32, learning rate 0
+(:mod:`helpers.megatron_rules`).
 
 - ``kl_cov_global`` / ``clip_cov_global`` (ratio 0.05; Clip-Cov with ``cov_lb=-10``): the pre-pass selects over the
   whole mini-batch, so the loss applies the same tokens of each response whatever the update's micro-batching
@@ -10,7 +11,10 @@
 - ``archer`` (``use_kl_loss=true``, a reference log-prob in the batch, old log-probs off the policy so that both
   clip classes clip): per response, exactly the tokens above its 0.8 entropy quantile get the wide clip; its
   ``tokensel/archer/*`` metrics reach the step's metrics; its loss and the gradients of the LM head and the
-  embedding equal FSDP2's on the same weights and batch (the tolerances of test_megatron_vs_fsdp_on_cpu.py).
+  embedding equal FSDP2's on the same weights and batch (the tolerances of test_megatron_vs_fsdp_on_cpu.py);
+- part 2 on Archer's batch: ``ar``, ``entropy_adv``, Lopti's first pass and ``ar_lopti``'s second (eta at the batch's
+  median probability) and ``stapo`` give FSDP2's loss and gradients; ``stapo`` through the real pre-pass (its
+  ``loss_mask`` rewrite) equals the stock loss with the spurious tokens out of the response mask, on both engines.
 
 Cost on 2 cores: the one-process run (a Megatron build, ten updates, an FSDP2 build, one update) 13-27 s in the
 default suite; the data-parallel run (two spawned ranks) 23-46 s, marked ``slow``.
@@ -35,7 +39,15 @@ from verl_tokensel.core.cov import cov_budget  # noqa: E402
 from verl_tokensel.cpu import tiny_model  # noqa: E402
 
 from helpers import distributed as D  # noqa: E402
-from helpers.megatron_rules import COV_PRESETS, DP_SPLITS, RATIO, SPLITS, dp_rank_run, one_rank_run  # noqa: E402
+from helpers.megatron_rules import (  # noqa: E402
+    COV_PRESETS,
+    DP_SPLITS,
+    RATIO,
+    REWEIGHT_RUNS,
+    SPLITS,
+    dp_rank_run,
+    one_rank_run,
+)
 from helpers.megatron_runs import assert_grads_agree  # noqa: E402
 
 
@@ -135,3 +147,42 @@ def test_archer_loss_and_gradient_agree_with_fsdp(one):
     assert all(torch.equal(m["masks"][r], f["masks"][r]) for r in m["masks"])
     assert m["loss"] == pytest.approx(f["loss"], rel=1e-5)
     assert_grads_agree(m["grads"], f["grads"], "archer")
+
+
+# --------------------------------------------------------------------------------------------
+# part 2: AR, entropy shaping, Lopti's passes and STAPO on the Archer batch (off-policy old log-probs, KL off)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(REWEIGHT_RUNS) + ["stock_over_kept"])
+def test_reweighting_rules_agree_with_fsdp(one, name):
+    """Each rule through Megatron gives FSDP2's loss and gradients on the same weights and batch (the tolerances
+    of test_megatron_vs_fsdp_on_cpu.py), with its own metrics in the step's."""
+    m, f = one["reweight"]["megatron"][name], one["reweight"]["fsdp"][name]
+    assert _losses_finite(m) and _losses_finite(f)
+    assert m["loss"] == pytest.approx(f["loss"], rel=1e-5)
+    assert_grads_agree(m["grads"], f["grads"], name)
+    group = {"ar": "ar/mean_weight", "entropy_adv": "entropy_adv/mean_shift", "lopti_1": "lopti/low_share",
+             "lopti_2": "lopti/active_share", "stapo": "stapo/spurious_tokens"}.get(name)
+    if group is not None:
+        assert f"tokensel/{group}" in m["metrics"], sorted(k for k in m["metrics"] if k.startswith("tokensel/"))
+
+
+def test_stapo_is_the_stock_loss_over_its_kept_tokens_on_both_engines(one):
+    """The pre-pass made the kept tokens the mini-batch's loss_mask, so verl's engine divides by their count: STAPO's
+    loss and gradients equal the stock loss on the same batch with the spurious tokens taken out of the response
+    mask (the spurious tokens exist: some answers' tokens were dropped)."""
+    for engine in ("megatron", "fsdp"):
+        runs = one["reweight"][engine]
+        stapo, stock = runs["stapo"], runs["stock_over_kept"]
+        assert sum(int((~m).sum()) for m in stapo["masks"].values()) > 0, "no spurious token in the batch"
+        assert stapo["loss"] == pytest.approx(stock["loss"], rel=1e-6)
+        assert stapo["grads"].keys() == stock["grads"].keys()
+        for name, g in stapo["grads"].items():
+            assert g.abs().max() > 0
+            torch.testing.assert_close(g, stock["grads"][name], rtol=1e-5, atol=1e-8)
+
+
+def test_the_two_lopti_passes_differ_and_each_reports_its_share(one):
+    runs = one["reweight"]["megatron"]
+    low = runs["lopti_1"]["metrics"]["tokensel/lopti/low_share"]
+    assert all(0.2 < v < 0.8 for v in low), low  # eta at the batch's median: both passes have tokens
+    assert runs["lopti_1"]["loss"] != pytest.approx(runs["lopti_2"]["loss"])

@@ -118,18 +118,31 @@ def archer_batch(actor):
     return batch
 
 
-def archer_run(actor, batch) -> dict:
-    """``archer`` with ``use_kl_loss`` on ``batch`` (a copy is consumed): per response its mask and entropy, the
-    loss, the metrics and the gradients of :data:`SAME_PARAMS`."""
+#: part 2 of the toolbox on the Archer batch: run name -> (preset, token_selection knobs, Lopti pass or None)
+REWEIGHT_RUNS = {"ar": ("ar", {}, None), "entropy_adv": ("entropy_adv", {}, None),
+                 "lopti_1": ("lopti", {}, 1), "lopti_2": ("ar_lopti", {}, 2),
+                 # the test bed's tiny model puts most probabilities near 1 / vocabulary: tau_p 0.05 gives STAPO
+                 # candidates in every positive answer
+                 "stapo": ("stapo", {"stapo_prob": 0.05}, None)}
+
+
+def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None, knobs: dict | None = None,
+             phase: int | None = None) -> dict:
+    """``preset`` (with ``actor_kw`` on the actor and ``knobs`` on ``token_selection``; a Lopti pass number
+    ``phase``) on ``batch`` (a copy is consumed): per response its mask and scores, the loss, the metrics and the
+    gradients of :data:`SAME_PARAMS`. ``preset=None``: the stock loss."""
     from omegaconf import OmegaConf
 
+    from verl.utils import tensordict_utils as tu
+
+    from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     cfg = actor.cfg.copy()
     OmegaConf.set_struct(cfg, False)
-    for key, value in ARCHER_ACTOR.items():
+    for key, value in (ARCHER_ACTOR if actor_kw is None else actor_kw).items():
         cfg.actor_rollout_ref.actor[key] = value
-    sel_cfg = H.selecting_actor_config(dataclasses.replace(actor, cfg=cfg), "archer")
+    sel_cfg = H.selecting_actor_config(dataclasses.replace(actor, cfg=cfg), preset or "none", **(knobs or {}))
     masks, entropy = {}, {}
 
     def observe(rec):
@@ -138,10 +151,45 @@ def archer_run(actor, batch) -> dict:
             masks[row] = rec["mask"][k, :n].clone()
             entropy[row] = rec["scores"][k, :n].detach().clone()
 
-    r = H.run_train_step(actor, batch.copy(), loss_fn=SelectingLoss(sel_cfg, observer=observe), capture_grads=True,
-                         capture_params=False)
+    data = batch.copy()
+    if phase is not None:
+        tu.assign_non_tensor(data, **{LOPTI_PHASE_KEY: phase})
+    loss_fn = SelectingLoss(sel_cfg, observer=observe) if preset else SelectingLoss(sel_cfg)
+    r = H.run_train_step(actor, data, loss_fn=loss_fn, capture_grads=True, capture_params=False)
     grads = {k: v for k, v in r.grads.items() if k in SAME_PARAMS or k in SAME_PARAMS.values()}
     return dict(masks=masks, entropy=entropy, loss=r.loss, metrics=_plain_metrics(r.metrics), grads=grads)
+
+
+def archer_run(actor, batch) -> dict:
+    """``archer`` with ``use_kl_loss`` on ``batch``: :func:`rule_run`."""
+    return rule_run(actor, batch)
+
+
+def with_response_mask(batch, masks: dict):
+    """A copy of ``batch`` whose response (and loss) mask is ``masks[row]`` per response (STAPO's kept tokens): what
+    stock verl's loss over the kept tokens only sees."""
+    data = batch.copy()
+    rm = data["response_mask"]
+    rows = [masks[r].to(rm.dtype) for r in row_ids(data)]
+    data["response_mask"] = _renest(rows)
+    data["loss_mask"] = _renest(rows)
+    return data
+
+
+def median_old_prob(batch) -> float:
+    """The median old probability of the batch's tokens: Lopti's eta that splits them in two halves (the tiny random
+    model puts every probability under the paper's 0.5)."""
+    return float(torch.exp(batch["old_log_probs"].values()).median())
+
+
+def reweight_runs(actor, batch) -> dict:
+    """Every run of :data:`REWEIGHT_RUNS` on ``batch`` (Lopti's eta: :func:`median_old_prob`), then the stock loss
+    over STAPO's kept tokens."""
+    eta = {"lopti_eta": median_old_prob(batch)}
+    out = {name: rule_run(actor, batch, preset, {}, {**knobs, **(eta if phase else {})}, phase)
+           for name, (preset, knobs, phase) in REWEIGHT_RUNS.items()}
+    out["stock_over_kept"] = rule_run(actor, with_response_mask(batch, out["stapo"]["masks"]), None, {})
+    return out
 
 
 def one_rank_run(rank: int, world: int, model_dir: str) -> dict:
@@ -165,6 +213,8 @@ def one_rank_run(rank: int, world: int, model_dir: str) -> dict:
     seconds["fsdp_build"] = lap()
     out["archer"]["fsdp"] = archer_run(fsdp, batch)
     seconds["archer_fsdp"] = lap()
+    out["reweight"] = {"megatron": reweight_runs(megatron, batch), "fsdp": reweight_runs(fsdp, batch)}
+    seconds["reweight_both"] = lap()
     out["seconds"] = seconds
     return out
 
