@@ -394,20 +394,7 @@ def score_params(actor_config: Any) -> dict[str, Any]:
 
 
 __all__ = [
-    "LOG_RATIO_CLAMP",
-    "SCORE_REGISTRY",
-    "ScoreInputs",
-    "ScoreSpec",
-    "compute_score",
-    "grad_mass",
-    "kl_gradient_weight",
-    "logit_grad_norm",
-    "omega",
-    "policy_gradient_weight",
-    "register_score",
-    "row_keys_from_packed",
-    "row_keys_from_tokens",
-    "score_params",
-    "seeded_uniform",
-    "token_grad_norm",
+    "LOG_RATIO_CLAMP", "SCORE_REGISTRY", "ScoreInputs", "ScoreSpec", "compute_score", "grad_mass",
+    "kl_gradient_weight", "logit_grad_norm", "omega", "policy_gradient_weight", "register_score",
+    "row_keys_from_packed", "row_keys_from_tokens", "score_params", "seeded_uniform", "token_grad_norm"
 ]
