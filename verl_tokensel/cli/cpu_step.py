@@ -96,9 +96,17 @@ def run(args) -> int:
         H.compute_old_log_probs(actor, batch)
         if config.selection is not None and config.selection.score_source == "rollout":
             B.add_driver_selection(config, batch)  # what the tokensel driver does before update_actor
-        _progress(f"update with token_selector={preset}")
-        result = H.run_train_step(actor, batch, loss_fn=SelectingLoss(config),
-                                  capture_params=True)
+        lopti = config.selection is not None and config.selection.phases == "lopti"
+        for phase in (1, 2) if lopti else (None,):  # Lopti: the driver's two whole update passes
+            _progress(f"update with token_selector={preset}" + (f" (Lopti pass {phase})" if phase else ""))
+            data = batch.copy()
+            if phase is not None:
+                from verl.utils import tensordict_utils as tu
+
+                from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
+
+                tu.assign_non_tensor(data, **{LOPTI_PHASE_KEY: phase})
+            result = H.run_train_step(actor, data, loss_fn=SelectingLoss(config), capture_params=True)
         m = result.metrics
         if not (result.loss == result.loss) or result.max_abs_param_delta <= 0:
             print(f"error: token_selector={preset}: loss {result.loss}, max |param delta| "
@@ -106,7 +114,8 @@ def run(args) -> int:
             return 1
         rows.append((preset, _selected_fraction(m),
                      _scalar(m.get("tokensel/entropy_selected")), _scalar(m.get("tokensel/entropy_unselected")),
-                     _scalar(m.get("tokensel/grad_mass_kept", 1.0)), result.loss, result.grad_norm or float("nan")))
+                     _scalar(m.get("tokensel/grad_mass_kept", 1.0)), result.loss,
+                     float("nan") if result.grad_norm is None else result.grad_norm))
     print()
     print(f"{'preset':<15}{'selected':>9}{'H sel':>8}{'H unsel':>9}{'grad kept':>10}{'loss':>10}{'grad norm':>11}")
     for preset, frac, hs, hu, gk, loss, gn in rows:
