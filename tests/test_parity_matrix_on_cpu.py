@@ -13,7 +13,9 @@ micro-batch (``micro_batch``; ``tokensel/selected_tokens`` their mean per mini-b
 mini-batch over the ranks (``gmts``, ``tokensel/prepass/*``), of the batch (``forking_paper``, the driver's
 ``tokensel/driver_*``, applied as is by the loss), ``max(1, int(ratio N))`` of each mini-batch over the ranks
 (``kl_cov_global``; ``clip_cov_global`` at most that many, its candidates may be fewer; the loss applies the
-pre-pass's tokens), every response's tokens strictly above its 0.8 entropy quantile (``archer``). A preset that
+pre-pass's tokens), every response's tokens strictly above its 0.8 entropy quantile (``archer``), every valid token
+(``ar``, ``entropy_adv``, ``ar_lopti`` as its first Lopti pass), and for ``stapo`` the pre-pass's kept tokens of each
+mini-batch over the ranks, applied as they are by the loss. A preset that
 cannot serve a combination (``normaliser=selected`` with a seq-mean ``loss_agg_mode``; ``archer`` without the KL
 loss) must be refused by our config validation, naming the keys. ``kl_cov_global`` and ``clip_cov_global`` have
 no dual clip (as verl's ``loss_mode=kl_cov`` / ``clip_cov``), so they must run on the refusal row.

@@ -41,7 +41,9 @@ FACTORS: dict[str, list] = {
 DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
 SEED = 20261202
 PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm", "kl_cov_global",
-           "clip_cov_global", "archer"]
+           "clip_cov_global", "archer", "ar", "entropy_adv", "ar_lopti", "stapo"]
+#: the Lopti pass each row's ``ar_lopti`` update runs as (the driver's second call differs only in the pass number)
+LOPTI_PHASE = 1
 #: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
 REFUSAL_PROBE = {"dp": 1, "rmpad": True, "mini": 2, "rollout_n": 2, "micro": 2, "log_prob_micro": "eq", "dyn": "off",
                  "epochs": 1, "mini_batches": 1, "loss_agg_mode": "token-mean", "clip_ratio_c": 1.0, "kl_loss": False,
@@ -284,6 +286,10 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
         cfg.validate(n_gpus=row["dp"], train_batch_size=row["mini"] * row["mini_batches"])
         batch = full.clone()
         tu.assign_non_tensor(batch, calculate_entropy=bool(cfg.calculate_entropy or cfg.entropy_coeff != 0))
+        if cfg.selection.phases == "lopti":
+            from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
+
+            tu.assign_non_tensor(batch, **{LOPTI_PHASE_KEY: LOPTI_PHASE})
         if cfg.selection.score_source == "rollout":
             driver = B.add_driver_selection(cfg, batch)
             out["driver"] = {k: float(v) for k, v in driver.metrics.items()}
@@ -404,6 +410,8 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
             problems.append(f"the loss applied {applied} tokens, the pre-pass selected {sum(want)}")
     elif scope == "group":
         problems.append("gmts ran without tokensel/prepass/* metrics")
+    elif scope == "mini_batch" and first["score"] == "stapo":
+        problems += _stapo_problems(per_rank)
     elif scope == "mini_batch":
         problems += _cov_problems(per_rank)
     elif scope == "sequence" and first["budget"] == "quantile":
@@ -452,6 +460,26 @@ def _cov_problems(per_rank: list[dict]) -> list[str]:
             applied[mb["mini"]] += mb["selected"]
     if applied != [int(g) for g in got]:
         problems.append(f"the loss applied {applied} tokens per mini-batch, the pre-pass selected {got}")
+    return problems
+
+
+def _stapo_problems(per_rank: list[dict]) -> list[str]:
+    """STAPO over the mini-batch (the pre-pass): per mini-batch, the kept and spurious tokens over the ranks add up to
+    its valid tokens, and the loss applies exactly the kept ones."""
+    first = per_rank[0]
+    got = first["metrics"].get("tokensel/prepass/selected_tokens")
+    valid = [sum(sum(res["minibatches"][i]["valid"]) for res in per_rank) for i in range(len(first["minibatches"]))]
+    if got is None or len(got) != len(valid):
+        return [f"tokensel/prepass/selected_tokens {got}, one value per mini-batch of {valid} valid tokens"]
+    problems = []
+    if any(not 0 < g <= v for g, v in zip(got, valid)):
+        problems.append(f"tokensel/prepass/selected_tokens {got} of {valid}: kept tokens out of range")
+    applied = [0] * len(got)
+    for res in per_rank:
+        for mb in res["micro"]:
+            applied[mb["mini"]] += mb["selected"]
+    if applied != [int(g) for g in got]:
+        problems.append(f"the loss applied {applied} tokens per mini-batch, the pre-pass kept {got}")
     return problems
 
 
