@@ -81,18 +81,24 @@ def _apply_action(sel: Selection, batch: ScoreBatch, out: Selected) -> None:
             out.kl_weight = torch.where(mask, float(sel.selected_kl_weight), 1.0).to(torch.float32)
 
 
+def _shaping(sel: Selection, batch: ScoreBatch, pool: torch.Tensor) -> tuple[Optional[torch.Tensor],
+                                                                            Optional[torch.Tensor]]:
+    """``(weight, shift)`` of the rule's advantage shaping (None where it leaves A as is); off ``pool`` (padding,
+    dropped tokens) A stays as is, so a NaN entropy there never reaches a masked sum."""
+    if sel.shaping == "none":
+        return None, None
+    adv = batch.advantages if batch.advantages is not None else torch.zeros_like(batch.inputs.log_prob)
+    weight, shift = shaped_advantages(
+        sel.shaping, adv, old_log_prob=batch.inputs.old_log_prob, entropy=batch.inputs.entropy,
+        alpha=sel.ar_alpha if sel.shaping == "ar" else sel.entropy_alpha, kappa=sel.entropy_kappa)
+    return (None if weight is None else torch.where(pool, weight, 1.0),
+            None if shift is None else torch.where(pool, shift, 0.0))
+
+
 def _apply_shaping(sel: Selection, batch: ScoreBatch, out: Selected, phase: Optional[int]) -> None:
     """The advantage shaping's weight / shift and, in a Lopti pass, the other tokens' advantages, KL and entropy
     terms zeroed (they stay in the denominators)."""
-    if sel.shaping != "none":
-        adv = batch.advantages if batch.advantages is not None else torch.zeros_like(batch.inputs.log_prob)
-        alpha = sel.ar_alpha if sel.shaping == "ar" else sel.entropy_alpha
-        weight, shift = shaped_advantages(
-            sel.shaping, adv, old_log_prob=batch.inputs.old_log_prob, entropy=batch.inputs.entropy, alpha=alpha,
-            kappa=sel.entropy_kappa)
-        # off the pool (padding, dropped tokens) A stays as is: a NaN entropy there must not reach a masked sum
-        out.advantage_weight = None if weight is None else torch.where(out.pool, weight, 1.0)
-        out.advantage_shift = None if shift is None else torch.where(out.pool, shift, 0.0)
+    out.advantage_weight, out.advantage_shift = _shaping(sel, batch, out.pool)
     if sel.phases == "lopti" and phase is not None:
         active = lopti_active(batch.inputs.old_log_prob, sel.lopti_eta, phase).to(torch.float32)
         out.advantage_weight = active if out.advantage_weight is None else out.advantage_weight * active
@@ -106,11 +112,10 @@ def _shape_score_inputs(sel: Selection, batch: ScoreBatch) -> None:
     """A score that reads the advantage (omega) ranks by the shaped one: shaping comes first."""
     if sel.shaping == "none" or batch.advantages is None or not SCORE_REGISTRY[sel.score].needs_omega:
         return
-    tmp = Selected(mask=batch.valid, scores=batch.valid.float(), pool=batch.valid, dropped=False)
-    _apply_shaping(sel, batch, tmp, None)
+    weight, shift = _shaping(sel, batch, batch.valid)
     adv = batch.advantages.float()
-    adv = adv * tmp.advantage_weight if tmp.advantage_weight is not None else adv
-    adv = adv + tmp.advantage_shift if tmp.advantage_shift is not None else adv
+    adv = adv * weight if weight is not None else adv
+    adv = adv + shift if shift is not None else adv
     batch.inputs.advantages = adv * batch.is_weights.float() if batch.is_weights is not None else adv
     batch.inputs.omega_cache = None
 
