@@ -411,7 +411,7 @@ def test_a_knob_the_rule_does_not_read_is_refused(preset, knob):
     assert resolve_selection("kl_cov_global", TokenSelectionConfig(kl_penalty_coef=1.0)).kl_penalty_coef == 1.0
 
 
-@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer"])
+@pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer", "ar", "lopti", "stapo"])
 def test_the_analysis_tools_select_as_the_rule_does(preset):
     """view / analyze / the demo's report rank a preset's tokens with select_preset: for the toolbox presets its
     mask is the rule step's and its budgets are the counts the rule kept (a quantile, verl's count, a draw)."""
@@ -419,8 +419,8 @@ def test_the_analysis_tools_select_as_the_rule_does(preset):
 
     valid, adv, lp, old, _ = _pool_data(seed=8, rows=6, length=12)
     sel = PRESETS[preset]
-    knobs = {"ratio": 0.2, "cov_lb": -10.0} if preset == "clip_cov_global" else {"ratio": 0.2} if preset != "archer" \
-        else {}
+    knobs = {"ratio": 0.2, "cov_lb": -10.0} if preset == "clip_cov_global" else {"stapo_prob": 0.05} \
+        if preset == "stapo" else {} if preset in ("archer", "ar", "lopti") else {"ratio": 0.2}
     sel = Selection(**{**sel.__dict__, **knobs})
     tensors = {"response_mask": valid, "advantages": adv, "old_log_probs": old, "log_probs": lp,
                "entropy": -lp * 0.5}

@@ -71,8 +71,10 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     scores, mask = selected.scores, selected.mask
     valid = selected.pool & (scores != 0) if sel.pool == "nonzero" else selected.pool  # the pool the budget counts
     ranks = selection_ranks(scores, valid, sel.direction, scope)
-    if sel.budget == "quantile" or SCORE_REGISTRY[sel.score].cov_rule is not None:
-        # the count is the rule's own (a quantile, verl's max(1, int(r N)), Clip-Cov's draw among candidates):
+    spec = SCORE_REGISTRY[sel.score]
+    if sel.budget == "quantile" or spec.cov_rule is not None or spec.mask_rule is not None:
+        # the count is the rule's own (a quantile, verl's max(1, int(r N)), Clip-Cov's draw among candidates,
+        # STAPO's tokens but the spurious ones):
         # the budget reported is what the rule kept
         per_row = mask.sum(-1).tolist()
         budgets = per_row if scope == "sequence" else [int(mask.sum())] * valid.shape[0]
