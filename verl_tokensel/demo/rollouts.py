@@ -54,18 +54,6 @@ def prompt_ids(tokenizer, dumped_prompt: str, fallback: list[int]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _rule_mask(batch, sel):
-    """The tokens the rule ``sel`` marks on ``batch`` (one pool): :func:`select_preset`'s, or, for a rule without a
-    budget (a score with a ``mask_rule``: every token, or every token but STAPO's spurious ones), its mask as is."""
-    from verl_tokensel.analysis.selection import select_preset
-    from verl_tokensel.core.rule import apply_rule
-    from verl_tokensel.core.scores import SCORE_REGISTRY
-
-    if getattr(SCORE_REGISTRY[sel.score], "mask_rule", None) is not None:
-        return apply_rule(sel, batch, stats=False, ratio=sel.ratio, scope="micro_batch").mask
-    return select_preset(batch, sel).mask
-
-
 def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_path: str | Path,
                      task: str = "route") -> dict:
     """Statistics of ``data`` (one rollout dump file) under ``model_dir`` for ``preset`` on the demo task ``task``
@@ -73,7 +61,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.scorer import score_responses
     from verl_tokensel.analysis.page import build_page, token_texts
-    from verl_tokensel.analysis.selection import scored_batch
+    from verl_tokensel.analysis.selection import scored_batch, select_preset
     from verl_tokensel.analysis.stats import advantages_or_unit
     from verl_tokensel.core.config import PRESETS
     from verl_tokensel.demo.tasks import get_task
@@ -103,17 +91,14 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
         route[i, :n] = torch.tensor(spec.decision_mask(texts, response, routes_only=True), dtype=torch.bool)
         th, n_steps = spec.think_counts(response)
         think, steps, all_think = think + th, steps + n_steps, all_think + (n_steps > 0 and th == n_steps)
-    mask = valid.clone() if sel is None else _rule_mask(batch, sel)
+    mask = valid.clone() if sel is None else select_preset(batch, sel).mask
 
     h = ent[valid]
     n_tok, n_sel, n_dec, n_route = int(valid.sum()), int(mask.sum()), int(decision.sum()), int(route.sum())
     args = argparse.Namespace(preset=preset, ratio=None, scope=None, max_responses=None, temperature=1.0,
                               model=str(model_dir), data=str(data))
     shade = sel.score if sel is not None and sel.score != "random" else "entropy"
-    try:
-        page = build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, sel, shade, len(records))
-    except AssertionError:  # the page's own selection check knows only budgeted rules (not stapo's mask): no marks
-        page = build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, None, shade, len(records))
+    page = build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, sel, shade, len(records))
     Path(html_path).parent.mkdir(parents=True, exist_ok=True)
     Path(html_path).write_text(page, encoding="utf-8")
 
