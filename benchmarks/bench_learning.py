@@ -146,7 +146,7 @@ def run_one(preset: str, seed: int, steps: int, lr: float, model_dir: str, out: 
 
 
 START_KEYS = ("selected_share", "selected_on_decision_share", "decision_token_share", "selected_on_route_share",
-              "route_token_share", "think_share")
+              "route_token_share", "think_share", "selected_on_fork_share", "fork_token_share", "fork_selected_share")
 
 
 def start_selection(run_dir: Path, preset: str, model_dir: str, task: str) -> dict:
@@ -162,14 +162,16 @@ def start_selection(run_dir: Path, preset: str, model_dir: str, task: str) -> di
 
 
 def start_table(runs: list[dict], presets) -> str:
-    head = ("preset", "seeds", "selected", "sel on dec", "dec share", "sel on route", "route share")
+    head = ("preset", "seeds", "selected", "sel on dec", "dec share", "sel on route", "route share", "sel on fork",
+            "fork share", "forks held")
     lines = [head]
     for preset in presets:
         rs = [r for r in runs if r["preset"] == preset and "start_selected_share" in r]
         if not rs:
             continue
         col = lambda k: [r.get(f"start_{k}") for r in rs]  # noqa: E731
-        lines.append((preset, str(len(rs)), *(_pm(*_stats(col(k))) for k in START_KEYS[:5])))
+        keys = START_KEYS[:5] + START_KEYS[6:]
+        lines.append((preset, str(len(rs)), *(_pm(*_stats(col(k))) for k in keys)))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]
     out = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
            for row in lines]
@@ -363,7 +365,8 @@ def main(argv=None) -> int:
         for preset in args.presets:
             print(f"  {preset}: {SELECTED_MEANING.get(preset, 'the tokens its mask marks')}")
         print("\nThe same selection on each run's first-step rollouts (the warm start's answers, scored under the warm "
-              "start: the decisions still open):\n")
+              "start: the decisions still open); fork = the token where a step's route is chosen (' think', or the "
+              "space before 'guess'), forks held = the share of those tokens the rule selects:\n")
         print(start_table(runs, args.presets))
     null = record.get("null")
     if null and null.get("task", "route") == args.task:

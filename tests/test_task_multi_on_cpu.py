@@ -90,6 +90,9 @@ def test_decision_token_mask(tiny_tokenizer):
     assert "".join(picked).replace(" ", "") == "think7guess11think6think81"
     routes = [t for t, m in zip(texts, task_multi.decision_token_mask(texts, text, routes_only=True)) if m]
     assert "".join(routes).replace(" ", "") == "thinkguessthinkthink"
+    # where each route is chosen: ' think' is one token, 'guess' starts with a space token, then its pieces
+    forks = [t for t, m in zip(texts, task_multi.decision_token_mask(texts, text, forks_only=True)) if m]
+    assert forks == [" think", " ", " think", " think"]
     assert sum(task_multi.decision_token_mask(texts, text)) < 0.35 * len(texts)
     assert not any(task_multi.decision_token_mask(texts[-8:], "".join(texts[-8:])))  # the box alone
     # the route task through the registry: its route word alone, and its decisions as task.decision_token_mask
@@ -100,6 +103,7 @@ def test_decision_token_mask(tiny_tokenizer):
     route = get_task("route")
     assert route.decision_mask(texts, one) == decision_token_mask(texts, one)
     assert "".join(t for t, m in zip(texts, route.decision_mask(texts, one, routes_only=True)) if m).strip() == "guess"
+    assert [t for t, m in zip(texts, route.decision_mask(texts, one, forks_only=True)) if m] == [" "]
     assert route.think_counts(one) == (0, 1) and route.think_counts("nothing") == (0, 0)
 
 
@@ -282,6 +286,7 @@ def test_analyse_rollouts_multi(tmp_path):
     assert none["think_share"] == pytest.approx(28 / 32) and none["all_think_share"] == 0.5
     assert none["selected_share"] == 1.0 and none["selected_on_decision_share"] == none["decision_token_share"]
     assert none["selected_on_route_share"] == none["route_token_share"] < none["decision_token_share"] < 0.35
+    assert none["fork_selected_share"] == 1.0 and none["fork_token_share"] * none["response_tokens"] == 32
     assert fork["selected_share"] == pytest.approx(0.2, abs=0.01)
 
 

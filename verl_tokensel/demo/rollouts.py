@@ -14,6 +14,8 @@ final policy when its checkpoint is there, else the warm start; the result says 
   ``verl-tokensel view`` does; ``none`` selects every token, so it equals ``decision_token_share``);
 * ``decision_selected_share``: share of decision tokens that the preset selects;
 * ``route_token_share`` and ``selected_on_route_share``: the same two shares for the route words alone;
+* ``fork_token_share``, ``selected_on_fork_share`` and ``fork_selected_share``: the same for the tokens where a route
+  is chosen (one per step), and the share of them the preset selects;
 
 with ``task="multi"`` (:mod:`.task_multi`) the decisions are every step's route word and value,
 ``think_share`` is the share of the steps on the ``think`` route and ``all_think_share`` the share of the
@@ -81,7 +83,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     batch = scored_batch(scored, advantages, sel.score if sel is not None else "entropy", pairs=pairs,
                          seed=sel.seed if sel is not None else 0)
     valid, ent = batch.valid, batch.inputs.entropy
-    decision, route = torch.zeros_like(valid), torch.zeros_like(valid)
+    decision, route, fork = torch.zeros_like(valid), torch.zeros_like(valid), torch.zeros_like(valid)
     think = steps = all_think = 0
     for i, (s, (p_ids, r_ids)) in enumerate(zip(scored, pairs)):
         n = len(s.token_ids)
@@ -89,6 +91,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
         response = "".join(texts)
         decision[i, :n] = torch.tensor(spec.decision_mask(texts, response), dtype=torch.bool)
         route[i, :n] = torch.tensor(spec.decision_mask(texts, response, routes_only=True), dtype=torch.bool)
+        fork[i, :n] = torch.tensor(spec.decision_mask(texts, response, forks_only=True), dtype=torch.bool)
         th, n_steps = spec.think_counts(response)
         think, steps, all_think = think + th, steps + n_steps, all_think + (n_steps > 0 and th == n_steps)
     mask = valid.clone() if sel is None else select_preset(batch, sel).mask
@@ -121,6 +124,9 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
         "selected_share": share(n_sel, n_tok),
         "route_token_share": share(n_route, n_tok),
         "selected_on_route_share": share(int((mask & route).sum()), n_sel),
+        "fork_token_share": share(int(fork.sum()), n_tok),
+        "selected_on_fork_share": share(int((mask & fork).sum()), n_sel),
+        "fork_selected_share": share(int((mask & fork).sum()), int(fork.sum())),
         "think_share": share(think, b if task == "route" else steps),
         **extra,
         "html": str(html_path),

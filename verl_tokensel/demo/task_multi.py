@@ -17,8 +17,10 @@ with probability ``q``), so the warmed model is near-deterministic on the templa
 route words: with K = 4 and q = 0.8 about 0.8^4 = 0.41 of the answers take ``think`` everywhere.
 
 :func:`decision_spans` finds the route words' and the written values' characters (the decisions, as in the
-two-route task), :func:`route_spans` the route words only; :func:`decision_token_mask` maps either onto
-response tokens.
+two-route task), :func:`route_spans` the route words only and :func:`fork_spans` the character where each route is
+chosen (the space before the word: the tiny tokenizer writes `` think`` as one token but ``guess`` as a space token
+followed by four determined pieces, so the choice is the token holding that space); :func:`decision_token_mask` maps
+any of them onto response tokens.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ def route_spans(response: str) -> list[tuple[int, int]]:
     return [(m.start(1), m.end(1)) for m in _ROUTE.finditer(response)]
 
 
+def fork_spans(response: str) -> list[tuple[int, int]]:
+    """Character spans of the place where each step's route is chosen: the space before its route word."""
+    return [(m.start(1) - 1, m.start(1)) for m in _ROUTE.finditer(response)]
+
+
 def decision_spans(response: str) -> list[tuple[int, int]]:
     """Character spans of the decisions: every route word and every written value of a templated step."""
     spans = route_spans(response)
@@ -95,12 +102,15 @@ def decision_spans(response: str) -> list[tuple[int, int]]:
     return sorted(set(spans))
 
 
-def decision_token_mask(token_texts: Sequence[str], response: str, *, routes_only: bool = False) -> list[bool]:
-    """Per response token: does it overlap a decision's characters (``routes_only``: a route word's)?
+def decision_token_mask(token_texts: Sequence[str], response: str, *, routes_only: bool = False,
+                        forks_only: bool = False) -> list[bool]:
+    """Per response token: does it overlap a decision's characters (``routes_only``: a route word's; ``forks_only``:
+    the place a route is chosen, one token per step)?
 
     ``token_texts`` concatenate to ``response`` (as :func:`verl_tokensel.analysis.page.token_texts` returns them).
     """
-    return spans_token_mask(token_texts, route_spans(response) if routes_only else decision_spans(response))
+    spans = fork_spans(response) if forks_only else route_spans(response) if routes_only else decision_spans(response)
+    return spans_token_mask(token_texts, spans)
 
 
 def spans_token_mask(token_texts: Sequence[str], spans: Sequence[tuple[int, int]]) -> list[bool]:

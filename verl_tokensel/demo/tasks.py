@@ -34,13 +34,15 @@ class DemoTask:
     warmup_config: Callable[[int], object]
     #: (out_dir, warm-up config) -> (train.parquet, val.parquet), the warm-up's data split
     write_dataset: Callable[[object, object], tuple[str, str]]
-    #: (token texts, response, routes_only) -> per-token bool: is it on a decision (a route word)?
+    #: (token texts, response, routes_only, forks_only) -> per-token bool: is it on a decision (a route word, the
+    #: token where a route is chosen)?
     _decision_mask: Callable[..., list[bool]]
     #: response -> (steps on the think route, steps)
     think_counts: Callable[[str], tuple[int, int]]
 
-    def decision_mask(self, token_texts: Sequence[str], response: str, *, routes_only: bool = False) -> list[bool]:
-        return self._decision_mask(token_texts, response, routes_only=routes_only)
+    def decision_mask(self, token_texts: Sequence[str], response: str, *, routes_only: bool = False,
+                      forks_only: bool = False) -> list[bool]:
+        return self._decision_mask(token_texts, response, routes_only=routes_only, forks_only=forks_only)
 
 
 def _route_task() -> DemoTask:
@@ -49,11 +51,14 @@ def _route_task() -> DemoTask:
 
     from verl_tokensel.demo.task_multi import spans_token_mask
 
-    def mask(token_texts, response, routes_only=False):
-        if not routes_only:
+    def mask(token_texts, response, routes_only=False, forks_only=False):
+        if not (routes_only or forks_only):
             return task.decision_token_mask(token_texts, response)
-        # the route word's span comes first in decision_spans when the response has one
-        return spans_token_mask(token_texts, task.decision_spans(response)[:1] if task.route_of(response) else [])
+        # the route word's span comes first in decision_spans when the response has one; its fork is the space before
+        spans = task.decision_spans(response)[:1] if task.route_of(response) else []
+        if forks_only:
+            spans = [(a - 1, a) for a, _ in spans]
+        return spans_token_mask(token_texts, spans)
 
     def think_counts(response):
         route = task.route_of(response)
