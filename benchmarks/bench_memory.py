@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -127,6 +128,11 @@ def build_model_dir(root: Path, hidden: int) -> str:
     Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(str(tmp), safe_serialization=True)
     os.replace(tmp, path)
     return str(path)
+
+
+def _host_memory_gib() -> float:
+    with open("/proc/meminfo") as f:
+        return int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) / 2**20
 
 
 def _hwm_kb() -> int:
@@ -408,6 +414,9 @@ def report(results: dict, variants: list[str]) -> list[str]:
     lines = []
     worst: dict = {}  # (target, "none" or "matched", hidden for step time) -> (ratio, variant, shape)
     for key, rows in results.items():
+        if "killed" in rows:
+            lines.append(f"\n{key}: not measured: {rows['killed']}")
+            continue
         hidden = int(key.split("/")[0][1:])
         t_target = TARGET_TIME.get(hidden)
         base = rows["none"]
@@ -452,6 +461,11 @@ def report(results: dict, variants: list[str]) -> list[str]:
                          f"{r.get('kernel', '-'):<23} {f'{share:.0%}' if share == share else '-':>6}  "
                          f"{matched or '-':<22} {note}")
     lines.append("")
+    spread = [rows["none(no-graph entropy)"]["seconds"] / rows["none"]["seconds"] for rows in results.values()
+              if "killed" not in rows and "none(no-graph entropy)" in rows and rows["none"]["seconds"] > 0]
+    if spread:  # both update with verl's log-prob kernel; only the no-graph entropy pass tells them apart
+        lines.append(f"summary: none(no-graph entropy) vs none step time over the shapes: {min(spread):.2f}x to "
+                     f"{max(spread):.2f}x (the same update kernel; read the step-time ratios against this spread)")
     limits = {"update peak memory": TARGET_MEM, "process peak memory": TARGET_MEM,
               "step time (gmts)": TARGET_GMTS}
     for (tgt, b, hidden), (val, v, key) in sorted(worst.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
@@ -480,6 +494,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "verl_tokensel_bench_memory"))
     ap.add_argument("--json", default=None, help="also write the measurements here (rewritten after each shape)")
     ap.add_argument("--no-time", action="store_true", help="measure peak memory only (skip the timing process)")
+    ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
+                    help="print the tables and summary of saved --json files (merged in order) and exit")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=None, help=argparse.SUPPRESS)
@@ -496,6 +512,14 @@ def main(argv=None) -> int:
         return 0
     if args.child:
         print(json.dumps(child_memory(args.child, args.model, args.tokens, args.mini_batches, args.mem_steps)))
+        return 0
+    if args.report:
+        results = {}
+        for path in args.report:
+            results.update(json.loads(Path(path).read_text()))
+        measured = [rows for rows in results.values() if "killed" not in rows]
+        shown = [v for v in VARIANTS if measured and all(v in rows for rows in measured)]
+        print("\n".join(report(results, shown)))
         return 0
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in VARIANTS]
@@ -516,17 +540,35 @@ def main(argv=None) -> int:
                 proc = subprocess.run([sys.executable, __file__, "--model", model_dir, "--tokens", str(tokens),
                                        "--mini-batches", str(mbs), "--steps", str(args.steps),
                                        "--mem-steps", str(args.mem_steps), *extra], capture_output=True, text=True)
+                if proc.returncode == -signal.SIGKILL:  # the kernel's OOM killer: the shape does not fit here
+                    print(f"  {key} {label}: killed (SIGKILL, out of memory on this host) after "
+                          f"{time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+                    return None
                 if proc.returncode != 0:
                     print(proc.stdout[-2000:] + proc.stderr[-4000:], file=sys.stderr)
                     raise SystemExit(f"{label} ({key}) failed with exit code {proc.returncode}")
                 print(f"  {key} {label}: done in {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
                 return json.loads(proc.stdout.strip().splitlines()[-1])
 
-            rows = {v: run_child("--child", v, label=f"{v} (memory)") for v in variants}  # one process each
+            rows, killed = {}, None
+            for v in variants:  # one process each
+                rows[v] = run_child("--child", v, label=f"{v} (memory)")
+                if rows[v] is None:
+                    killed = v
+                    break
+            if killed:  # a shape this host cannot hold is recorded as such; the grid goes on
+                results[key] = {"killed": f"{killed} (memory) was killed by the OOM killer "
+                                          f"({_host_memory_gib():.1f} GiB host)"}
+                print(f"\n{key}: not measured: {results[key]['killed']}", flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(results, indent=2))
+                continue
             nan = {"seconds": float("nan"), "kernel_seconds": float("nan"), "kernel": "-",
                    "prepass_reused_share": float("nan")}
             timed = ({v: nan for v in variants} if args.no_time else
                      run_child("--child", "time", "--variants", ",".join(variants), label="all variants (time)"))
+            if timed is None:
+                timed = {v: nan for v in variants}
             for v in variants:
                 rows[v].update(timed[v])
             results[key] = rows

@@ -1,0 +1,65 @@
+"""benchmarks/bench_memory.py's report, fed saved measurements (the measurements themselves take 15-35 minutes
+per shape and are not a test): ``--report`` merges several ``--json`` files, prints a shape the host's OOM killer
+stopped as not measured, reads each selector against stock ``none`` and its matched baseline, flags what misses a
+target, and gives the step-time spread of the two baselines that run the same update kernel. Well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench_memory.py"
+GIB = 2**20  # kB
+
+
+def _row(peak_gib: float, seconds: float, kernel: str = "logprobs_from_logits_v2", process_gib: float | None = None,
+         reused: float = float("nan")) -> dict:
+    return {"peak_kb": peak_gib * GIB, "process_peak_kb": (process_gib or peak_gib) * GIB, "seconds": seconds,
+            "kernel_seconds": seconds / 2, "kernel": kernel, "prepass_reused_share": reused}
+
+
+def _shape(slow_gmts: float) -> dict:
+    return {
+        "none": _row(10.0, 10.0),
+        "none(no-graph entropy)": _row(10.0, 12.0),
+        "none(same kernel)": _row(4.0, 8.0, kernel="logprobs_from_lse"),
+        "forking": _row(4.0, 8.4, kernel="logprobs_from_lse"),
+        "gmts": _row(10.0, 12.0 * slow_gmts, reused=1.0),
+        "grad_norm": _row(10.0, 12.0),
+        "forking_paper": _row(10.0, 12.0, process_gib=11.0),
+    }
+
+
+def _report(tmp_path, *parts: dict) -> str:
+    paths = []
+    for i, part in enumerate(parts):
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    r = subprocess.run([sys.executable, str(SCRIPT), "--report", *map(str, paths)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_report_merges_files_flags_misses_and_killed_shapes(tmp_path):
+    out = _report(tmp_path, {"h128/2304x1": _shape(1.1)},
+                  {"h128/9216x1": {"killed": "none (memory) was killed by the OOM killer (23.5 GiB host)"},
+                   "h1024/2304x1": _shape(1.3)})
+    assert "h128/9216x1: not measured: none (memory) was killed by the OOM killer" in out
+    assert out.index("h128/2304x1 (") < out.index("h128/9216x1: not") < out.index("h1024/2304x1 (")
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(("forking ", "gmts ", "forking_"))}
+    # forking: 8.4 s against stock none's 10 s and its matched baseline none(same kernel)'s 8 s
+    assert "0.40|1.00" in lines["forking"] and "0.84|1.05" in lines["forking"]
+    # forking_paper's process peak 11 GiB against 10: over the 1.05x target on both baselines
+    assert "NOT MET: process memory" in lines["forking_paper"]
+    assert ("summary: process peak memory vs none: worst 1.10x (forking_paper, h128/2304x1), target <= 1.05x: "
+            "NOT MET") in out
+    # gmts at 1.3 x 12 s = 15.6 s: 1.56x stock, 1.30x its matched baseline, both over 1.25x (worst at hidden 1024)
+    assert "summary: step time (gmts) vs the matched baseline: worst 1.30x (gmts, h1024/2304x1)" in out
+    # the two baselines that share the update kernel: 12 s against 10 s at both measured shapes
+    assert "summary: none(no-graph entropy) vs none step time over the shapes: 1.20x to 1.20x" in out
+    assert "summary: update peak memory vs none: worst 1.00x" in out and "target <= 1.05x: met" in out
