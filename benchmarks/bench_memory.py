@@ -405,7 +405,10 @@ def _verdict(variant: str, hidden: int, m: float, pm: float, t: float) -> str:
 def matched_baseline(variant: str, row: dict) -> str:
     """The baseline that runs a selector's engine functions: ``none(same kernel)`` where its update ran
     ``logprobs_from_lse``, else ``none(no-graph entropy)``."""
-    return "none(same kernel)" if "logprobs_from_lse" in row.get("kernel", "") else "none(no-graph entropy)"
+    kernel = row.get("kernel", "-")
+    if kernel == "-":  # not timed (--no-time), so not probed: the kernel the variant's update runs (docstring above)
+        return "none(same kernel)" if variant == "forking" else "none(no-graph entropy)"
+    return "none(same kernel)" if "logprobs_from_lse" in kernel else "none(no-graph entropy)"
 
 
 def report(results: dict, variants: list[str]) -> list[str]:
