@@ -559,23 +559,18 @@ def main(argv=None) -> int:
                 if rows[v] is None:
                     killed = v
                     break
-            if killed:  # a shape this host cannot hold is recorded as such; the grid goes on
+            if killed:  # a shape this host cannot hold is recorded as such (report() prints it); the grid goes on
                 results[key] = {"killed": f"{killed} (memory) was killed by the OOM killer "
                                           f"({_host_memory_gib():.1f} GiB host)"}
-                print(f"\n{key}: not measured: {results[key]['killed']}", flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps(results, indent=2))
-                continue
-            nan = {"seconds": float("nan"), "kernel_seconds": float("nan"), "kernel": "-",
-                   "prepass_reused_share": float("nan")}
-            timed = ({v: nan for v in variants} if args.no_time else
-                     run_child("--child", "time", "--variants", ",".join(variants), label="all variants (time)"))
-            if timed is None:
-                timed = {v: nan for v in variants}
-            for v in variants:
-                rows[v].update(timed[v])
-            results[key] = rows
-            print("\n".join(line for line in report({key: rows}, variants) if not line.startswith("summary")),
+            else:
+                nan = {"seconds": float("nan"), "kernel_seconds": float("nan"), "kernel": "-",
+                       "prepass_reused_share": float("nan")}
+                timed = None if args.no_time else run_child("--child", "time", "--variants", ",".join(variants),
+                                                            label="all variants (time)")
+                for v in variants:
+                    rows[v].update(nan if timed is None else timed[v])
+                results[key] = rows
+            print("\n".join(line for line in report({key: results[key]}, variants) if not line.startswith("summary")),
                   flush=True)
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=2))
