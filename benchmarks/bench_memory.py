@@ -16,7 +16,14 @@ measured and the pre-pass reuses its values (``token_selection.prepass_reuse``);
 have changed (one optimizer step) and it runs its no-grad forward; with M = 1 it always reuses. The table
 reports the share of mini-batches that reused the old pass.
 
-Memory: each variant runs in a FRESH process: a warm-up step, then ``--mem-steps`` measured steps. Two peaks:
+Memory: each variant runs in a FRESH process (``--mem-reps`` of them: the max is reported, and the spread
+between them in the summary): a warm-up step, then ``--mem-steps`` measured steps. The memory processes run
+with glibc's mmap threshold fixed at 128 KiB (``--allocator fixed``, ``MALLOC_MMAP_THRESHOLD_=131072``): glibc's
+default raises the threshold each time a mapped block is freed (up to 32 MiB), after which tensors below it
+come from the heap, so a process's RSS depends on the order of its earlier frees, and two identical processes
+differ by up to a third (``--allocator default --mem-reps 2`` shows it). Fixed, every tensor of 128 KiB or
+more is its own mapping, returned when freed, so the RSS follows the live tensors. The timing process keeps
+the default allocator. Two peaks:
 ``update peak``: right before each update freed heap is returned to the system (``malloc_trim``) and the
 RSS high-water mark is reset (``/proc/self/clear_refs``, after the old-log-prob pass, which verl runs as a
 separate call), so it is the ``VmHWM`` of the update itself (max over the measured steps); ``process peak``:
@@ -322,6 +329,9 @@ def _actor(model_dir: str, tokens: int, mini_batches: int):
     return actor
 
 
+ALLOCATORS = {"fixed": {"MALLOC_MMAP_THRESHOLD_": "131072"}, "default": {}}  # env of the memory processes
+
+
 def child_memory(variant: str, model_dir: str, tokens: int, mini_batches: int, mem_steps: int) -> dict:
     """Peak RSS of one variant in this fresh process: the update's (a warm-up step, then the max over
     ``mem_steps`` measured steps, each from a reset mark) and the whole process's (every phase, no reset)."""
@@ -426,6 +436,9 @@ def report(results: dict, variants: list[str]) -> list[str]:
         lines.append(f"\n{key} (hidden/tokens per micro-batch x mini-batches), vocabulary {VOCAB}; stock none: update "
                      f"peak {base['peak_kb'] / 2**20:.2f} GiB, process peak {base['process_peak_kb'] / 2**20:.2f} "
                      f"GiB, step {base['seconds']:.1f} s, log-prob kernel {base['kernel_seconds']:.1f} s")
+        reps = len(base.get("peak_kb_runs", [0]))
+        lines.append(f"memory: {reps} process{'es' if reps > 1 else ''} per variant (max), allocator "
+                     f"{base.get('allocator', 'default')}")
         lines.append(f"targets: memory <= {TARGET_MEM:.2f}x, time <= "
                      f"{t_target if t_target else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x); "
                      "each ratio as: vs none | vs the matched baseline (same engine functions)")
@@ -464,6 +477,13 @@ def report(results: dict, variants: list[str]) -> list[str]:
                          f"{r.get('kernel', '-'):<23} {f'{share:.0%}' if share == share else '-':>6}  "
                          f"{matched or '-':<22} {note}")
     lines.append("")
+    runs = [(max(r[f]) / min(r[f]), v, key, r.get("allocator", "default")) for key, rows in results.items()
+            if "killed" not in rows for v, r in rows.items() for f in ("peak_kb_runs", "process_peak_kb_runs")
+            if len(r.get(f, [])) > 1]
+    for alloc in sorted({a for *_, a in runs}):  # identical processes: what one reading is worth
+        val, v, key, _ = max(r for r in runs if r[3] == alloc)
+        lines.append(f"summary: peak memory over repeated identical processes (allocator {alloc}): widest spread "
+                     f"(max/min) {val:.2f}x ({v}, {key})")
     spread = [rows["none(no-graph entropy)"]["seconds"] / rows["none"]["seconds"] for rows in results.values()
               if "killed" not in rows and "none(no-graph entropy)" in rows and rows["none"]["seconds"] > 0]
     if spread:  # both update with verl's log-prob kernel; only the no-graph entropy pass tells them apart
@@ -480,6 +500,25 @@ def report(results: dict, variants: list[str]) -> list[str]:
     return lines
 
 
+def merge(parts: list[dict]) -> dict:
+    """Saved ``--json`` runs merged in order: a later run's shape replaces an earlier one's, except that a field
+    it did not measure (NaN: ``--no-time``) keeps the earlier value, so a memory-only rerun joins an earlier timing."""
+    out: dict = {}
+    for part in parts:
+        for key, rows in part.items():
+            old = out.get(key)
+            if old is None or "killed" in old or "killed" in rows:
+                out[key] = rows
+                continue
+            merged = {}
+            for v, r in rows.items():
+                merged[v] = {**old.get(v, {}), **{f: x for f, x in r.items() if not (isinstance(x, float) and x != x)}}
+                if r.get("kernel") == "-" and old.get(v, {}).get("kernel", "-") != "-":
+                    merged[v]["kernel"] = old[v]["kernel"]  # not probed in the memory-only run
+            out[key] = merged
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden sizes (default 128 1024)")
@@ -491,6 +530,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="interleaved timing rounds after a warm-up round (default 3)")
     ap.add_argument("--mem-steps", type=int, default=2,
                     help="measured steps per memory process after its warm-up step (default 2)")
+    ap.add_argument("--mem-reps", type=int, default=1,
+                    help="memory processes per variant: the max is reported, the spread in the summary (default 1)")
+    ap.add_argument("--allocator", choices=sorted(ALLOCATORS), default="fixed",
+                    help="glibc malloc of the memory processes: fixed (mmap threshold 128 KiB: RSS follows the live "
+                         "tensors) or default (glibc's moving threshold: RSS also depends on earlier frees); "
+                         "default fixed")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                     help="comma-separated subset of: " + ", ".join(VARIANTS) + " (default: all but the references "
                          + ", ".join(REFERENCES) + ")")
@@ -517,14 +562,14 @@ def main(argv=None) -> int:
         print(json.dumps(child_memory(args.child, args.model, args.tokens, args.mini_batches, args.mem_steps)))
         return 0
     if args.report:
-        results = {}
-        for path in args.report:
-            results.update(json.loads(Path(path).read_text()))
+        results = merge([json.loads(Path(path).read_text()) for path in args.report])
         measured = [rows for rows in results.values() if "killed" not in rows]
         shown = [v for v in VARIANTS if measured and all(v in rows for rows in measured)]
         print("\n".join(report(results, shown)))
         return 0
     variants = [v for v in args.variants.split(",") if v]
+    if args.mem_reps < 1:
+        ap.error(f"--mem-reps {args.mem_reps}: must be >= 1")
     bad = [v for v in variants if v not in VARIANTS]
     if bad or "none" not in variants:
         ap.error(f"--variants {args.variants!r}: must include none; valid: {', '.join(VARIANTS)}")
@@ -538,11 +583,12 @@ def main(argv=None) -> int:
         for tokens, mbs in shapes:
             key = f"h{hidden}/{tokens}x{mbs}"
 
-            def run_child(*extra, label):
+            def run_child(*extra, label, env=None):
                 t0 = time.time()
                 proc = subprocess.run([sys.executable, __file__, "--model", model_dir, "--tokens", str(tokens),
                                        "--mini-batches", str(mbs), "--steps", str(args.steps),
-                                       "--mem-steps", str(args.mem_steps), *extra], capture_output=True, text=True)
+                                       "--mem-steps", str(args.mem_steps), *extra], capture_output=True, text=True,
+                                      env=env)
                 if proc.returncode == -signal.SIGKILL:  # the kernel's OOM killer: the shape does not fit here
                     print(f"  {key} {label}: killed (SIGKILL, out of memory on this host) after "
                           f"{time.time() - t0:.0f}s", file=sys.stderr, flush=True)
@@ -554,11 +600,22 @@ def main(argv=None) -> int:
                 return json.loads(proc.stdout.strip().splitlines()[-1])
 
             rows, killed = {}, None
-            for v in variants:  # one process each
-                rows[v] = run_child("--child", v, label=f"{v} (memory)")
-                if rows[v] is None:
-                    killed = v
+            env = {**{k: x for k, x in os.environ.items() if not k.startswith("MALLOC_")},  # glibc: only the choice
+                   **ALLOCATORS[args.allocator]}
+            for v in variants:  # fresh processes each
+                runs = []
+                for rep in range(args.mem_reps):
+                    runs.append(run_child("--child", v, label=f"{v} (memory {rep + 1}/{args.mem_reps})", env=env))
+                    if runs[-1] is None:
+                        killed = v
+                        break
+                if killed:
                     break
+                rows[v] = {"variant": v, "allocator": args.allocator,
+                           "peak_kb_runs": [r["peak_kb"] for r in runs],
+                           "process_peak_kb_runs": [r["process_peak_kb"] for r in runs]}
+                rows[v].update(peak_kb=max(rows[v]["peak_kb_runs"]),
+                               process_peak_kb=max(rows[v]["process_peak_kb_runs"]))
             if killed:  # a shape this host cannot hold is recorded as such (report() prints it); the grid goes on
                 results[key] = {"killed": f"{killed} (memory) was killed by the OOM killer "
                                           f"({_host_memory_gib():.1f} GiB host)"}

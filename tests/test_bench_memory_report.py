@@ -63,3 +63,22 @@ def test_report_merges_files_flags_misses_and_killed_shapes(tmp_path):
     # the two baselines that share the update kernel: 12 s against 10 s at both measured shapes
     assert "summary: none(no-graph entropy) vs none step time over the shapes: 1.20x to 1.20x" in out
     assert "summary: update peak memory vs none: worst 1.00x" in out and "target <= 1.05x: met" in out
+
+
+def test_report_joins_a_memory_only_rerun_to_the_earlier_timing_and_gives_the_spread(tmp_path):
+    timed = {"h128/2304x1": _shape(1.0)}
+    nan = float("nan")
+    rerun = {}
+    for v, row in _shape(1.0).items():  # memory only (--no-time), two processes per variant, the fixed allocator
+        runs = [row["peak_kb"], row["peak_kb"] * (1.2 if v == "gmts" else 1.0)]
+        rerun[v] = {**row, "seconds": nan, "kernel_seconds": nan, "kernel": "-", "prepass_reused_share": nan,
+                    "allocator": "fixed", "peak_kb_runs": runs, "process_peak_kb_runs": [row["process_peak_kb"]] * 2,
+                    "peak_kb": max(runs), "process_peak_kb": row["process_peak_kb"]}
+    out = _report(tmp_path, timed, {"h128/2304x1": rerun})
+    assert "memory: 2 processes per variant (max), allocator fixed" in out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(("forking ", "gmts "))}
+    # the rerun's memory (gmts 12 GiB against 10) with the earlier run's step time (gmts 12 s) and kernel
+    assert "1.20|1.20" in lines["gmts"] and "1.20|1.00" in lines["gmts"] and "logprobs_from_logits_v2" in lines["gmts"]
+    assert "logprobs_from_lse" in lines["forking"] and "0.84|1.05" in lines["forking"]
+    assert ("summary: peak memory over repeated identical processes (allocator fixed): widest spread (max/min) 1.20x "
+            "(gmts, h128/2304x1)") in out
