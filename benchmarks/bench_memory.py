@@ -30,7 +30,9 @@ separate call), so it is the ``VmHWM`` of the update itself (max over the measur
 the ``VmHWM`` of the whole process, never reset (the mark reached before each reset is kept), so it also
 counts the model build, the old-log-prob passes and whatever a phase leaves allocated for the next one.
 Time: one more process runs every variant on one worker, interleaved, ``--steps`` rounds after a warm-up
-round (median per variant), so machine noise hits all variants alike. It also times the log-prob kernel
+round (median per variant), so machine noise hits all variants alike; beside the wall time, the step's CPU time
+(``time.process_time``: every thread of the process), which time the process spends waiting does not count
+(``--no-memory`` runs the timing alone; ``--report`` joins it to a memory run). It also times the log-prob kernel
 (forward, plus its backward from the arrival of its output's gradient to the completion of its logits'
 gradient) and names it.
 
@@ -306,16 +308,19 @@ class _Variant:
             extra = 0.0
             _reset_hwm()  # the update's own peak from here (the old-log-prob pass is another call in verl)
             _KERNEL["seconds"], _KERNEL["calls"] = 0.0, []
+            cpu0 = time.process_time()  # every thread of this process: what the step costs, whatever else runs
             if self.config is not None and self.config.selection.score_source == "rollout":
                 extra = _driver_select(self.config, batch)
             r = H.run_train_step(self.actor, batch, loss_fn=self.loss_fn, capture_params=False)
+            cpu = time.process_time() - cpu0
         finally:
             _KERNEL["same"] = ""
         assert r.loss == r.loss, f"{self.name}: NaN loss"
         reused = r.metrics.get("tokensel/prepass/reused_old_pass")
         share = statistics.fmean(map(float, reused)) if isinstance(reused, list) and reused else float("nan")
-        return {"seconds": r.seconds + extra, "update_peak_kb": _hwm_kb(), "kernel_seconds": _KERNEL["seconds"],
-                "kernel": ",".join(sorted(set(_KERNEL["calls"]))) or "-", "prepass_reused_share": share}
+        return {"seconds": r.seconds + extra, "cpu_seconds": cpu, "update_peak_kb": _hwm_kb(),
+                "kernel_seconds": _KERNEL["seconds"], "kernel": ",".join(sorted(set(_KERNEL["calls"]))) or "-",
+                "prepass_reused_share": share}
 
 
 def _actor(model_dir: str, tokens: int, mini_batches: int):
@@ -352,6 +357,7 @@ def child_time(variants: list[str], model_dir: str, tokens: int, mini_batches: i
         for v in vs:
             runs[v.name].append(v.step())
     return {k: {"seconds": statistics.median(r["seconds"] for r in rs),
+                "cpu_seconds": statistics.median(r["cpu_seconds"] for r in rs),
                 "kernel_seconds": statistics.median(r["kernel_seconds"] for r in rs),
                 "kernel": rs[-1]["kernel"],
                 "prepass_reused_share": statistics.fmean(r["prepass_reused_share"] for r in rs)}
@@ -407,7 +413,8 @@ def child_kernel(rows: int, rounds: int) -> list[str]:
 
 def _verdict(variant: str, hidden: int, m: float, pm: float, t: float) -> str:
     t_target = TARGET_GMTS if variant == "gmts" else TARGET_TIME.get(hidden)
-    bad = [s for s, ok in (("update memory", m <= TARGET_MEM), ("process memory", pm <= TARGET_MEM),
+    bad = [s for s, ok in (("update memory", m != m or m <= TARGET_MEM),  # NaN: not measured
+                           ("process memory", pm != pm or pm <= TARGET_MEM),
                            ("time", t_target is None or t != t or t <= t_target)) if not ok]
     return "ok" if not bad else "NOT MET: " + ", ".join(bad)
 
@@ -437,23 +444,24 @@ def report(results: dict, variants: list[str]) -> list[str]:
                      f"peak {base['peak_kb'] / 2**20:.2f} GiB, process peak {base['process_peak_kb'] / 2**20:.2f} "
                      f"GiB, step {base['seconds']:.1f} s, log-prob kernel {base['kernel_seconds']:.1f} s")
         reps = len(base.get("peak_kb_runs", [0]))
-        lines.append(f"memory: {reps} process{'es' if reps > 1 else ''} per variant (max), allocator "
+        lines.append("memory: not measured (--no-memory)" if base["peak_kb"] != base["peak_kb"] else
+                     f"memory: {reps} process{'es' if reps > 1 else ''} per variant (max), allocator "
                      f"{base.get('allocator', 'default')}")
         lines.append(f"targets: memory <= {TARGET_MEM:.2f}x, time <= "
                      f"{t_target if t_target else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x); "
                      "each ratio as: vs none | vs the matched baseline (same engine functions)")
-        lines.append(f"{'variant':<22} {'update peak':>11} {'process peak':>12} {'step time':>11} "
+        lines.append(f"{'variant':<22} {'update peak':>11} {'process peak':>12} {'step time':>11} {'CPU time':>11} "
                      f"{'kernel s':>8}  {'log-prob kernel':<23} {'reused':>6}  {'matched':<22} verdict (vs none | "
                      "vs matched)")
         for v in variants:
             r = rows[v]
             matched = matched_baseline(v, r) if v in SELECTORS or v in REFERENCES else ""
             cols, ratios = [], {}
-            for field in ("peak_kb", "process_peak_kb", "seconds"):
+            for field in ("peak_kb", "process_peak_kb", "seconds", "cpu_seconds"):
                 pair = []
                 for b in ("none", matched):
-                    ok = b in rows and rows[b][field] == rows[b][field] and rows[b][field]
-                    pair.append(r[field] / rows[b][field] if ok else float("nan"))
+                    val = rows[b].get(field, float("nan")) if b in rows else float("nan")
+                    pair.append(r.get(field, float("nan")) / val if val == val and val else float("nan"))
                 ratios[field] = pair
                 cols.append(f"{pair[0]:.2f}|{pair[1]:.2f}".replace("nan", " - "))
             r["ratios"] = {"vs_none": {f: p[0] for f, p in ratios.items()},
@@ -466,17 +474,22 @@ def report(results: dict, variants: list[str]) -> list[str]:
                     for tgt, val in (("update peak memory", ratios["peak_kb"][i]),
                                      ("process peak memory", ratios["process_peak_kb"][i]),
                                      (f"step time ({'gmts' if v == 'gmts' else 'other selectors'})",
-                                      ratios["seconds"][i])):
-                        if tgt.startswith("step time (other") and t_target is None:
+                                      ratios["seconds"][i]),
+                                     (f"step CPU time ({'gmts' if v == 'gmts' else 'other selectors'})",
+                                      ratios["cpu_seconds"][i])):
+                        other = "(other" in tgt
+                        if other and t_target is None:
                             continue
-                        slot = (tgt, b, hidden if tgt.startswith("step time (other") else None)
+                        slot = (tgt, b, hidden if other else None)
                         if val == val and (slot not in worst or val > worst[slot][0]):
                             worst[slot] = (val, v, key)
             share = r.get("prepass_reused_share", float("nan"))
-            lines.append(f"{v:<22} {cols[0]:>11} {cols[1]:>12} {cols[2]:>11} {r['kernel_seconds']:>8.1f}  "
+            lines.append(f"{v:<22} {cols[0]:>11} {cols[1]:>12} {cols[2]:>11} {cols[3]:>11} "
+                         f"{r['kernel_seconds']:>8.1f}  "
                          f"{r.get('kernel', '-'):<23} {f'{share:.0%}' if share == share else '-':>6}  "
                          f"{matched or '-':<22} {note}")
     lines.append("")
+    nan = float("nan")
     runs = [(max(r[f]) / min(r[f]), v, key, r.get("allocator", "default")) for key, rows in results.items()
             if "killed" not in rows for v, r in rows.items() for f in ("peak_kb_runs", "process_peak_kb_runs")
             if len(r.get(f, [])) > 1]
@@ -484,13 +497,15 @@ def report(results: dict, variants: list[str]) -> list[str]:
         val, v, key, _ = max(r for r in runs if r[3] == alloc)
         lines.append(f"summary: peak memory over repeated identical processes (allocator {alloc}): widest spread "
                      f"(max/min) {val:.2f}x ({v}, {key})")
-    spread = [rows["none(no-graph entropy)"]["seconds"] / rows["none"]["seconds"] for rows in results.values()
-              if "killed" not in rows and "none(no-graph entropy)" in rows and rows["none"]["seconds"] > 0]
-    if spread:  # both update with verl's log-prob kernel; only the no-graph entropy pass tells them apart
-        lines.append(f"summary: none(no-graph entropy) vs none step time over the shapes: {min(spread):.2f}x to "
-                     f"{max(spread):.2f}x (the same update kernel; read the step-time ratios against this spread)")
+    for field, what in (("seconds", "step time"), ("cpu_seconds", "step CPU time")):
+        spread = [rows["none(no-graph entropy)"].get(field, nan) / rows["none"][field] for rows in results.values()
+                  if "killed" not in rows and "none(no-graph entropy)" in rows and rows["none"].get(field, 0) > 0]
+        spread = [x for x in spread if x == x]
+        if spread:  # both update with verl's log-prob kernel; only the no-graph entropy pass tells them apart
+            lines.append(f"summary: none(no-graph entropy) vs none {what} over the shapes: {min(spread):.2f}x to "
+                         f"{max(spread):.2f}x (the same update kernel; read the {what} ratios against this spread)")
     limits = {"update peak memory": TARGET_MEM, "process peak memory": TARGET_MEM,
-              "step time (gmts)": TARGET_GMTS}
+              "step time (gmts)": TARGET_GMTS, "step CPU time (gmts)": TARGET_GMTS}
     for (tgt, b, hidden), (val, v, key) in sorted(worst.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
         limit = limits.get(tgt, TARGET_TIME.get(hidden))
         where = f" at hidden {hidden}" if hidden else ""
@@ -542,6 +557,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "verl_tokensel_bench_memory"))
     ap.add_argument("--json", default=None, help="also write the measurements here (rewritten after each shape)")
     ap.add_argument("--no-time", action="store_true", help="measure peak memory only (skip the timing process)")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="measure step time only (skip the memory processes; --report joins it to a memory run)")
     ap.add_argument("--report", nargs="+", default=None, metavar="JSON",
                     help="print the tables and summary of saved --json files (merged in order) and exit")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -568,6 +585,8 @@ def main(argv=None) -> int:
         print("\n".join(report(results, shown)))
         return 0
     variants = [v for v in args.variants.split(",") if v]
+    if args.no_time and args.no_memory:
+        ap.error("--no-time and --no-memory: nothing left to measure; give at most one")
     if args.mem_reps < 1:
         ap.error(f"--mem-reps {args.mem_reps}: must be >= 1")
     bad = [v for v in variants if v not in VARIANTS]
@@ -602,7 +621,7 @@ def main(argv=None) -> int:
             rows, killed = {}, None
             env = {**{k: x for k, x in os.environ.items() if not k.startswith("MALLOC_")},  # glibc: only the choice
                    **ALLOCATORS[args.allocator]}
-            for v in variants:  # fresh processes each
+            for v in (variants if not args.no_memory else []):  # fresh processes each
                 runs = []
                 for rep in range(args.mem_reps):
                     runs.append(run_child("--child", v, label=f"{v} (memory {rep + 1}/{args.mem_reps})", env=env))
@@ -616,12 +635,14 @@ def main(argv=None) -> int:
                            "process_peak_kb_runs": [r["process_peak_kb"] for r in runs]}
                 rows[v].update(peak_kb=max(rows[v]["peak_kb_runs"]),
                                process_peak_kb=max(rows[v]["process_peak_kb_runs"]))
+            if args.no_memory:
+                rows = {v: {"variant": v, "peak_kb": float("nan"), "process_peak_kb": float("nan")} for v in variants}
             if killed:  # a shape this host cannot hold is recorded as such (report() prints it); the grid goes on
                 results[key] = {"killed": f"{killed} (memory) was killed by the OOM killer "
                                           f"({_host_memory_gib():.1f} GiB host)"}
             else:
-                nan = {"seconds": float("nan"), "kernel_seconds": float("nan"), "kernel": "-",
-                       "prepass_reused_share": float("nan")}
+                nan = {"seconds": float("nan"), "cpu_seconds": float("nan"), "kernel_seconds": float("nan"),
+                       "kernel": "-", "prepass_reused_share": float("nan")}
                 timed = None if args.no_time else run_child("--child", "time", "--variants", ",".join(variants),
                                                             label="all variants (time)")
                 for v in variants:

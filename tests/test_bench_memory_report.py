@@ -19,7 +19,7 @@ GIB = 2**20  # kB
 def _row(peak_gib: float, seconds: float, kernel: str = "logprobs_from_logits_v2", process_gib: float | None = None,
          reused: float = float("nan")) -> dict:
     return {"peak_kb": peak_gib * GIB, "process_peak_kb": (process_gib or peak_gib) * GIB, "seconds": seconds,
-            "kernel_seconds": seconds / 2, "kernel": kernel, "prepass_reused_share": reused}
+            "cpu_seconds": 2 * seconds, "kernel_seconds": seconds / 2, "kernel": kernel, "prepass_reused_share": reused}
 
 
 def _shape(slow_gmts: float) -> dict:
@@ -62,6 +62,8 @@ def test_report_merges_files_flags_misses_and_killed_shapes(tmp_path):
     assert "summary: step time (gmts) vs the matched baseline: worst 1.30x (gmts, h1024/2304x1)" in out
     # the two baselines that share the update kernel: 12 s against 10 s at both measured shapes
     assert "summary: none(no-graph entropy) vs none step time over the shapes: 1.20x to 1.20x" in out
+    assert "summary: none(no-graph entropy) vs none step CPU time over the shapes: 1.20x to 1.20x" in out
+    assert "summary: step CPU time (gmts) vs the matched baseline: worst 1.30x (gmts, h1024/2304x1)" in out
     assert "summary: update peak memory vs none: worst 1.00x" in out and "target <= 1.05x: met" in out
 
 
@@ -82,3 +84,9 @@ def test_report_joins_a_memory_only_rerun_to_the_earlier_timing_and_gives_the_sp
     assert "logprobs_from_lse" in lines["forking"] and "0.84|1.05" in lines["forking"]
     assert ("summary: peak memory over repeated identical processes (allocator fixed): widest spread (max/min) 1.20x "
             "(gmts, h128/2304x1)") in out
+
+
+def test_refuses_to_measure_nothing():
+    r = subprocess.run([sys.executable, str(SCRIPT), "--no-time", "--no-memory"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--no-time and --no-memory" in r.stderr
