@@ -21,7 +21,8 @@ between them in the summary): a warm-up step, then ``--mem-steps`` measured step
 with glibc's mmap threshold fixed at 128 KiB (``--allocator fixed``, ``MALLOC_MMAP_THRESHOLD_=131072``): glibc's
 default raises the threshold each time a mapped block is freed (up to 32 MiB), after which tensors below it
 come from the heap, so a process's RSS depends on the order of its earlier frees, and two identical processes
-differ (1.08x at h128/2304x1 with ``--allocator default --mem-reps 2``: bench_memory_cpu_allocator_2026-12-03.txt). Fixed, every tensor of 128 KiB or
+differ (1.08x at h128/2304x1 with ``--allocator default --mem-reps 2``,
+``benchmarks/results/bench_memory_cpu_allocator_2026-12-03.txt``). Fixed, every tensor of 128 KiB or
 more is its own mapping, returned when freed, so the RSS follows the live tensors. The timing process keeps
 the default allocator. Two peaks:
 ``update peak``: right before each update freed heap is returned to the system (``malloc_trim``) and the
