@@ -518,7 +518,11 @@ def report(results: dict, variants: list[str]) -> list[str]:
 
 def merge(parts: list[dict]) -> dict:
     """Saved ``--json`` runs merged in order: a later run's shape replaces an earlier one's, except that a field
-    it did not measure (NaN: ``--no-time``) keeps the earlier value, so a memory-only rerun joins an earlier timing."""
+    it did not measure (NaN, or kernel ``-``: ``--no-time`` / ``--no-memory``) keeps the earlier value, so a
+    memory-only rerun joins an earlier timing."""
+    def measured(x) -> bool:
+        return not (x == "-" or (isinstance(x, float) and x != x))
+
     out: dict = {}
     for part in parts:
         for key, rows in part.items():
@@ -526,12 +530,7 @@ def merge(parts: list[dict]) -> dict:
             if old is None or "killed" in old or "killed" in rows:
                 out[key] = rows
                 continue
-            merged = {}
-            for v, r in rows.items():
-                merged[v] = {**old.get(v, {}), **{f: x for f, x in r.items() if not (isinstance(x, float) and x != x)}}
-                if r.get("kernel") == "-" and old.get(v, {}).get("kernel", "-") != "-":
-                    merged[v]["kernel"] = old[v]["kernel"]  # not probed in the memory-only run
-            out[key] = merged
+            out[key] = {v: {**old.get(v, {}), **{f: x for f, x in r.items() if measured(x)}} for v, r in rows.items()}
     return out
 
 
