@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.pools import budget, world_size
+from verl_tokensel.core.scopes import budget, world_size
 
 _BITS = 8
 _PASSES = 32 // _BITS

@@ -21,8 +21,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from verl_tokensel.core.cov import cov_scores
-
 # verl clamps the log-ratio to this value before exp() (core_algos.compute_policy_loss_vanilla);
 # beyond it the clamp has zero gradient, so such tokens carry no gradient either.
 LOG_RATIO_CLAMP = 20.0
@@ -224,8 +222,8 @@ class ScoreSpec:
     needs_row_keys: bool = False
     needs_external: tuple[str, ...] = ()
     uses_sum_pi_squared: bool = False
-    cov_rule: Optional[str] = None
-    mask_rule: Optional[str] = None
+    ranks: bool = True
+    rule: Optional[str] = None
 
 
 SCORE_REGISTRY: dict[str, ScoreSpec] = {}
@@ -240,8 +238,8 @@ def register_score(
     needs_row_keys: bool = False,
     needs_external: tuple[str, ...] = (),
     uses_sum_pi_squared: bool = False,
-    cov_rule: Optional[str] = None,
-    mask_rule: Optional[str] = None,
+    ranks: bool = True,
+    rule: Optional[str] = None,
 ):
     """Decorator registering a score; refuses to overwrite an existing name.
 
@@ -250,23 +248,22 @@ def register_score(
     compute them, a glue module fills them (only ``score_source=rollout`` knows ``ref_entropy``).
     ``uses_sum_pi_squared``: the score is exact with :attr:`ScoreInputs.sum_pi_squared` (else bounded),
     so the pass that measures it should ask the engine for sum_j p_j^2.
-    ``cov_rule``: ``kl_cov`` or ``clip_cov``: the rule step selects with
-    :func:`~verl_tokensel.core.cov.select_cov` (means over the scope's pool, verl's budget) instead of a top-k.
-    ``mask_rule``: ``all`` (every pool token, nothing ranked) or ``stapo`` (the tokens that are not STAPO's
-    spurious ones, :func:`~verl_tokensel.core.stapo.spurious_tokens`): a rule with no budget.
+    ``ranks=False``: the score ranks nothing; a rule ranking by it keeps every token of the pool (``all``).
+    ``rule``: the registered rule whose own selection reads the score (the covariance rules', STAPO's); any
+    other rule refuses it.
     """
 
     def deco(fn: ScoreFn) -> ScoreFn:
         if name in SCORE_REGISTRY:
             raise ValueError(f"score {name!r} is already registered; pick another name")
         SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help, needs_row_keys,
-                                         tuple(needs_external), uses_sum_pi_squared, cov_rule, mask_rule)
+                                         tuple(needs_external), uses_sum_pi_squared, ranks, rule)
         return fn
 
     return deco
 
 
-def _need_entropy(inp: ScoreInputs, name: str) -> torch.Tensor:
+def need_entropy(inp: ScoreInputs, name: str) -> torch.Tensor:
     if inp.entropy is None:
         raise ValueError(
             f"score {name!r} needs the policy entropy but the engine returned none: set "
@@ -277,12 +274,12 @@ def _need_entropy(inp: ScoreInputs, name: str) -> torch.Tensor:
 
 @register_score("entropy", needs_entropy=True, needs_omega=False, help="H_t, nats (80/20 forking tokens)")
 def entropy_score(inp: ScoreInputs) -> torch.Tensor:
-    return _need_entropy(inp, "entropy")
+    return need_entropy(inp, "entropy")
 
 
 @register_score("gmts", needs_entropy=True, needs_omega=True, help="H_t * |omega_t| (GMTS delta)")
 def gmts_score(inp: ScoreInputs) -> torch.Tensor:
-    return _need_entropy(inp, "gmts") * omega(inp).abs()
+    return need_entropy(inp, "gmts") * omega(inp).abs()
 
 
 @register_score(
@@ -304,32 +301,13 @@ def random_score(inp: ScoreInputs) -> torch.Tensor:
     return seeded_uniform(inp.row_keys, inp.log_prob.shape[-1], inp.seed).to(inp.log_prob.device)
 
 
-@register_score("kl_cov", needs_entropy=False, needs_omega=False, cov_rule="kl_cov",
-                help="(A_t - mean A)(log pi_t - mean log pi) over the scope's pool; top tokens get KL-Cov's penalty")
-def kl_cov_score(inp: ScoreInputs) -> torch.Tensor:
-    return cov_scores(_need_advantages(inp, "kl_cov"), inp.log_prob, inp.response_mask, rule="kl_cov")
-
-
-@register_score("clip_cov", needs_entropy=False, needs_omega=False, needs_row_keys=True, cov_rule="clip_cov",
-                help="the covariance as kl_cov; a keyed draw of the tokens with lb < cov < ub, not clipped (Clip-Cov)")
-def clip_cov_score(inp: ScoreInputs) -> torch.Tensor:
-    return cov_scores(_need_advantages(inp, "clip_cov"), inp.log_prob, inp.response_mask, rule="clip_cov")
-
-
-@register_score("all", needs_entropy=False, needs_omega=False, mask_rule="all",
-                help="no ranking: every valid token is kept (the shaping and phase presets: ar, entropy_adv, lopti)")
+@register_score("all", needs_entropy=False, needs_omega=False, ranks=False,
+                help="no ranking: every valid token is kept (the shaping and update-pass presets)")
 def all_score(inp: ScoreInputs) -> torch.Tensor:
     return torch.zeros_like(inp.log_prob, dtype=torch.float32)
 
 
-@register_score("stapo", needs_entropy=True, needs_omega=False, mask_rule="stapo",
-                help="H_t; keeps every token but STAPO's spurious ones (A > 0, pi < stapo_prob, H under the "
-                     "candidates' stapo_entropy_quantile)")
-def stapo_score(inp: ScoreInputs) -> torch.Tensor:
-    return _need_entropy(inp, "stapo")
-
-
-def _need_advantages(inp: ScoreInputs, name: str) -> torch.Tensor:
+def need_advantages(inp: ScoreInputs, name: str) -> torch.Tensor:
     if inp.advantages is None:
         raise ValueError(f"score {name!r} needs the advantages of the batch")
     return inp.advantages
@@ -395,6 +373,7 @@ def score_params(actor_config: Any) -> dict[str, Any]:
 
 __all__ = [
     "LOG_RATIO_CLAMP", "SCORE_REGISTRY", "ScoreInputs", "ScoreSpec", "compute_score", "grad_mass",
-    "kl_gradient_weight", "logit_grad_norm", "omega", "policy_gradient_weight", "register_score",
+    "kl_gradient_weight", "logit_grad_norm", "need_advantages", "need_entropy", "omega", "policy_gradient_weight",
+    "register_score",
     "row_keys_from_packed", "row_keys_from_tokens", "score_params", "seeded_uniform", "token_grad_norm"
 ]

@@ -1,4 +1,4 @@
-"""core.pools is the one home of scopes, directions, the budget and the world size: select, dist_topk and
+"""core.scopes is the one home of scopes, directions, the budget and the world size: select, dist_topk and
 config read them from there, and neither selection module imports the other for them."""
 
 from __future__ import annotations

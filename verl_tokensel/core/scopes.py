@@ -1,6 +1,7 @@
-"""The pools a selection budget is taken from: scope and direction names, the budget, the world size.
+"""Scopes: the pools a selection budget is taken from, which score source can fill each, the directions, the
+budget, the world size.
 
-One home for what :mod:`~verl_tokensel.core.config` (validation), :mod:`~verl_tokensel.core.select` and
+One home for what the shared config and the rules (validation), :mod:`~verl_tokensel.core.select` and
 :mod:`~verl_tokensel.core.dist_topk` (selection) all need, so neither of the last two imports the other
 for it. Pure torch.
 """
@@ -17,6 +18,19 @@ SCOPES = ("micro_batch", "micro_batch_dp", "sequence", "mini_batch", "group", "b
 #: which tokens of a scope the budget is a fraction of (and may be chosen from): every valid response token,
 #: or only those whose score is not exactly zero (NaN counts as scored; it ranks last)
 POOLS = ("valid", "nonzero")
+# Where the ranking scores come from, and the scopes each source can fill. A scope wider than one
+# micro-batch needs every score of the pool before the first backward of that pool:
+# - current: the update forward of each micro-batch (scores of the policy being trained);
+# - prepass: a no-grad forward over the rank's PPO mini-batch at its start (the GMTS code's timing),
+#   pooled over the data-parallel ranks by collectives (mini_batch, group) or per response (sequence);
+# - rollout: the old-policy pass verl already runs before the update (entropy, log-probs), with the
+#   driver's advantages; the driver computes the mask and sends it as a per-token field.
+SOURCE_SCOPES = {
+    "current": ("micro_batch", "micro_batch_dp", "sequence"),
+    "prepass": ("mini_batch", "group", "sequence"),
+    "rollout": ("batch", "group", "sequence"),
+}
+SCORE_SOURCES = tuple(SOURCE_SCOPES)
 
 
 def invalid_rule_arg(ratio: Any, direction: Any, scope: Any, pool: Any) -> Optional[tuple[str, Any, str]]:

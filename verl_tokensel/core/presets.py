@@ -1,0 +1,102 @@
+"""The presets: each a rule name and values of its knobs (and of the shared ones). No verl import.
+
+``actor_rollout_ref.actor.token_selector=<name>`` picks one; ``token_selection.<knob>=...`` overrides its values.
+Each mirrors one reference semantics; docs/fidelity.md says how each differs from it, docs/toolbox.md its source.
+``register_preset`` adds one from user code (``examples/custom_preset.py``, ``examples/custom_rule.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY
+
+
+def preset(rule: str, *, shaping: str = "none", shaping_knobs: Optional[dict[str, Any]] = None,
+           **values: Any) -> Selection:
+    """A :class:`Selection` of ``rule``: ``values`` are the shared keys and the rule's knobs (its ``Knobs``
+    fields), ``shaping_knobs`` those of ``shaping``."""
+    knobs_cls = RULE_REGISTRY[rule].Knobs
+    own = {f for f in knobs_cls.__dataclass_fields__}
+    knobs = knobs_cls(**{k: v for k, v in values.items() if k in own})
+    shared = {k: v for k, v in values.items() if k not in own}
+    shaped = None if shaping == "none" else SHAPING_REGISTRY[shaping].Knobs(**(shaping_knobs or {}))
+    return Selection(rule=rule, knobs=knobs, shaping=shaping, shaping_knobs=shaped, **shared)
+
+
+_KEEP_ALL = dict(score="all", ratio=1.0, scope="micro_batch", normaliser="all")
+
+PRESETS: dict[str, Optional[Selection]] = {
+    # stock verl: no selection, loss and gradient bit-identical to verl's ppo_loss
+    "none": None,
+    # "Beyond the 80/20 Rule" (arXiv 2506.01939) released code: top 20% current-policy entropy,
+    # ceil(0.2 N) over the valid tokens of one micro-batch on one rank, mean over selected tokens
+    "forking": preset("mask", score="entropy", ratio=0.2, scope="micro_batch", normaliser="selected"),
+    # "Beyond the 80/20 Rule" paper formula: keep H >= tau over the whole training batch B (top 20% of
+    # its response tokens, old-policy entropy, ranked on the driver), normalise by all response tokens
+    "forking_paper": preset("mask", score="entropy", ratio=0.2, scope="batch", normaliser="all",
+                            score_source="rollout"),
+    # the paper's negative control: train on the lowest-entropy 80%
+    "forking_bottom": preset("mask", score="entropy", ratio=0.8, direction="bottom", scope="micro_batch",
+                             normaliser="selected"),
+    # random 20% with the same budget and normaliser as `forking` (control absent from the paper)
+    "random": preset("mask", score="random", ratio=0.2, scope="micro_batch", normaliser="selected"),
+    # GMTS (arXiv 2608.30632): delta = H * |r A 1[not clipped]| measured by a no-grad forward at the
+    # start of each PPO mini-batch, top 20% within each prompt group (all its responses, whatever rank
+    # or position they sit at), normalise by all tokens
+    "gmts": preset("mask", score="gmts", ratio=0.2, scope="group", normaliser="all", score_source="prepass"),
+    # exact logit-gradient norm |omega| * ||e_a - p||, top 20%, normalise by all tokens
+    "grad_norm": preset("mask", score="grad_norm", ratio=0.2, scope="micro_batch", normaliser="all"),
+    # KL-Cov (Cui et al., arXiv 2505.22617): the top max(1, int(ratio * N)) covariances
+    # (A - mean A)(log pi - mean log pi) of the whole optimizer mini-batch, exact over the data-parallel ranks,
+    # measured at its start, get kl_penalty_coef * |log r| on an unclipped surrogate; verl 0.9.1's defaults
+    # (kl_cov_ratio 2e-4, ppo_kl_coef 0.1), so only the pool differs from loss_mode=kl_cov
+    "kl_cov_global": preset("kl_cov", score="kl_cov", ratio=2e-4, scope="mini_batch", normaliser="all",
+                            score_source="prepass", kl_penalty_coef=0.1),
+    # Clip-Cov (same paper): of the mini-batch's tokens with cov_lb < cov < cov_ub not already clipped, a keyed
+    # draw of max(1, int(ratio * N)) get no policy loss; verl 0.9.1's defaults (clip_cov_ratio 2e-4, bounds 1, 5)
+    "clip_cov_global": preset("clip_cov", score="clip_cov", ratio=2e-4, scope="mini_batch", normaliser="all",
+                              score_source="prepass", cov_lb=1.0, cov_ub=5.0),
+    # Archer (arXiv 2507.15778, released code wizard-III/ArcherCodeR): per response, the tokens above its 0.8
+    # entropy quantile (current policy) are clipped at 0.5 / 0.5 with no KL; the others keep the actor's clip
+    # (0.2 / 0.2 in Archer's scripts) and the KL loss (use_kl_loss, low_var_kl, 0.001), its token-mean per class
+    "archer": preset("archer", score="entropy", ratio=0.2, scope="sequence", normaliser="all", budget="quantile",
+                     selected_clip_ratio_low=0.5, selected_clip_ratio_high=0.5, selected_kl_weight=0.0,
+                     archer_kl_mean="class"),
+    # AR (Yang et al., arXiv 2505.12929; code zhyang2226/AR-Lopti): every token's advantage times
+    # alpha * pi_old + 1 - alpha; alpha 0.3 (the paper's K&K figure; its AR-only script 0.2, its math table 0.1)
+    "ar": preset("mask", **_KEEP_ALL, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
+    # Lopti (same paper): a first whole update pass on the tokens with pi_old < eta (0.5), then one on the rest,
+    # each with the other tokens' advantages zeroed and kept in the denominator
+    "lopti": preset("lopti", **_KEEP_ALL, lopti_eta=0.5),
+    # the paper's best setting on K&K: AR (alpha 0.3) and Lopti (eta 0.5) together (its AR-Lopti script)
+    "ar_lopti": preset("lopti", **_KEEP_ALL, lopti_eta=0.5, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
+    # entropy advantage shaping (Cheng et al., arXiv 2506.14758, Eq. 5-6): A + min(alpha * H.detach(), |A| / kappa)
+    # on every token, H the update pass's entropy; alpha 0.4 (GRPO; 0.1 for PPO), kappa 2 (Sec. 4)
+    "entropy_adv": preset("mask", **_KEEP_ALL, shaping="entropy",
+                          shaping_knobs=dict(entropy_alpha=0.4, entropy_kappa=2.0)),
+    # STAPO (arXiv 2602.15620, Sec. 3 and 5.1): the spurious tokens (A > 0, pi < 0.002, H under the 0.75 entropy
+    # quantile of those candidates in each mini-batch, at the policy starting its update) leave the loss, which is
+    # the token-mean over the kept tokens of the whole mini-batch
+    "stapo": preset("stapo", score="stapo", ratio=1.0, scope="mini_batch", normaliser="kept", score_source="prepass",
+                    stapo_prob=0.002, stapo_entropy_quantile=0.75),
+}
+
+
+def register_preset(name: str, selection: Selection) -> Selection:
+    """Add a ``token_selector`` preset; refuses to overwrite an existing name.
+
+    The registration must run in every process that converts the actor config (driver, TaskRunner,
+    workers): put it in a module listed in ``VERL_USE_EXTERNAL_MODULES`` or in your own
+    ``verl.plugins`` entry point. Build ``selection`` with :func:`preset` (a registered rule and its knobs).
+    """
+    if name in PRESETS:
+        raise ValueError(f"token_selector preset {name!r} already exists; pick another name")
+    if not isinstance(selection, Selection):  # a Selection validated itself when it was built
+        raise TypeError(f"register_preset needs a Selection, got {type(selection).__name__}")
+    PRESETS[name] = selection
+    return selection
+
+
+__all__ = ["PRESETS", "preset", "register_preset"]

@@ -1,0 +1,120 @@
+"""Archer (Wang et al., arXiv 2507.15778; released code wizard-III/ArcherCodeR). Pure torch, no verl import.
+
+Per response, the tokens above its 0.8 entropy quantile (current policy; ``budget=quantile``, ``ratio`` 0.2) are
+clipped at ``selected_clip_ratio_low`` / ``_high`` (0.5 / 0.5) and get ``selected_kl_weight`` (0) of the KL loss; the
+others keep the actor's clip (0.2 / 0.2 in Archer's scripts) and the KL loss (``use_kl_loss``, low_var_kl, 0.001).
+The policy loss is verl's vanilla PPO clip with per-token bounds (``tokensel_ppo_clip``).
+
+The KL term (``archer_kl_mean``): ``class`` (default) is the released code's, per micro-batch the token-mean of the
+KL over each entropy class's own tokens, times the class's weight (``dp_actor.py``: ``agg_loss(kld,
+loss_mask=<class>, token-mean)``), the micro-batch weighted by its share of the mini-batch's responses as the
+released gradient accumulation does; it is written as per-token weights ``c_t * D * rows / (G * n_class)`` under
+verl's token-mean over all D tokens of the mini-batch (G responses over all ranks, ``rows`` in the micro-batch).
+``all``: one token-mean over every valid token with weight ``selected_kl_weight`` on the selected ones (this
+package's earlier variant; about 0.8x the released term at the paper's settings).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from verl_tokensel.core.errors import check_choice, check_number, config_error
+from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
+
+NAME = "archer"
+KL_MEANS = ("class", "all")
+
+
+@dataclass(frozen=True)
+class ArcherKnobs(Ranking):
+    selected_clip_ratio_low: Optional[float] = knob(
+        None, "The selected tokens' lower clip ratio (null: the actor's clip_ratio_low).",
+        "0.5 (Archer, high-entropy tokens)")
+    selected_clip_ratio_high: Optional[float] = knob(
+        None, "The selected tokens' upper clip ratio (null: the actor's clip_ratio_high).",
+        "0.5 (Archer, high-entropy tokens)")
+    selected_kl_weight: float = knob(
+        1.0, "Factor of the KL loss (use_kl_loss) on the selected tokens; the others keep 1.",
+        "0 (Archer: no KL on high-entropy tokens)")
+    archer_kl_mean: str = knob(
+        "class", f"The KL term's mean: one of {', '.join(KL_MEANS)}. class = the token-mean over each entropy class's "
+        "own tokens per micro-batch, times its weight (the released code; needs loss_agg_mode=token-mean); all = one "
+        "token-mean over every valid token, selected_kl_weight on the selected ones.",
+        "class (ArcherCodeR dp_actor.py)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("selected_clip_ratio_low", "selected_clip_ratio_high"):
+            if getattr(self, key) is not None:
+                check_number(f"token_selection.{key}", getattr(self, key), 0.0, 1.0,
+                             "null (the actor's clip ratio) or a number in [0, 1)", open_high=True)
+        check_number("token_selection.selected_kl_weight", self.selected_kl_weight, 0.0, None, "a number >= 0")
+        check_choice("token_selection.archer_kl_mean", self.archer_kl_mean, KL_MEANS)
+
+
+def class_mean_weights(mask: torch.Tensor, tokens: torch.Tensor, selected_weight: float,
+                       denominator: Optional[float], global_rows: Optional[int]) -> torch.Tensor:
+    """Per-token KL weights that turn verl's token-mean over ``denominator`` tokens into the sum over the two
+    classes (``mask`` and the rest of ``tokens``) of ``weight * mean over the class``, the micro-batch weighted by
+    ``rows / global_rows`` (float32; 0 off ``tokens``). ``None``: the micro-batch alone is the whole."""
+    rows = mask.shape[0]
+    selected, others = mask & tokens, tokens & ~mask
+    d = float(tokens.sum()) if denominator is None else float(denominator)
+    g = rows if global_rows is None else int(global_rows)
+    scale = d * rows / g
+    w_sel = selected_weight * scale / max(int(selected.sum()), 1)
+    w_other = scale / max(int(others.sum()), 1)
+    return torch.where(selected, w_sel, torch.where(others, w_other, 0.0)).to(torch.float32)
+
+
+@register_rule(NAME)
+class Archer(Rule):
+    """High-entropy tokens (per-response quantile) get their own clip bounds and KL weight."""
+
+    Knobs = ArcherKnobs
+    normalisers = ("all",)
+    own_policy_loss = True
+    legacy = {"action": "clip_class", "phases": "one"}
+
+    def check_with_actor(self, sel, actor) -> None:
+        super().check_with_actor(sel, actor)
+        k = sel.knobs
+        if k.selected_kl_weight != 1.0 and not actor.use_kl_loss:
+            raise config_error(
+                "use_kl_loss", actor.use_kl_loss,
+                f"true (with token_selection.selected_kl_weight={k.selected_kl_weight})",
+                "the rule weights the KL loss per token, and the KL loss is off. Fix: set "
+                "actor_rollout_ref.actor.use_kl_loss=true (Archer: kl_loss_coef=0.001, kl_loss_type=low_var_kl), or "
+                "token_selection.selected_kl_weight=1 to run without a KL term.")
+        if actor.use_kl_loss and k.archer_kl_mean == "class" and actor.loss_agg_mode != "token-mean":
+            raise config_error(
+                "token_selection.archer_kl_mean", "class", "all (with any loss_agg_mode), class (only with "
+                "loss_agg_mode=token-mean)", f"actor_rollout_ref.actor.loss_agg_mode is {actor.loss_agg_mode!r}; the "
+                "per-class token-means are weights under verl's token-mean. Fix: set loss_agg_mode=token-mean or "
+                "token_selection.archer_kl_mean=all.")
+
+    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
+        k, inp = sel.knobs, batch.inputs
+        low = inp.clip_ratio_low if k.selected_clip_ratio_low is None else k.selected_clip_ratio_low
+        high = inp.clip_ratio_high if k.selected_clip_ratio_high is None else k.selected_clip_ratio_high
+        # float64: ``1 - bound`` then rounds to float32 as verl's scalar bound does, for every token
+        clip_low = torch.where(mask, float(low), float(inp.clip_ratio_low)).to(torch.float64)
+        clip_high = torch.where(mask, float(high), float(inp.clip_ratio_high)).to(torch.float64)
+        if k.archer_kl_mean == "class":
+            kl_weight = class_mean_weights(mask, tokens, k.selected_kl_weight, ctx.denominator, ctx.global_rows)
+        else:
+            kl_weight = (None if k.selected_kl_weight == 1.0
+                         else torch.where(mask, float(k.selected_kl_weight), 1.0).to(torch.float32))
+        return LossTransform(kl_weight=kl_weight, policy_loss="per_token_clip",
+                             policy_loss_args={"clip_low": clip_low, "clip_high": clip_high, "classes": mask,
+                                               "metric_group": NAME})
+
+    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
+        n_sel, n_pool = int(mask.sum()), int(tokens.sum())
+        return {f"{NAME}/selected_tokens": float(n_sel), f"{NAME}/selected_share": share(n_sel, n_pool)}
+
+
+__all__ = ["Archer", "ArcherKnobs", "KL_MEANS", "class_mean_weights"]

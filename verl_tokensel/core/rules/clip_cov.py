@@ -1,0 +1,107 @@
+"""Clip-Cov (Cui et al., arXiv 2505.22617), exact over its pool. Pure torch, no verl import.
+
+Of the pool's tokens with ``cov_lb < cov < cov_ub`` that the PPO clip has not clipped, a keyed draw of
+``max(1, int(ratio * N))`` (the ``random`` score's draw: the same tokens on every rank, split and rerun; verl draws
+with ``torch.randperm``, so the two agree whenever the candidates fit the budget) get no policy loss; the rest keep
+verl 0.9.1's ``compute_policy_loss_clip_cov`` (PPO clip without dual clip, ``* corr``). With another score, that
+ranking's tokens get no policy loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_tokensel.core.cov import cov_budget, cov_scores, pooled_count, top_k_pooled
+from verl_tokensel.core.errors import check_number, config_error
+from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, check_ranking, knob, register_rule, share
+from verl_tokensel.core.rules.kl_cov import check_covariance_score
+from verl_tokensel.core.scores import ScoreInputs, need_advantages, register_score
+
+NAME = "clip_cov"
+
+
+@register_score(NAME, needs_entropy=False, needs_omega=False, needs_row_keys=True, rule=NAME,
+                help="the covariance as kl_cov; a keyed draw of the tokens with lb < cov < ub, not clipped (Clip-Cov)")
+def clip_cov_score(inp: ScoreInputs) -> torch.Tensor:
+    return cov_scores(need_advantages(inp, NAME), inp.log_prob, inp.response_mask)
+
+
+def clipped_by_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                     clip_low: float, clip_high: float) -> torch.Tensor:
+    """Tokens the PPO clip already clips (Clip-Cov's ``clip_by_origin``): ``-A clip(r) > -A r``, ``r`` unclamped as
+    in verl's ``compute_policy_loss_clip_cov``."""
+    ratio = torch.exp(log_prob.detach() - old_log_prob.detach())
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    return pg2 > pg1
+
+
+def candidates(cov: torch.Tensor, clipped: torch.Tensor, pool: torch.Tensor, lb: float, ub: float) -> torch.Tensor:
+    """Clip-Cov's candidates: ``lb < cov < ub`` on pool tokens the PPO clip has not clipped."""
+    return pool.to(torch.bool) & ~clipped & (cov > lb) & (cov < ub)
+
+
+def select_clip_cov(advantages: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor, pool: torch.Tensor,
+                    ratio: float, draw: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2, lb: float = 1.0,
+                    ub: float = 5.0, group: Optional[dist.ProcessGroup] = None,
+                    verl_means: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, cov)``: :func:`~verl_tokensel.core.cov.cov_budget` of the candidates (all of them when they fit),
+    those with the highest ``draw`` (a keyed uniform in [0, 1) per token), over the ranks of ``group``."""
+    cov = cov_scores(advantages, log_prob, pool, group=group, means="masked" if verl_means else None)
+    cand = candidates(cov, clipped_by_ratio(log_prob, old_log_prob, advantages, clip_low, clip_high), pool, lb, ub)
+    keys = torch.where(cand, draw.float(), torch.full_like(cov, -1.0))  # candidates first
+    return top_k_pooled(keys, pool, cov_budget(ratio, pooled_count(pool, group)), group) & cand, cov
+
+
+@dataclass(frozen=True)
+class ClipCovKnobs(Ranking):
+    cov_lb: float = knob(1.0, "Candidates have covariance > cov_lb (verl's policy_loss.clip_cov_lb).", "1 (Clip-Cov)")
+    cov_ub: float = knob(5.0, "Candidates have covariance < cov_ub (verl's policy_loss.clip_cov_ub).", "5 (Clip-Cov)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_number("token_selection.cov_lb", self.cov_lb, None, None, "a number")
+        check_number("token_selection.cov_ub", self.cov_ub, None, None, "a number > token_selection.cov_lb")
+        if not self.cov_lb < self.cov_ub:
+            raise config_error("token_selection.cov_ub", self.cov_ub,
+                               f"a number > token_selection.cov_lb={self.cov_lb}")
+
+
+@register_rule(NAME)
+class ClipCov(Rule):
+    """A keyed draw of the covariance's candidates (or another score's top tokens) gets no policy loss."""
+
+    Knobs = ClipCovKnobs
+    normalisers = ("all",)
+    own_policy_loss = True
+    legacy = {"action": "zero_loss", "phases": "one"}
+
+    def check(self, sel) -> None:
+        check_ranking(sel, self)
+        if sel.knobs.score == NAME:
+            check_covariance_score(sel, NAME)
+
+    def score(self, sel, batch):
+        return None if sel.knobs.score == NAME else super().score(sel, batch)
+
+    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
+        if sel.knobs.score != NAME:
+            return super().select(sel, batch, scores, pool, ratio=ratio, scope=scope, dp_group=dp_group)
+        inp, k = batch.inputs, sel.knobs
+        return select_clip_cov(inp.advantages, inp.log_prob, inp.old_log_prob, pool, ratio, batch.score("random"),
+                               clip_low=inp.clip_ratio_low, clip_high=inp.clip_ratio_high, lb=k.cov_lb, ub=k.cov_ub,
+                               group=None if scope == "micro_batch" else dp_group, verl_means=scope == "micro_batch")
+
+    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
+        return LossTransform(policy_loss="zeroed_tokens", policy_loss_args={"loss_weight": (~mask).to(torch.float32)})
+
+    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
+        n_sel, n_pool = int(mask.sum()), int(tokens.sum())
+        return {f"{NAME}/selected_tokens": float(n_sel), f"{NAME}/selected_share": share(n_sel, n_pool)}
+
+
+__all__ = ["ClipCov", "ClipCovKnobs", "candidates", "clip_cov_score", "clipped_by_ratio", "select_clip_cov"]

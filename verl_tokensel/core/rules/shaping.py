@@ -1,0 +1,102 @@
+"""Advantage shapings: per-token reweighting, no ranking, run before the rule (``token_selection.shaping``). Pure
+torch, no verl import.
+
+- ``ar``, Advantage Reweighting (Yang et al., "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs",
+  arXiv 2505.12929; released code zhyang2226/AR-Lopti, ``ray_trainer.py``, ``reweight_method=both_linear_normal``):
+  ``A'_t = (alpha * pi_old(o_t) + 1 - alpha) * A_t``, ``pi_old = exp(old_log_prob)`` of the sampled token (a
+  constant: no gradient). The released code applies it once per step on the driver; the weight reads only the old
+  log-prob, so applying it in each micro-batch's loss gives the same numbers.
+- ``entropy`` (Cheng et al., "Reasoning with Exploration: An Entropy Perspective", arXiv 2506.14758, Sec. 3.2,
+  Eq. 5-6): ``A'_t = A_t + min(alpha * H_t.detach(), |A_t| / kappa)``, ``H_t`` the current policy's entropy at the
+  token (the update pass's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verl_tokensel.core.errors import check_number, config_error
+from verl_tokensel.core.rules.base import Shaping, knob, register_shaping
+
+
+def ar_weight(old_log_prob: torch.Tensor, alpha: float) -> torch.Tensor:
+    """AR's per-token factor ``alpha * exp(old_log_prob) + 1 - alpha`` (float32, in [1 - alpha, 1])."""
+    return (alpha * torch.exp(old_log_prob.detach().float()) + (1.0 - alpha)).float()
+
+
+def entropy_shift(advantages: torch.Tensor, entropy: torch.Tensor, alpha: float, kappa: float) -> torch.Tensor:
+    """The entropy term ``min(alpha * H.detach(), |A| / kappa)`` added to the advantage (float32, >= 0)."""
+    adv = advantages.detach().float()
+    return torch.minimum(alpha * entropy.detach().float(), adv.abs() / kappa)
+
+
+@dataclass(frozen=True)
+class ARKnobs:
+    ar_alpha: float = knob(0.3, "alpha in [0, 1] of A * (alpha * pi_old + 1 - alpha).",
+                           "0.3 (K&K figure, AR-Lopti script); 0.2 (AR-only script); 0.1 (math table)")
+
+    def __post_init__(self) -> None:
+        check_number("token_selection.ar_alpha", self.ar_alpha, 0.0, 1.0, "a number in [0, 1]")
+
+
+@register_shaping("ar")
+class AdvantageReweighting(Shaping):
+    """``A * (alpha * pi_old + 1 - alpha)``."""
+
+    Knobs = ARKnobs
+
+    def shape(self, batch, knobs, advantages):
+        if batch.inputs.old_log_prob is None:
+            raise ValueError("shaping=ar needs the old log-probs of the sampled tokens")
+        return ar_weight(batch.inputs.old_log_prob, knobs.ar_alpha), None
+
+    def stats(self, batch, knobs, tokens, transform):
+        if not tokens.any():
+            return {}
+        return {"ar/mean_weight": float(ar_weight(batch.inputs.old_log_prob, knobs.ar_alpha)[tokens].mean())}
+
+
+@dataclass(frozen=True)
+class EntropyKnobs:
+    entropy_alpha: float = knob(0.4, "alpha of min(alpha * H, |A| / kappa).", "0.4 (GRPO); 0.1 (PPO)")
+    entropy_kappa: float = knob(2.0, "kappa > 1 of min(alpha * H, |A| / kappa); the shaped advantage keeps its sign.",
+                                "2")
+
+    def __post_init__(self) -> None:
+        check_number("token_selection.entropy_alpha", self.entropy_alpha, 0.0, None, "a number >= 0")
+        check_number("token_selection.entropy_kappa", self.entropy_kappa, 1.0, None, "a number > 1")
+        if self.entropy_kappa <= 1.0:
+            raise config_error("token_selection.entropy_kappa", self.entropy_kappa, "a number > 1",
+                               "kappa > 1 keeps the shaped advantage's sign (the paper's condition; its value is 2).")
+
+
+@register_shaping("entropy")
+class EntropyShaping(Shaping):
+    """``A + min(alpha * H.detach(), |A| / kappa)``, H the update pass's entropy."""
+
+    Knobs = EntropyKnobs
+
+    def needs_entropy(self, knobs) -> bool:
+        return True
+
+    def shape(self, batch, knobs, advantages):
+        entropy = batch.inputs.entropy
+        if entropy is None:
+            raise ValueError("shaping=entropy needs the policy entropy of the update pass: set "
+                             "actor_rollout_ref.actor.calculate_entropy=True (or token_selection.auto_enable_entropy)")
+        return None, entropy_shift(advantages, entropy, knobs.entropy_alpha, knobs.entropy_kappa)
+
+    def stats(self, batch, knobs, tokens, transform):
+        shift = transform.advantage_shift
+        if not tokens.any() or shift is None:
+            return {}
+        out = {"entropy_adv/mean_shift": float(shift[tokens].mean())}
+        if batch.advantages is not None:
+            capped = (shift < knobs.entropy_alpha * batch.inputs.entropy.float()) & tokens
+            out["entropy_adv/capped_share"] = float(capped.sum()) / int(tokens.sum())
+        return out
+
+
+__all__ = ["ARKnobs", "AdvantageReweighting", "EntropyKnobs", "EntropyShaping", "ar_weight", "entropy_shift"]

@@ -1,0 +1,135 @@
+"""The shared selection config: a rule, its knobs, and what every rule shares. No verl import.
+
+:class:`Selection` is a fully resolved rule: the registered rule's name and its knobs (a dataclass of the rule's
+own, :mod:`~verl_tokensel.core.rules`), an optional advantage shaping run before it, and the keys every rule
+shares: when the scores are measured, the scope pooled over, the loss's denominator, the seed and the masks of the
+entropy and KL terms. It validates itself once, in ``__post_init__``, and asks the rule for the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from verl_tokensel.core.errors import check_bool, check_choice, config_error
+from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Rule, Shaping
+from verl_tokensel.core.scopes import SCOPES, SCORE_SOURCES, SOURCE_SCOPES
+
+# the token-mean denominator: all valid tokens; each micro-batch's selected tokens (80/20 code); or the selected
+# (kept) tokens of the whole mini-batch, which then are the loss's only tokens (STAPO's renormalisation)
+NORMALISERS = ("all", "selected", "kept")
+
+
+def _shared(default: Any, help: str, paper: str) -> Any:
+    return field(default=default, metadata={"help": help, "paper": paper})
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A fully resolved selection rule (a preset, possibly with overrides)."""
+
+    rule: str = _shared("mask", "The token rule (a registered rule; the preset sets it).", "n/a")
+    knobs: Any = _shared(None, "The rule's knobs (its Knobs dataclass).", "n/a")
+    score_source: str = _shared(
+        "current", f"When the scores are measured: one of {', '.join(SCORE_SOURCES)}. current = in the update "
+        "forward of each micro-batch; prepass = a no-grad forward at the start of each PPO mini-batch; rollout = "
+        "verl's old-log-prob pass, mask computed on the driver.",
+        "rollout (80/20 paper), current (80/20 code), prepass (GMTS)")
+    scope: str = _shared(
+        "micro_batch", f"Pool the budget is taken from: one of {', '.join(SCOPES)}. micro_batch_dp and mini_batch are "
+        "exact over all data-parallel ranks; group = the responses sharing a prompt (uid); batch = the whole "
+        "training batch of a step. Each score_source allows: "
+        + "; ".join(f"{k}: {', '.join(v)}" for k, v in SOURCE_SCOPES.items()) + ".",
+        "batch (80/20 paper), micro_batch (80/20 code), group (GMTS)")
+    normaliser: str = _shared(
+        "all", "Token-mean denominator: all valid tokens (paper formula); each micro-batch's selected tokens, the "
+        "micro-batch weighted by its share of the mini-batch's responses (80/20 released code; needs "
+        "loss_agg_mode=token-mean); or kept = the selected tokens of the whole mini-batch over all ranks, which are "
+        "then the loss's only tokens (score_source=prepass).",
+        "all (80/20 paper, GMTS); selected (80/20 code); kept (STAPO)")
+    seed: int = _shared(
+        0, "Seed of the random draws (the random score, Clip-Cov's draw); a token's draw depends only on (seed, the "
+        "token ids of its prompt and response, its position), so every rank, micro-batch split and rerun draws the "
+        "same.", "n/a")
+    mask_entropy_bonus: bool = _shared(False, "Apply the mask to the entropy bonus (entropy_coeff) too.",
+                                       "false (80/20 code used all tokens)")
+    mask_kl_loss: bool = _shared(False, "Apply the mask to the KL loss (use_kl_loss) too.",
+                                 "false (80/20 code, GMTS, TRL keep KL on all tokens)")
+    ref_model_path: Optional[str] = _shared(
+        None, "Local HF checkpoint whose per-token entropy the ref_entropy score ranks by (computed on the driver, "
+        "score_source=rollout); null = actor_rollout_ref.model.path.",
+        "the base model (80/20: > 86% top-20% overlap of base and RL model)")
+    shaping: str = _shared(
+        "none", "Advantage shaping before the rule (and before a score that reads the advantage): none or a "
+        "registered shaping (ar = A * (ar_alpha * pi_old + 1 - ar_alpha); entropy = A + min(entropy_alpha * H, |A| "
+        "/ entropy_kappa), H the update pass's entropy, detached).",
+        "ar (AR, arXiv 2505.12929); entropy (arXiv 2506.14758)")
+    shaping_knobs: Any = _shared(None, "The shaping's knobs (its Knobs dataclass), None without one.", "n/a")
+
+    def __post_init__(self) -> None:
+        """The shared checks, then the rule's own (:meth:`~verl_tokensel.core.rules.base.Rule.check`); those that
+        need the actor's other settings are in :func:`~verl_tokensel.core.config.check_with_actor`. Errors name the
+        ``token_selection`` key, its valid values and the fix."""
+        check_choice("token_selection.rule", self.rule, tuple(RULE_REGISTRY))
+        knobs_cls = self.impl.Knobs
+        if type(self.knobs) is not knobs_cls:
+            raise TypeError(f"rule {self.rule!r} needs knobs of type {knobs_cls.__name__}, got "
+                            f"{type(self.knobs).__name__}")
+        check_choice("token_selection.scope", self.scope, SCOPES)
+        check_choice("token_selection.score_source", self.score_source, SCORE_SOURCES)
+        check_choice("token_selection.normaliser", self.normaliser, NORMALISERS)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise config_error("token_selection.seed", self.seed, "an integer >= 0")
+        check_bool("token_selection.mask_entropy_bonus", self.mask_entropy_bonus)
+        check_bool("token_selection.mask_kl_loss", self.mask_kl_loss)
+        if self.ref_model_path is not None and (not isinstance(self.ref_model_path, str) or not self.ref_model_path):
+            raise config_error("token_selection.ref_model_path", self.ref_model_path,
+                               "null or a local checkpoint folder")
+        check_choice("token_selection.shaping", self.shaping, ("none", *SHAPING_REGISTRY))
+        if self.shaping == "none" and self.shaping_knobs is not None:
+            raise TypeError("shaping=none takes no shaping_knobs")
+        if self.shaping != "none" and type(self.shaping_knobs) is not self.shaper.Knobs:
+            raise TypeError(f"shaping {self.shaping!r} needs knobs of type {self.shaper.Knobs.__name__}")
+        if self.normaliser == "selected" and self.score_source != "current":
+            raise config_error(
+                "token_selection.normaliser", "selected",
+                "all (with any score_source), selected (only with score_source=current)",
+                f"with score_source={self.score_source} the selection spans more than one micro-batch, so a "
+                "per-micro-batch mean over selected tokens would weight them unequally. Fix: set "
+                "token_selection.normaliser=all (the 80/20 paper's and GMTS' denominator).")
+        if self.normaliser == "kept" and self.score_source != "prepass":
+            raise config_error(
+                "token_selection.normaliser", "kept", "all or selected (with score_source="
+                f"{self.score_source}); kept needs score_source=prepass",
+                "the kept tokens' count over the whole mini-batch is the denominator, which only the pre-pass "
+                "knows before the first micro-batch's backward. Fix: set token_selection.score_source=prepass "
+                "or normaliser=all.")
+        self.impl.check(self)
+
+    @property
+    def impl(self) -> Rule:
+        """The registered rule."""
+        return RULE_REGISTRY[self.rule]
+
+    @property
+    def shaper(self) -> Optional[Shaping]:
+        """The registered shaping, or None."""
+        return None if self.shaping == "none" else SHAPING_REGISTRY[self.shaping]
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The pass that scores (and, with a shaping that reads it, the update pass) needs the policy entropy."""
+        return self.impl.needs_entropy(self) or self.needs_update_entropy
+
+    @property
+    def needs_update_entropy(self) -> bool:
+        """The update pass needs the entropy whatever the score source (a shaping that reads it)."""
+        return self.shaper is not None and self.shaper.needs_entropy(self.shaping_knobs)
+
+    @property
+    def update_passes(self) -> tuple[Optional[int], ...]:
+        """The driver's update passes per step (``(None,)``: verl's one)."""
+        return tuple(self.impl.update_passes(self.knobs))
+
+
+__all__ = ["NORMALISERS", "Selection"]
