@@ -379,7 +379,7 @@ class SanityRecorder:
         """
         import torch
 
-        from verl_tokensel.core.pools import budget
+        from verl_tokensel.core.scopes import budget
 
         out = {"micro_batches": len(self.calls), "count_checked": 0, "grad_checked": 0, "failures": []}
         if not self.calls:
@@ -534,7 +534,7 @@ def make_variants(H, actor, names, run_prepass: bool = False) -> list[Variant]:
 def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     """Tokens a selection over a pool wider than one micro-batch keeps in the whole (single) mini-batch,
     or None when the pool is the micro-batch (checked per micro-batch instead)."""
-    from verl_tokensel.core.pools import budget
+    from verl_tokensel.core.scopes import budget
 
     if sel is None or sel.scope == "micro_batch":
         return None

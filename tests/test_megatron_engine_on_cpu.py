@@ -176,7 +176,7 @@ def test_prepass_threshold_is_exact_across_data_parallel_ranks(model_dir, preset
     prompt group's (``group``, a group split over the ranks included) valid tokens, and the very mask one process
     selects over the rank-ordered union with the scores the pre-pass wrote."""
     from verl_tokensel.core.batch import group_ids
-    from verl_tokensel.core.pools import budget
+    from verl_tokensel.core.scopes import budget
     from verl_tokensel.core.select import select_tokens
 
     run = _layout(model_dir, "dp2")
@@ -218,6 +218,6 @@ def test_driver_mask_reaches_the_right_rows(model_dir, layout):
         assert seen == res["rows_on_rank"]
     total_sel = sum(int(v.sum()) for v in run[0]["presets"]["forking_paper"]["driver_mask_by_row"].values())
     total = sum(v.numel() for v in run[0]["presets"]["forking_paper"]["driver_mask_by_row"].values())
-    from verl_tokensel.core.pools import budget
+    from verl_tokensel.core.scopes import budget
 
     assert total_sel == budget(0.2, total)

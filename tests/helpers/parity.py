@@ -367,7 +367,7 @@ def dp_rank_run(rank: int, world: int, model_dir: str, rmpad: bool, rows: list[d
 def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
     """What is off in a preset's successful run: non-finite loss, or a selection not at the budget of its scope.
     ``per_rank``: that preset's outcome on each rank."""
-    from verl_tokensel.core.pools import budget
+    from verl_tokensel.core.scopes import budget
 
     problems = []
     first = per_rank[0]

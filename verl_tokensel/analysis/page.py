@@ -10,7 +10,7 @@ import torch
 
 from verl_tokensel.analysis.html import PageInfo, ResponseView, TokenView, render_page
 from verl_tokensel.analysis.selection import scored_batch, select_preset
-from verl_tokensel.core.pools import budget
+from verl_tokensel.core.scopes import budget
 
 SHADE_HELP = {
     "entropy": "H_t (nats) of the policy at the token",
@@ -66,7 +66,7 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
     b = len(scored)
     names = [shade] if shade != "logp" else []
     if sel is not None:
-        names.append(sel.score)
+        names.extend(sel.impl.scores(sel))
     batch = scored_batch(scored, advantages, names or "entropy", pairs=pairs, seed=sel.seed if sel is not None else 0)
     valid = batch.valid
     shade_vals = batch.inputs.log_prob if shade == "logp" else batch.score(shade)
@@ -105,7 +105,7 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
     rows = []
     notes = []
     if sel is not None:
-        rows.append(("selection", f"score {sel.score}, {sel.direction} {ratio:g} (ceil(ratio*N) tokens), "
+        rows.append(("selection", f"score {sel.knobs.score}, {sel.knobs.direction} {ratio:g} (ceil(ratio*N) tokens), "
                                   f"scope {scope}, normaliser {sel.normaliser}"))
         if scope == "sequence":
             notes.append(f"Scope sequence: each response is its own pool; ceil({ratio:g} * n) of its n tokens "
@@ -130,4 +130,4 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
         preset=args.preset, shade=shade, shade_help=SHADE_HELP.get(shade, "registered score"),
         shade_reversed=reversed_, rows=rows, notes=notes,
     )
-    return render_page(info, responses, score_name=None if sel is None else sel.score)
+    return render_page(info, responses, score_name=None if sel is None else sel.knobs.score)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from verl_tokensel.core.batch import ScoreBatch, pad_rows, score_batch
-from verl_tokensel.core.pools import budget
+from verl_tokensel.core.scopes import budget
 from verl_tokensel.core.rule import apply_rule
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import selection_ranks
@@ -65,14 +65,15 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     batch as one micro-batch). The ranks are the selector's order; a check confirms that the kept tokens
     are exactly ranks ``1 .. budget`` of each pool.
     """
-    ratio = sel.ratio if ratio is None else ratio
+    ratio = sel.knobs.ratio if ratio is None else ratio
     scope = scope or ("sequence" if sel.scope == "sequence" else "micro_batch")
     selected = apply_rule(sel, batch, stats=False, ratio=ratio, scope=scope)
     scores, mask = selected.scores, selected.mask
-    valid = selected.pool & (scores != 0) if sel.pool == "nonzero" else selected.pool  # the pool the budget counts
-    ranks = selection_ranks(scores, valid, sel.direction, scope)
-    spec = SCORE_REGISTRY[sel.score]
-    if sel.budget == "quantile" or spec.cov_rule is not None or spec.mask_rule is not None:
+    tokens = selected.loss_tokens
+    valid = tokens & (scores != 0) if sel.knobs.pool == "nonzero" else tokens  # the pool the budget counts
+    ranks = selection_ranks(scores, valid, sel.knobs.direction, scope)
+    spec = SCORE_REGISTRY[sel.knobs.score]
+    if sel.knobs.budget == "quantile" or spec.rule is not None or not spec.ranks:
         # the count is the rule's own (a quantile, verl's max(1, int(r N)), Clip-Cov's draw among candidates,
         # STAPO's tokens but the spurious ones):
         # the budget reported is what the rule kept

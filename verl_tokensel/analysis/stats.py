@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from verl_tokensel.analysis.selection import per_response, scored_batch
-from verl_tokensel.core.pools import budget
+from verl_tokensel.core.scopes import budget
 from verl_tokensel.core.select import select_tokens
 
 PERCENTILES = (50, 80, 90, 99)

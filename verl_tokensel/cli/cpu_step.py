@@ -96,16 +96,16 @@ def run(args) -> int:
         H.compute_old_log_probs(actor, batch)
         if config.selection is not None and config.selection.score_source == "rollout":
             B.add_driver_selection(config, batch)  # what the tokensel driver does before update_actor
-        lopti = config.selection is not None and config.selection.phases == "lopti"
-        for phase in (1, 2) if lopti else (None,):  # Lopti: the driver's two whole update passes
-            _progress(f"update with token_selector={preset}" + (f" (Lopti pass {phase})" if phase else ""))
+        passes = config.selection.update_passes if config.selection is not None else (None,)
+        for n in passes:  # a rule's update passes: the driver's whole updates, one per pass
+            _progress(f"update with token_selector={preset}" + (f" (update pass {n})" if n is not None else ""))
             data = batch.copy()
-            if phase is not None:
+            if n is not None:
                 from verl.utils import tensordict_utils as tu
 
-                from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
+                from verl_tokensel.core.fields import UPDATE_PASS
 
-                tu.assign_non_tensor(data, **{LOPTI_PHASE_KEY: phase})
+                tu.assign_non_tensor(data, **{UPDATE_PASS: n})
             result = H.run_train_step(actor, data, loss_fn=SelectingLoss(config), capture_params=True)
         m = result.metrics
         if not (result.loss == result.loss) or result.max_abs_param_delta <= 0:

@@ -135,12 +135,12 @@ def _engine_overrides(engine: str) -> tuple[str, ...]:
 
 
 def _kl_overrides(preset: str, micro: int) -> tuple[str, ...]:
-    """The KL loss is off, except for a rule that weights it per token (``archer``: Archer's low_var_kl at 0.001,
-    with the reference worker's log-prob micro-batch)."""
+    """The KL loss is off, except for a rule that weights it per token (Archer's: low_var_kl at 0.001, with the
+    reference worker's log-prob micro-batch)."""
     from verl_tokensel.core.config import PRESETS
 
     sel = PRESETS.get(preset)
-    if sel is not None and sel.action == "clip_class" and sel.selected_kl_weight != 1.0:
+    if sel is not None and sel.impl.needs_kl_loss(sel.knobs):
         return ("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
                 "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
                 f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}")

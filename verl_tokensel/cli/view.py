@@ -60,7 +60,7 @@ def run(args) -> int:
         return error(f"--preset {args.preset!r} is unknown; valid: {', '.join(PRESETS)}")
     sel = PRESETS[args.preset]
     shades = shade_choices()
-    shade = args.shade if args.shade is not None else (sel.score if sel is not None and sel.score in shades
+    shade = args.shade if args.shade is not None else (sel.knobs.score if sel is not None and sel.knobs.score in shades
                                                        else "entropy")
     if shade not in shades:
         return error(f"--shade {shade!r} is unknown; valid: {', '.join(shades)}")

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from verl_tokensel.core import fields as F
+from verl_tokensel.core import fields
 from verl_tokensel.core.scores import (
     SCORE_REGISTRY,
     ScoreInputs,
@@ -133,25 +133,25 @@ def score_batch(
         if name not in SCORE_REGISTRY:
             raise ValueError(f"unknown score {name!r}; valid: {sorted(SCORE_REGISTRY)}")
     t = {k: v for k, v in tensors.items() if v is not None}
-    if F.LOG_PROBS not in t and F.OLD_LOG_PROBS not in t:
-        raise ValueError(f"score_batch needs {F.LOG_PROBS!r} or {F.OLD_LOG_PROBS!r}; got {sorted(t)}")
-    valid = t[F.RESPONSE_MASK].to(torch.bool)
+    if fields.LOG_PROBS not in t and fields.OLD_LOG_PROBS not in t:
+        raise ValueError(f"score_batch needs {fields.LOG_PROBS!r} or {fields.OLD_LOG_PROBS!r}; got {sorted(t)}")
+    valid = t[fields.RESPONSE_MASK].to(torch.bool)
     if row_valid is not None:
         valid = valid & row_valid.to(device=valid.device, dtype=torch.bool).view(-1, 1)
-    log_prob = t.get(F.LOG_PROBS, t.get(F.OLD_LOG_PROBS)).detach()
-    adv = t.get(F.ADVANTAGES, torch.zeros_like(log_prob))
-    if F.ROLLOUT_IS_WEIGHTS in t:
-        adv = adv.float() * t[F.ROLLOUT_IS_WEIGHTS].float()
-    entropy = t.get(F.ENTROPY)
+    log_prob = t.get(fields.LOG_PROBS, t.get(fields.OLD_LOG_PROBS)).detach()
+    adv = t.get(fields.ADVANTAGES, torch.zeros_like(log_prob))
+    if fields.ROLLOUT_IS_WEIGHTS in t:
+        adv = adv.float() * t[fields.ROLLOUT_IS_WEIGHTS].float()
+    entropy = t.get(fields.ENTROPY)
     inp = ScoreInputs(
         log_prob=log_prob,
         response_mask=valid,
         entropy=entropy.detach() if entropy is not None else None,
-        old_log_prob=t.get(F.OLD_LOG_PROBS, log_prob),
+        old_log_prob=t.get(fields.OLD_LOG_PROBS, log_prob),
         advantages=adv,
-        sum_pi_squared=t.get(F.SUM_PI_SQUARED),
-        logit_grad_norm=t.get(F.LOGIT_GRAD_NORM),
-        ref_log_prob=t.get(F.REF_LOG_PROB),
+        sum_pi_squared=t.get(fields.SUM_PI_SQUARED),
+        logit_grad_norm=t.get(fields.LOGIT_GRAD_NORM),
+        ref_log_prob=t.get(fields.REF_LOG_PROB),
         seed=seed,
         external=dict(external or {}),
         **dict(params or {}),
@@ -165,11 +165,11 @@ def score_batch(
     if groups is not None:
         groups = groups.to(log_prob.device)
     finite = torch.ones_like(valid)
-    for name in F.FINITE_INPUTS:
+    for name in fields.FINITE_INPUTS:
         if name in t:
             finite &= torch.isfinite(t[name].detach())
     return ScoreBatch(inputs=inp, valid=valid, finite=finite | ~valid, group_ids=groups,
-                      advantages=t.get(F.ADVANTAGES), is_weights=t.get(F.ROLLOUT_IS_WEIGHTS))
+                      advantages=t.get(fields.ADVANTAGES), is_weights=t.get(fields.ROLLOUT_IS_WEIGHTS))
 
 
 def pad_rows(rows: Sequence[torch.Tensor], fill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -235,7 +235,8 @@ def check_with_actor(
             f"actor_rollout_ref.actor.loss_agg_mode is {loss_agg_mode!r}; a mean over selected tokens is only "
             "defined for token-mean. Fix: set token_selection.normaliser=all or loss_agg_mode=token-mean.")
     sel.impl.check_with_actor(sel, actor)
-    if sel.needs_entropy and not (calculate_entropy or entropy_coeff != 0 or auto_enable_entropy):
+    reads_entropy = sel.score_needs_entropy or sel.shaping_needs_entropy
+    if reads_entropy and not (calculate_entropy or entropy_coeff != 0 or auto_enable_entropy):
         raise config_error(
             "calculate_entropy", calculate_entropy, "true",
             f"token_selection.score={sel.knobs.score} / shaping={sel.shaping} reads the policy entropy, which the "

@@ -26,6 +26,8 @@ UID = "uid"
 #: pre-pass (score_source=prepass)
 MASK = "token_select_mask"
 SCORE = "token_select_score"
+#: the non-tensor key the drivers set on each update pass of a rule with several (its ``update_passes``)
+UPDATE_PASS = "tokensel_update_pass"
 
 #: per-token inputs of verl's policy loss that every update batch carries, and those it may carry
 LOSS_INPUTS = (RESPONSE_MASK, OLD_LOG_PROBS, ADVANTAGES)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 from verl_tokensel.core.errors import check_bool, check_choice, config_error
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Rule, Shaping
 from verl_tokensel.core.scopes import SCOPES, SCORE_SOURCES, SOURCE_SCOPES
+from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreSpec
 
 # the token-mean denominator: all valid tokens; each micro-batch's selected tokens (80/20 code); or the selected
 # (kept) tokens of the whole mini-batch, which then are the loss's only tokens (STAPO's renormalisation)
@@ -117,14 +118,33 @@ class Selection:
         return None if self.shaping == "none" else SHAPING_REGISTRY[self.shaping]
 
     @property
-    def needs_entropy(self) -> bool:
-        """The pass that scores (and, with a shaping that reads it, the update pass) needs the policy entropy."""
-        return self.impl.needs_entropy(self) or self.needs_update_entropy
+    def score_specs(self) -> tuple[ScoreSpec, ...]:
+        """The registered scores the rule evaluates."""
+        return tuple(SCORE_REGISTRY[name] for name in self.impl.scores(self))
 
     @property
-    def needs_update_entropy(self) -> bool:
+    def score_needs_entropy(self) -> bool:
+        """The pass that scores (the update pass for ``score_source=current``) needs the policy entropy."""
+        return self.impl.needs_entropy(self)
+
+    @property
+    def shaping_needs_entropy(self) -> bool:
         """The update pass needs the entropy whatever the score source (a shaping that reads it)."""
         return self.shaper is not None and self.shaper.needs_entropy(self.shaping_knobs)
+
+    @property
+    def uses_sum_pi_squared(self) -> bool:
+        """A score is exact with the engine's sum_j p_j^2 (the pass that scores should ask for it)."""
+        return any(s.uses_sum_pi_squared for s in self.score_specs)
+
+    @property
+    def needs_external(self) -> tuple[str, ...]:
+        """The external per-token fields a score reads (only the driver fills them)."""
+        return tuple(dict.fromkeys(name for s in self.score_specs for name in s.needs_external))
+
+    @property
+    def needs_row_keys(self) -> bool:
+        return any(s.needs_row_keys for s in self.score_specs)
 
     @property
     def update_passes(self) -> tuple[Optional[int], ...]:

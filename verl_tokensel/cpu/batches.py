@@ -224,16 +224,16 @@ def add_driver_selection(config, batch):
     """
     from verl.workers.utils.padding import response_to_nested
 
-    from verl_tokensel.core import fields as F
+    from verl_tokensel.core import fields
     from verl_tokensel.core.batch import group_ids
     from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
 
-    padded = batch.select(*F.LOSS_INPUTS, F.ENTROPY).to_padded_tensor()
-    out = select_on_driver(config.selection, dict(padded.items()), group_ids=group_ids(batch.get(F.UID).tolist()),
+    padded = batch.select(*fields.LOSS_INPUTS, fields.ENTROPY).to_padded_tensor()
+    out = select_on_driver(config.selection, dict(padded.items()), group_ids=group_ids(batch.get(fields.UID).tolist()),
                            params=score_params(config))
-    rm = batch[F.RESPONSE_MASK]
-    batch[F.MASK] = response_to_nested(out.mask.to(rm.dtype), rm)
-    batch[F.SCORE] = response_to_nested(out.scores, rm)
+    rm = batch[fields.RESPONSE_MASK]
+    batch[fields.MASK] = response_to_nested(out.mask.to(rm.dtype), rm)
+    batch[fields.SCORE] = response_to_nested(out.scores, rm)
     return out
 
 

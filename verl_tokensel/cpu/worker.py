@@ -290,11 +290,10 @@ def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Op
 
     from verl.utils.config import omega_conf_to_dataclass
     from verl_tokensel.core.config import PRESETS
-    from verl_tokensel.core.scores import SCORE_REGISTRY
 
     if calculate_entropy is None:
         sel = PRESETS[preset]
-        calculate_entropy = sel is not None and (SCORE_REGISTRY[sel.score].needs_entropy or sel.shaping == "entropy")
+        calculate_entropy = sel is not None and (sel.score_needs_entropy or sel.shaping_needs_entropy)
     node = actor.cfg.actor_rollout_ref.actor.copy()
     OmegaConf.set_struct(node, False)
     node._target_ = ("verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig" if actor.engine_name == "megatron"

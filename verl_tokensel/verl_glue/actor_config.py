@@ -19,7 +19,6 @@ from verl_tokensel.core.config import (
     TokenSelectionConfigError,
     resolve_selection,
 )
-from verl_tokensel.core.scores import SCORE_REGISTRY
 
 
 class StockLossGuard(dict):
@@ -108,7 +107,7 @@ class _TokenSelectMixin:
         sel = self.selection
         if sel is None:
             return False
-        return sel.shaping == "entropy" or (sel.score_source == "current" and SCORE_REGISTRY[sel.score].needs_entropy)
+        return sel.shaping_needs_entropy or (sel.score_source == "current" and sel.score_needs_entropy)
 
 
 @dataclass

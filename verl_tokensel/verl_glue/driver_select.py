@@ -15,9 +15,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from verl_tokensel.core import fields as F
+from verl_tokensel.core import fields
 from verl_tokensel.core.batch import score_batch
-from verl_tokensel.core.config import Selection
+from verl_tokensel.core.selection import Selection
 from verl_tokensel.core.rule import apply_rule
 from verl_tokensel.core.scores import score_params
 
@@ -67,9 +67,9 @@ def select_on_driver(
     Returns:
         :class:`DriverSelection` with the mask, the float32 scores and ``tokensel/driver_*`` metrics.
     """
-    as_float = (F.OLD_LOG_PROBS, F.ADVANTAGES, F.ENTROPY)
+    as_float = (fields.OLD_LOG_PROBS, fields.ADVANTAGES, fields.ENTROPY)
     t = {k: (v.float() if k in as_float and v is not None else v) for k, v in tensors.items()}
-    sb = score_batch(sel.score, t, row_valid=row_valid, keys=keys,
+    sb = score_batch(sel.impl.scores(sel), t, row_valid=row_valid, keys=keys,
                      groups=group_ids if sel.scope == "group" else None, seed=sel.seed, external=external,
                      params=params)
     selected = apply_rule(sel, sb)

@@ -62,16 +62,15 @@ def _check_fused_kernels(config: DictConfig, selector: str) -> None:
     NotImplementedError on a worker for ``calculate_sum_pi_squared`` with fused kernels): refuse, on the
     driver, a pre-pass that would ask for it (``score_source=rollout`` is refused by
     :func:`~verl_tokensel.verl_glue.rollout_source.validate_rollout_config`)."""
-    from verl_tokensel.core.scores import SCORE_REGISTRY
     from verl_tokensel.verl_glue.actor_config import actor_selection
 
     if not OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels", default=False):
         return
     sel = actor_selection(config)
-    if sel is None or sel.score_source != "prepass" or not SCORE_REGISTRY[sel.score].uses_sum_pi_squared:
+    if sel is None or sel.score_source != "prepass" or not sel.uses_sum_pi_squared:
         return
     raise ValueError(
-        f"actor_rollout_ref.actor.token_selector={selector} (score {sel.score}, score_source={sel.score_source}) "
+        f"actor_rollout_ref.actor.token_selector={selector} (score {sel.knobs.score}, score_source={sel.score_source}) "
         "cannot run with actor_rollout_ref.model.use_fused_kernels=true: its scoring pass needs sum_j p_j^2, which "
         "verl's fused kernels do not compute. Fix: actor_rollout_ref.model.use_fused_kernels=false, or "
         "token_selection.score_source=current (the score then uses its (1 - p_a) lower bound), or a score "
@@ -186,20 +185,22 @@ class _TokenselTrainerMixin:
     def _update_actor(self, batch, metrics):
         if self.tokensel_driver is not None:
             batch = self.tokensel_driver.select_v1(batch, metrics)
+        from verl_tokensel.core.fields import UPDATE_PASS
         from verl_tokensel.verl_glue.actor_config import actor_selection
-        from verl_tokensel.verl_glue.lopti import LOPTI_PHASE_KEY, run_lopti_passes, uses_lopti
+        from verl_tokensel.verl_glue.update_passes import run_update_passes, several_passes
 
-        if not uses_lopti(actor_selection(self.config)):
+        sel = actor_selection(self.config)
+        if not several_passes(sel):
             return super()._update_actor(batch, metrics)
 
-        def update(phase: int) -> dict:  # one whole actor update with the pass number for the loss
+        def update(n: int) -> dict:  # one whole actor update with the pass number for the loss
             out: dict = {}
-            batch.extra_info[LOPTI_PHASE_KEY] = phase
+            batch.extra_info[UPDATE_PASS] = n
             super(_TokenselTrainerMixin, self)._update_actor(batch, out)
             return out
 
         try:
-            metrics.update(run_lopti_passes(update))
+            metrics.update(run_update_passes(sel, update))
         finally:
-            batch.extra_info.pop(LOPTI_PHASE_KEY, None)
+            batch.extra_info.pop(UPDATE_PASS, None)
         return batch

@@ -10,8 +10,9 @@
 - ``normaliser=selected`` (token-mean only, the 80/20 released code): the selected tokens are the loss mask and the
   denominator is the micro-batch's selected tokens, weighted by its share of the mini-batch's responses;
 - the entropy bonus and KL loss see the mask only with ``mask_entropy_bonus`` / ``mask_kl_loss``;
-- a rule whose action is not ``gradient`` (KL-Cov's penalty, Clip-Cov's zeroed tokens, Archer's per-token clip
-  and KL weight) keeps every token's gradient and runs :func:`~verl_tokensel.verl_glue.policy_loss.rule_policy_loss`.
+- the rule's :class:`~verl_tokensel.core.rules.base.LossTransform` is applied as it is: its gate (None: every
+  token keeps the gradient), the advantages' affine map, the KL and entropy weights, and the per-token policy loss
+  it names (:func:`~verl_tokensel.verl_glue.policy_loss.transform_policy_loss`; None: ``loss_mode``'s).
 
 ``token_selector=none`` calls verl's ``ppo_loss`` itself (stock bit for bit). The part of ``ppo_loss`` the
 selecting loss repeats is :func:`verl_ppo_loss_body`, pinned to verl's source by :data:`VERL_PPO_LOSS_SHA256`.
@@ -30,19 +31,19 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
-from verl_tokensel.core import fields as F
-from verl_tokensel.core.config import Selection
+from verl_tokensel.core import fields
 from verl_tokensel.core.rule import Selected, apply_rule
+from verl_tokensel.core.rules import LossContext
 from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
-from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
+from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.announce import announce_loss
 from verl_tokensel.verl_glue.micro_batch import MicroBatch, unpack_micro_batch
-from verl_tokensel.verl_glue.policy_loss import rule_policy_loss
+from verl_tokensel.verl_glue.policy_loss import transform_policy_loss
 
 METRIC_PREFIX = "tokensel/"
 # the per-token fields a selection measured before the update writes into the batch (names: core/fields.py)
-MASK_FIELD = F.MASK
-SCORE_FIELD = F.SCORE
+MASK_FIELD = fields.MASK
+SCORE_FIELD = fields.SCORE
 
 
 def _global_responses(data: TensorDict) -> int:
@@ -106,77 +107,87 @@ def tokensel_ppo_loss(config, model_output, data: TensorDict, dp_group=None, obs
         guard.active = False
 
 
-def _lopti_phase(sel: Selection, data: TensorDict) -> int | None:
-    """The Lopti update pass this micro-batch belongs to (None without phases), set by the driver."""
-    if sel.phases != "lopti":
+def update_pass(sel: Selection, data: TensorDict) -> int | None:
+    """The driver's update pass this micro-batch belongs to (None for a rule with one pass)."""
+    passes = sel.update_passes
+    if passes == (None,):
         return None
-    phase = tu.get_non_tensor_data(data=data, key=LOPTI_PHASE_KEY, default=None)
-    if phase not in (1, 2):
+    value = tu.get_non_tensor_data(data=data, key=fields.UPDATE_PASS, default=None)
+    if value not in passes:
         raise RuntimeError(
-            f"token_selection.phases=lopti but the update batch carries {LOPTI_PHASE_KEY}={phase!r}: the driver "
-            "did not split the update into Lopti's two passes. They are run by python -m verl_tokensel.main_ppo "
-            "(trainer modes tokensel_*, and the v0 driver); a custom trainer must call update_actor once per phase "
-            f"with {LOPTI_PHASE_KEY} set to 1, then 2.")
-    return int(phase)
+            f"token_selection's rule {sel.rule} runs the update passes {passes} per step, but the update batch "
+            f"carries {fields.UPDATE_PASS}={value!r}: the driver did not split the update into them. They are run by "
+            "python -m verl_tokensel.main_ppo (trainer modes tokensel_*, and the v0 driver); a custom trainer must "
+            f"call update_actor once per pass with {fields.UPDATE_PASS} set to each of {passes}.")
+    return int(value)
 
 
-def _select(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, Selected]:
+def _context(sel: Selection, data: TensorDict) -> LossContext:
+    denominator = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)
+    rows = tu.get_non_tensor_data(data=data, key="global_batch_size", default=None)
+    return LossContext(update_pass=update_pass(sel, data),
+                       denominator=None if denominator is None else float(denominator),
+                       global_rows=None if rows is None else int(rows))
+
+
+def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, Selected]:
     """The micro-batch and the rule step on it (or, for a selection measured before the update, its fields)."""
-    phase = _lopti_phase(sel, data)
+    context = _context(sel, data)
     if sel.score_source == "current":
         mb = unpack_micro_batch(config, sel, model_output, data)
-        return mb, apply_rule(sel, mb.scores, dp_group=dp_group, phase=phase)
-    if F.MASK not in data.keys():
+        return mb, apply_rule(sel, mb.scores, dp_group=dp_group, context=context)
+    if fields.MASK not in data.keys():
         raise RuntimeError(
             f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
-            f"'{F.MASK}' field: the selection that runs before the update (on the driver for "
+            f"'{fields.MASK}' field: the selection that runs before the update (on the driver for "
             "rollout, at the start of each mini-batch for prepass) did not run. It is installed by "
             "python -m verl_tokensel.main_ppo (trainer modes tokensel_*); a custom trainer must keep it."
         )
-    mb = unpack_micro_batch(config, sel, model_output, data, rank=False, extra_fields=(F.MASK, F.SCORE))
-    scores = mb.padded[F.SCORE] if F.SCORE in mb.padded.keys() else torch.zeros_like(mb.log_prob)
-    return mb, apply_rule(sel, mb.scores, measured=(mb.padded[F.MASK], scores), phase=phase)
+    mb = unpack_micro_batch(config, sel, model_output, data, rank=False, extra_fields=(fields.MASK, fields.SCORE))
+    scores = mb.padded[fields.SCORE] if fields.SCORE in mb.padded.keys() else torch.zeros_like(mb.log_prob)
+    return mb, apply_rule(sel, mb.scores, measured=(mb.padded[fields.MASK], scores), context=context)
 
 
 def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: Selected) -> dict:
     """verl's loss inputs carrying the selection: the gated log-prob, the rule's per-token outputs applied, and
     finite stand-ins on dropped tokens (masked out; verl's masked sums would turn NaN x 0 into NaN)."""
-    log_prob, entropy, mask = mb.log_prob, mb.entropy, selected.mask
-    gated = torch.where(mask, log_prob, log_prob.detach()) if selected.gate else log_prob
+    log_prob, entropy, mask, t = mb.log_prob, mb.entropy, selected.mask, selected.transform
+    gated = log_prob if t.gate is None else torch.where(t.gate, log_prob, log_prob.detach())
     kl_log_prob = log_prob
-    inputs = {k: mb.padded.get(k, None) for k in (F.OLD_LOG_PROBS, F.ADVANTAGES, F.ROLLOUT_IS_WEIGHTS, F.REF_LOG_PROB)}
+    names = (fields.OLD_LOG_PROBS, fields.ADVANTAGES, fields.ROLLOUT_IS_WEIGHTS, fields.REF_LOG_PROB)
+    inputs = {k: mb.padded.get(k, None) for k in names}
     if selected.dropped:
-        finite = selected.pool | ~mb.response_mask
+        finite = selected.loss_tokens | ~mb.response_mask
         gated = torch.where(finite, gated, 0.0)
-        fill = {F.OLD_LOG_PROBS: gated.detach(), F.ADVANTAGES: 0.0, F.ROLLOUT_IS_WEIGHTS: 1.0,
-                F.REF_LOG_PROB: gated.detach()}
+        fill = {fields.OLD_LOG_PROBS: gated.detach(), fields.ADVANTAGES: 0.0, fields.ROLLOUT_IS_WEIGHTS: 1.0,
+                fields.REF_LOG_PROB: gated.detach()}
         inputs = {k: None if v is None else torch.where(finite, v, fill[k]) for k, v in inputs.items()}
         entropy = None if entropy is None else torch.where(finite, entropy, 0.0)
         kl_log_prob = torch.where(finite, log_prob, 0.0)
-    if selected.advantage_weight is not None:
-        inputs[F.ADVANTAGES] = inputs[F.ADVANTAGES] * selected.advantage_weight
-    if selected.advantage_shift is not None:
-        inputs[F.ADVANTAGES] = inputs[F.ADVANTAGES] + selected.advantage_shift
+    if t.advantage_weight is not None:
+        inputs[fields.ADVANTAGES] = inputs[fields.ADVANTAGES] * t.advantage_weight
+    if t.advantage_shift is not None:
+        inputs[fields.ADVANTAGES] = inputs[fields.ADVANTAGES] + t.advantage_shift
     if entropy is not None and sel.mask_entropy_bonus:
         entropy = torch.where(mask, entropy, entropy.detach())
-    if entropy is not None and selected.entropy_weight is not None:
-        entropy = entropy * selected.entropy_weight
+    if entropy is not None and t.entropy_weight is not None:
+        entropy = entropy * t.entropy_weight
     inputs.update(log_prob=gated, entropy=entropy, kl_log_prob=gated if sel.mask_kl_loss else kl_log_prob)
     return inputs
 
 
 def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group, observer=None):
-    mb, selected = _select(config, sel, model_output, data, dp_group)
-    mask, pool = selected.mask, selected.pool
+    mb, selected = _rule_step(config, sel, model_output, data, dp_group)
+    mask, tokens = selected.mask, selected.loss_tokens
     if observer is not None:
         observer({"mask": mask, "scores": selected.scores, "response_mask": mb.response_mask, "data": data,
-                  "log_prob": mb.log_prob, "advantages": mb.padded[F.ADVANTAGES]})
+                  "log_prob": mb.log_prob, "advantages": mb.padded[fields.ADVANTAGES]})
     inputs = _loss_inputs(config, sel, mb, selected)
 
     def policy_loss(info):  # verl's registered loss for loss_mode (only its inputs are ours), or the rule's
-        policy_loss_fn = rule_policy_loss(selected) or get_policy_loss_fn(config.policy_loss.get("loss_mode",
-                                                                                                 "vanilla"))
-        loss_mask = mask if sel.normaliser == "kept" else pool
+        policy_loss_fn = (transform_policy_loss(selected.transform)
+                          or get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla")))
+        loss_mask = mask if sel.normaliser == "kept" else tokens
         saved = info["batch_num_tokens"]
         if sel.normaliser == "selected":
             n_sel = int(mask.sum())
@@ -185,19 +196,20 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
                 # token-mean divides by batch_num_tokens: n_sel * G / rows makes it the selected mean x rows / G
                 info["batch_num_tokens"] = n_sel * _global_responses(data) / int(mb.response_mask.shape[0])
         try:
-            return policy_loss_fn(old_log_prob=inputs[F.OLD_LOG_PROBS], log_prob=inputs["log_prob"],
-                                  advantages=inputs[F.ADVANTAGES], response_mask=loss_mask,
+            return policy_loss_fn(old_log_prob=inputs[fields.OLD_LOG_PROBS], log_prob=inputs["log_prob"],
+                                  advantages=inputs[fields.ADVANTAGES], response_mask=loss_mask,
                                   loss_agg_mode=config.loss_agg_mode, config=config,
-                                  rollout_is_weights=inputs[F.ROLLOUT_IS_WEIGHTS])
+                                  rollout_is_weights=inputs[fields.ROLLOUT_IS_WEIGHTS])
         finally:
             info["batch_num_tokens"] = saved
 
     # normaliser kept: the unselected tokens leave the loss (the pre-pass made the mini-batch's loss_mask the kept
     # tokens, so verl's batch_num_tokens counts them over all ranks)
     loss, metrics = verl_ppo_loss_body(
-        config, data, policy_loss, response_mask=mask if sel.normaliser == "kept" else pool, entropy=inputs["entropy"],
-        kl_log_prob=inputs["kl_log_prob"],
-        ref_log_prob=inputs[F.REF_LOG_PROB] if config.use_kl_loss else None, kl_weight=selected.kl_weight,
+        config, data, policy_loss, response_mask=mask if sel.normaliser == "kept" else tokens,
+        entropy=inputs["entropy"], kl_log_prob=inputs["kl_log_prob"],
+        ref_log_prob=inputs[fields.REF_LOG_PROB] if config.use_kl_loss else None,
+        kl_weight=selected.transform.kl_weight,
     )
     for key, value in selected.stats.items():
         # A stat that exists only where it is defined (no selected token in this micro-batch: no threshold, no

@@ -15,21 +15,21 @@ from tensordict import TensorDict
 
 from verl.workers.utils.padding import no_padding_2_padding
 
-from verl_tokensel.core import fields as F
+from verl_tokensel.core import fields
 from verl_tokensel.core.batch import ScoreBatch, score_batch
-from verl_tokensel.core.config import Selection
+from verl_tokensel.core.selection import Selection
 from verl_tokensel.core.scores import score_params
 
 
 def batch_uids(data: TensorDict):
     """verl's ``uid`` (prompt id) of each row of ``data``, for ``scope=group``; a clear error when absent."""
-    if F.UID not in data.keys():
+    if fields.UID not in data.keys():
         raise RuntimeError(
-            f"token_selection.scope=group needs the '{F.UID}' of each response in the update batch (the prompt "
+            f"token_selection.scope=group needs the '{fields.UID}' of each response in the update batch (the prompt "
             f"id verl's drivers attach to every rollout), and this mini-batch has none (keys: {sorted(data.keys())}). "
             "Fix: keep the uid field in the batch a custom trainer sends to update_actor, or use scope=mini_batch."
         )
-    return data.get(F.UID)
+    return data.get(fields.UID)
 
 
 @dataclass
@@ -50,8 +50,8 @@ def _policy_outputs(model_output, data: TensorDict, padded: TensorDict):
     """``(log_prob, entropy, sum_pi_squared)`` padded: the engine's outputs, or (``model_output=None``) the
     old-log-prob pass's values carried by ``data``."""
     if model_output is None:
-        return padded[F.OLD_LOG_PROBS], padded.get(F.ENTROPY, None), None
-    out = [model_output.get(k, None) for k in (F.LOG_PROBS, F.ENTROPY, F.SUM_PI_SQUARED)]
+        return padded[fields.OLD_LOG_PROBS], padded.get(fields.ENTROPY, None), None
+    out = [model_output.get(k, None) for k in (fields.LOG_PROBS, fields.ENTROPY, fields.SUM_PI_SQUARED)]
     return tuple(None if v is None else no_padding_2_padding(v, data) for v in out)
 
 
@@ -65,11 +65,11 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     ``rank=False`` skips the row keys and group ids (the mask was measured before the update).
     ``extra_fields``: more per-token fields of ``data`` to pad (the pre-measured mask and scores).
     """
-    names = [*F.LOSS_INPUTS, *F.OPTIONAL_LOSS_INPUTS, *extra_fields]
+    names = [*fields.LOSS_INPUTS, *fields.OPTIONAL_LOSS_INPUTS, *extra_fields]
     if model_output is None:
-        names.append(F.ENTROPY)
+        names.append(fields.ENTROPY)
     padded = data.select(*[k for k in names if k in data.keys()]).to_padded_tensor()
-    response_mask = padded[F.RESPONSE_MASK].to(torch.bool)
+    response_mask = padded[fields.RESPONSE_MASK].to(torch.bool)
     log_prob, entropy, sum_pi_squared = _policy_outputs(model_output, data, padded)
     ids = attn = uids = None
     if rank:
@@ -78,12 +78,12 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
             attn = data["attention_mask"]  # padded rows: hash only the real tokens
         if sel.scope == "group":
             uids = batch_uids(data)
-    tensors = {k: padded.get(k, None) for k in (F.OLD_LOG_PROBS, F.ADVANTAGES, F.ROLLOUT_IS_WEIGHTS)}
-    tensors.update({F.RESPONSE_MASK: response_mask, F.LOG_PROBS: log_prob, F.ENTROPY: entropy,
-                    F.SUM_PI_SQUARED: sum_pi_squared})
+    tensors = {k: padded.get(k, None) for k in (fields.OLD_LOG_PROBS, fields.ADVANTAGES, fields.ROLLOUT_IS_WEIGHTS)}
+    tensors.update({fields.RESPONSE_MASK: response_mask, fields.LOG_PROBS: log_prob, fields.ENTROPY: entropy,
+                    fields.SUM_PI_SQUARED: sum_pi_squared})
     if config.use_kl_loss:  # read by the KL part of omega, and a finite input of the loss
-        tensors[F.REF_LOG_PROB] = padded.get(F.REF_LOG_PROB, None)
-    sb = score_batch(sel.score, tensors, input_ids=ids, attention_mask=attn, uids=uids, scope=sel.scope,
+        tensors[fields.REF_LOG_PROB] = padded.get(fields.REF_LOG_PROB, None)
+    sb = score_batch(sel.impl.scores(sel), tensors, input_ids=ids, attention_mask=attn, uids=uids, scope=sel.scope,
                      seed=sel.seed, params=score_params(config))
     return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
 

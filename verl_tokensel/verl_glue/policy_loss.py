@@ -1,15 +1,16 @@
-"""The policy losses of the token rules whose selected tokens get more than a gradient mask, in verl's conventions.
+"""The per-token policy losses a rule's transform may name, in verl's conventions (:data:`RULE_POLICY_LOSSES`).
 
-A rule's :class:`~verl_tokensel.core.rule.Selected` may carry per-token outputs that verl's registered losses read
-as scalars from the config, or not at all. :func:`rule_policy_loss` returns the loss that takes them:
+A rule whose selected tokens get more than a gradient mask names one of these in its
+:class:`~verl_tokensel.core.rules.base.LossTransform` (``policy_loss``, with its per-token ``policy_loss_args``);
+verl's registered losses read the same quantities as scalars from the config, or not at all:
 
-- ``kl_penalty`` (KL-Cov): verl 0.9.1's ``compute_policy_loss_kl_cov`` with the penalised tokens given (unclipped
+- ``abs_log_ratio_penalty``: verl 0.9.1's ``compute_policy_loss_kl_cov`` with the penalised tokens given (unclipped
   ``-A r`` for every token, ``+ coef * |log r|`` on the penalised ones);
-- ``loss_weight`` (Clip-Cov): verl's ``compute_policy_loss_clip_cov`` with the zeroed tokens given (PPO clip
-  without dual clip, ``* corr``);
-- ``clip_low`` / ``clip_high`` (Archer): :func:`ppo_clip_per_token`, verl's ``compute_policy_loss_vanilla``
-  (log-ratio clamp, dual clip with ``clip_ratio_c``, its metrics) with per-token bounds. It is registered in verl's
-  policy-loss registry as ``tokensel_ppo_clip``: without per-token bounds it is verl's vanilla loss.
+- ``zeroed_tokens``: verl's ``compute_policy_loss_clip_cov`` with the zeroed tokens given (PPO clip without dual
+  clip, ``* corr``);
+- ``per_token_clip``: :func:`ppo_clip_per_token`, verl's ``compute_policy_loss_vanilla`` (log-ratio clamp, dual
+  clip with ``clip_ratio_c``, its metrics) with per-token bounds. It is registered in verl's policy-loss registry
+  as ``tokensel_ppo_clip``: without per-token bounds it is verl's vanilla loss.
 
 Given the same tokens, each equals its verl counterpart bit for bit (tests/test_policy_loss_on_cpu.py).
 """
@@ -24,7 +25,7 @@ import torch
 import verl.utils.torch_functional as verl_F
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
 
-from verl_tokensel.core.rule import Selected
+from verl_tokensel.core.rules import LossTransform
 
 PPO_CLIP_PER_TOKEN = "tokensel_ppo_clip"
 
@@ -57,13 +58,14 @@ def ppo_clip_per_token(
     clip_low: Optional[torch.Tensor] = None,
     clip_high: Optional[torch.Tensor] = None,
     classes: Optional[torch.Tensor] = None,
+    metric_group: str = "per_token_clip",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl's vanilla PPO/DAPO loss with per-token clip ratios ``clip_low`` / ``clip_high`` (None: the config's).
 
     Same conventions as ``compute_policy_loss_vanilla`` of verl 0.9.1: the log-ratio clamped to +-20, the dual clip
     ``-A * clip_ratio_c`` for ``A < 0``, the same metrics (``pg_clipfrac`` counts every token the clip clipped,
     whatever its bound). ``classes`` (bool, the selected tokens): adds the clip fraction of each class,
-    ``tokensel/archer/clipfrac_selected`` / ``_unselected``.
+    ``tokensel/<metric_group>/clipfrac_selected`` / ``_unselected`` (the rule's name).
     """
     if config is None:
         raise ValueError(f"{PPO_CLIP_PER_TOKEN} needs the actor config (clip_ratio, clip_ratio_c)")
@@ -96,22 +98,22 @@ def ppo_clip_per_token(
     if classes is not None:
         clipped = torch.gt(pg_losses2, pg_losses1).float()
         for name, part in (("selected", classes), ("unselected", ~classes)):
-            metrics[f"tokensel/archer/clipfrac_{name}"] = verl_F.masked_mean(
+            metrics[f"tokensel/{metric_group}/clipfrac_{name}"] = verl_F.masked_mean(
                 clipped, response_mask.bool() & part).detach().item()
     return pg_loss, metrics
 
 
-def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                rollout_is_weights=None, *, kl_penalty: torch.Tensor):
-    """verl 0.9.1's ``compute_policy_loss_kl_cov`` with the penalty given per token (``kl_penalty``: the
+def abs_log_ratio_penalty_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean",
+                               config=None, rollout_is_weights=None, *, penalty: torch.Tensor):
+    """verl 0.9.1's ``compute_policy_loss_kl_cov`` with the penalty given per token (``penalty``: the
     coefficient on the penalised tokens, 0 elsewhere) instead of chosen inside the micro-batch."""
     negative_approx_kl = log_prob - old_log_prob
     abs_kl = negative_approx_kl.abs()
     ratio = torch.exp(negative_approx_kl)
     ppo_kl_abs = verl_F.masked_mean(negative_approx_kl.abs(), response_mask)
     pg_losses1 = -advantages * ratio
-    pg_losses_kl = -advantages * ratio + kl_penalty * abs_kl
-    pg_losses = torch.where(kl_penalty != 0, pg_losses_kl, pg_losses1)
+    pg_losses_kl = -advantages * ratio + penalty * abs_kl
+    pg_losses = torch.where(penalty != 0, pg_losses_kl, pg_losses1)
     if rollout_is_weights is not None:
         pg_losses = pg_losses * rollout_is_weights
     pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
@@ -119,8 +121,8 @@ def kl_cov_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode
     return pg_loss, {"actor/ppo_kl": ppo_kl_abs.detach().item()}
 
 
-def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                  rollout_is_weights=None, *, loss_weight: torch.Tensor):
+def zeroed_tokens_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                       rollout_is_weights=None, *, loss_weight: torch.Tensor):
     """verl 0.9.1's ``compute_policy_loss_clip_cov`` with ``corr`` given per token (``loss_weight``: 0 on the
     detached tokens, 1 elsewhere) instead of drawn inside the micro-batch with ``torch.randperm``."""
     low, high = _bounds(config)
@@ -139,17 +141,25 @@ def clip_cov_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mo
     return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
 
 
-def rule_policy_loss(selected: Selected) -> Optional[Callable]:
-    """The policy loss that applies ``selected``'s per-token outputs (verl's registry signature), or None when it
-    has none (the configured ``loss_mode`` runs)."""
-    if selected.kl_penalty is not None:
-        return partial(kl_cov_loss, kl_penalty=selected.kl_penalty)
-    if selected.loss_weight is not None:
-        return partial(clip_cov_loss, loss_weight=selected.loss_weight)
-    if selected.clip_low is not None or selected.clip_high is not None:
-        return partial(ppo_clip_per_token, clip_low=selected.clip_low, clip_high=selected.clip_high,
-                       classes=selected.mask)
-    return None
+#: the per-token policy losses a rule's transform names (``LossTransform.policy_loss``)
+RULE_POLICY_LOSSES: dict[str, Callable] = {
+    "abs_log_ratio_penalty": abs_log_ratio_penalty_loss,
+    "zeroed_tokens": zeroed_tokens_loss,
+    "per_token_clip": ppo_clip_per_token,
+}
+
+
+def transform_policy_loss(transform: LossTransform) -> Optional[Callable]:
+    """The policy loss ``transform`` names, bound to its per-token arguments (verl's registry signature), or None
+    when it names none (the configured ``loss_mode`` runs)."""
+    if transform.policy_loss is None:
+        return None
+    try:
+        fn = RULE_POLICY_LOSSES[transform.policy_loss]
+    except KeyError:
+        raise ValueError(f"a rule's transform names the policy loss {transform.policy_loss!r}; valid: "
+                         f"{sorted(RULE_POLICY_LOSSES)}") from None
+    return partial(fn, **transform.policy_loss_args)
 
 
 def register_policy_losses() -> None:
@@ -164,5 +174,5 @@ def register_policy_losses() -> None:
     register_policy_loss(PPO_CLIP_PER_TOKEN)(ppo_clip_per_token)
 
 
-__all__ = ["PPO_CLIP_PER_TOKEN", "clip_cov_loss", "kl_cov_loss", "ppo_clip_per_token", "register_policy_losses",
-           "rule_policy_loss"]
+__all__ = ["PPO_CLIP_PER_TOKEN", "RULE_POLICY_LOSSES", "abs_log_ratio_penalty_loss", "ppo_clip_per_token",
+           "register_policy_losses", "transform_policy_loss", "zeroed_tokens_loss"]

@@ -25,11 +25,10 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.padding import response_to_nested
 
-from verl_tokensel.core import fields as F
-from verl_tokensel.core.config import Selection
+from verl_tokensel.core import fields
 from verl_tokensel.core.dist_topk import global_group_ids
 from verl_tokensel.core.rule import apply_rule
-from verl_tokensel.core.scores import SCORE_REGISTRY
+from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 from verl_tokensel.verl_glue.no_graph import install_no_graph_scores
@@ -65,10 +64,10 @@ def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, co
     version = getattr(worker, _WEIGHTS_VERSION, None)
     if version is None or getattr(worker, _INFER_AT, None) != version:
         return False
-    spec = SCORE_REGISTRY[config.selection.score]
-    if spec.uses_sum_pi_squared or "old_log_probs" not in data.keys():
+    sel = config.selection
+    if sel.uses_sum_pi_squared or "old_log_probs" not in data.keys():
         return False
-    return not spec.needs_entropy or F.ENTROPY in data.keys()
+    return not sel.score_needs_entropy or fields.ENTROPY in data.keys()
 
 
 def _as_response_field(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -90,12 +89,11 @@ def _forward_no_grad(worker: TrainingWorker, data: TensorDict, sel: Selection) -
     than through ``TrainingWorker.infer_batch``, whose post-processing keeps the outputs on one
     sequence-parallel rank only, while every rank runs the loss.
     """
-    spec = SCORE_REGISTRY[sel.score]
     probe = data.copy()
     tu.assign_non_tensor(
         probe,
-        calculate_entropy=bool(spec.needs_entropy),
-        calculate_sum_pi_squared=bool(getattr(spec, "uses_sum_pi_squared", False)),
+        calculate_entropy=bool(sel.score_needs_entropy),
+        calculate_sum_pi_squared=bool(sel.uses_sum_pi_squared),
         compute_loss=False,
     )
     engine, model_config, engine_config = worker.engine, worker.model_config, worker.engine_config
@@ -142,16 +140,16 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
     selected = apply_rule(sel, mb.scores, dp_group=dp_group, stats=False)
     mask, group_ids = selected.mask, mb.scores.group_ids
 
-    rm = data[F.RESPONSE_MASK]
+    rm = data[fields.RESPONSE_MASK]
     if data.is_locked:  # a chunk verl's dispatch produced; the fields must travel with the mini-batch
         data.unlock_()
-    data[F.MASK] = _as_response_field(mask.to(rm.dtype), rm)
-    data[F.SCORE] = _as_response_field(selected.scores, rm)
+    data[fields.MASK] = _as_response_field(mask.to(rm.dtype), rm)
+    data[fields.SCORE] = _as_response_field(selected.scores, rm)
     if sel.normaliser == "kept":
         # the kept tokens are the loss's only tokens: verl's engine counts the mini-batch's token-mean denominator
         # (batch_num_tokens, all-reduced over the data-parallel ranks) from loss_mask; a new tensor, so
         # response_mask (which loss_mask may alias) keeps every valid token
-        data["loss_mask"] = _as_response_field((mask & selected.pool).to(rm.dtype), rm)
+        data["loss_mask"] = _as_response_field((mask & selected.loss_tokens).to(rm.dtype), rm)
     seconds = time.perf_counter() - t0
 
     counts = torch.stack([mask.sum(), response_mask.sum()]).to(torch.float64)

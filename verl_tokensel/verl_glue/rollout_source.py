@@ -19,10 +19,10 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from verl_tokensel.core import fields as F
+from verl_tokensel.core import fields
 from verl_tokensel.core.batch import group_ids, row_keys
-from verl_tokensel.core.config import Selection, TokenSelectionConfigError
-from verl_tokensel.core.scores import SCORE_REGISTRY
+from verl_tokensel.core.errors import TokenSelectionConfigError
+from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.actor_config import actor_selection
 from verl_tokensel.verl_glue.driver_select import (
     DriverSelection,
@@ -54,27 +54,26 @@ def validate_rollout_config(config: DictConfig) -> None:
     sel = rollout_selection(config)
     if sel is None:
         return
-    spec = SCORE_REGISTRY[sel.score]
-    unknown = [f for f in spec.needs_external if f not in DRIVER_EXTERNAL_FIELDS]
+    unknown = [f for f in sel.needs_external if f not in DRIVER_EXTERNAL_FIELDS]
     if unknown:
         raise TokenSelectionConfigError(
-            f"actor_rollout_ref.actor.token_selection.score={sel.score!r} is invalid with score_source=rollout: "
+            f"actor_rollout_ref.actor.token_selection.score={sel.knobs.score!r} is invalid with score_source=rollout: "
             f"it needs the per-token field(s) {unknown}, which the driver cannot compute (it fills "
             f"{', '.join(DRIVER_EXTERNAL_FIELDS)}). Fix: pick another score or fill the field in your own glue."
         )
-    if spec.needs_entropy and _bypass_mode(config):
+    if sel.score_needs_entropy and _bypass_mode(config):
         raise TokenSelectionConfigError(
             "algorithm.rollout_correction.bypass_mode=True is invalid with "
-            f"actor_rollout_ref.actor.token_selection.score={sel.score} and score_source=rollout; valid: False. "
+            f"actor_rollout_ref.actor.token_selection.score={sel.knobs.score} and score_source=rollout; valid: False. "
             "Bypass mode skips verl's old-log-prob pass, which is where the old-policy entropy comes from. "
             "Fix: set bypass_mode=False, or use score_source=current, or a score without entropy "
             "(random, grad_norm, ref_entropy)."
         )
-    if spec.uses_sum_pi_squared and not _bypass_mode(config) and OmegaConf.select(
+    if sel.uses_sum_pi_squared and not _bypass_mode(config) and OmegaConf.select(
             config, "actor_rollout_ref.model.use_fused_kernels", default=False):
         raise TokenSelectionConfigError(
             "actor_rollout_ref.model.use_fused_kernels=True is invalid with "
-            f"actor_rollout_ref.actor.token_selection.score={sel.score} and score_source=rollout; valid: False. "
+            f"actor_rollout_ref.actor.token_selection.score={sel.knobs.score} and score_source=rollout; valid: False. "
             "The score reads sum_j p_j^2 from the old-log-prob pass, which verl's engines refuse to compute "
             "with fused kernels. Fix: set use_fused_kernels=False or pick another score."
         )
@@ -87,7 +86,7 @@ def prepare_rollout_config(config: DictConfig) -> None:
     driver never reads it; :meth:`DriverSelector.old_pass_extra_info` asks for it there).
     """
     sel = rollout_selection(config)
-    if sel is None or not SCORE_REGISTRY[sel.score].uses_sum_pi_squared or _bypass_mode(config):
+    if sel is None or not sel.uses_sum_pi_squared or _bypass_mode(config):
         return
     with open_dict(config):
         config.actor_rollout_ref.actor.calculate_sum_pi_squared = True
@@ -156,7 +155,6 @@ class DriverSelector:
     def __init__(self, config: DictConfig, sel: Selection, trainer: Any = None):
         self.config = config
         self.sel = sel
-        self.spec = SCORE_REGISTRY[sel.score]
         self.params = score_params(config.actor_rollout_ref.actor)
         self.trainer = trainer
         self._ref_scorer: Optional[RefEntropyScorer] = None
@@ -170,10 +168,10 @@ class DriverSelector:
     # ------------------------------------------------------------------ shared
     def old_pass_extra_info(self) -> dict[str, Any]:
         """Extra flags for the old-log-prob pass (V1 driver)."""
-        return {"calculate_sum_pi_squared": True} if self.spec.uses_sum_pi_squared else {}
+        return {"calculate_sum_pi_squared": True} if self.sel.uses_sum_pi_squared else {}
 
     def external_fields(self, prompts, responses, width: int) -> dict[str, torch.Tensor]:
-        if "ref_entropy" not in self.spec.needs_external:
+        if "ref_entropy" not in self.sel.needs_external:
             return {}
         if self._ref_scorer is None:
             path = self.sel.ref_model_path or self.config.actor_rollout_ref.model.path
@@ -182,13 +180,13 @@ class DriverSelector:
         return {"ref_entropy": self._ref_scorer(prompts, responses, width)}
 
     def select_rows(self, padded: dict[str, torch.Tensor], uids, keys, row_valid, external) -> DriverSelection:
-        if self.spec.uses_sum_pi_squared and padded.get("sum_pi_squared") is None and not self._warned_sp2:
+        if self.sel.uses_sum_pi_squared and padded.get("sum_pi_squared") is None and not self._warned_sp2:
             self._warned_sp2 = True
             logger.warning("verl_tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
-                           "using its (1 - p_a) lower bound", self.sel.score)
-        tensors = {k: padded.get(k) for k in F.DRIVER_INPUTS}
+                           "using its (1 - p_a) lower bound", self.sel.knobs.score)
+        tensors = {k: padded.get(k) for k in fields.DRIVER_INPUTS}
         if not self.params["kl_coef"]:
-            tensors[F.REF_LOG_PROB] = None
+            tensors[fields.REF_LOG_PROB] = None
         return select_on_driver(self.sel, tensors, keys=keys,
                                 group_ids=group_ids(uids) if self.sel.scope == "group" else None,
                                 row_valid=row_valid, external=external, params=self.params)
@@ -203,39 +201,39 @@ class DriverSelector:
         from verl.workers.utils.padding import response_from_nested, response_to_nested
 
         t0 = time.time()
-        names = [F.UID, *F.LOSS_INPUTS, F.ENTROPY, F.ROLLOUT_IS_WEIGHTS]
+        names = [fields.UID, *fields.LOSS_INPUTS, fields.ENTROPY, fields.ROLLOUT_IS_WEIGHTS]
         if self.params["kl_coef"]:
-            names.append(F.REF_LOG_PROB)
-        if self.spec.uses_sum_pi_squared:
-            names.append(F.SUM_PI_SQUARED)
-        if self.spec.needs_row_keys:
+            names.append(fields.REF_LOG_PROB)
+        if self.sel.uses_sum_pi_squared:
+            names.append(fields.SUM_PI_SQUARED)
+        if self.sel.needs_row_keys:
             names.append("input_ids")
-        if self.spec.needs_external:
+        if self.sel.needs_external:
             names += ["prompts", "responses"]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
-        nested_rm = data[F.RESPONSE_MASK]
-        uids = column_as_list(data[F.UID])
-        per_token = [k for k in F.DRIVER_INPUTS if k != F.SUM_PI_SQUARED and k in data.keys()]
+        nested_rm = data[fields.RESPONSE_MASK]
+        uids = column_as_list(data[fields.UID])
+        per_token = [k for k in fields.DRIVER_INPUTS if k != fields.SUM_PI_SQUARED and k in data.keys()]
         padded = dict(data.select(*per_token).to_padded_tensor().items())
-        if F.SUM_PI_SQUARED in data.keys():  # whole-sequence output of the old pass, as the engine wrote it
-            sp2 = response_from_nested(data[F.SUM_PI_SQUARED], nested_rm)
-            padded[F.SUM_PI_SQUARED] = sp2.to_padded_tensor(0.0)
-        width = padded[F.RESPONSE_MASK].shape[1]
+        if fields.SUM_PI_SQUARED in data.keys():  # whole-sequence output of the old pass, as the engine wrote it
+            sp2 = response_from_nested(data[fields.SUM_PI_SQUARED], nested_rm)
+            padded[fields.SUM_PI_SQUARED] = sp2.to_padded_tensor(0.0)
+        width = padded[fields.RESPONSE_MASK].shape[1]
         keys = row_keys(data["input_ids"]) if "input_ids" in data.keys() else None
         external = {}
-        if self.spec.needs_external:
+        if self.sel.needs_external:
             external = self.external_fields(data["prompts"].unbind(), data["responses"].unbind(), width)
         row_valid = torch.tensor([not t.get("is_padding", False) for t in batch.tags], dtype=torch.bool)
         result = self.select_rows(padded, uids, keys, row_valid, external)
 
         out = TensorDict(
-            {F.MASK: response_to_nested(result.mask, nested_rm),
-             F.SCORE: response_to_nested(result.scores, nested_rm)},
+            {fields.MASK: response_to_nested(result.mask, nested_rm),
+             fields.SCORE: response_to_nested(result.scores, nested_rm)},
             batch_size=len(batch.keys),
         )
         tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
         if batch.fields is not None:  # the workers fetch only the listed fields
-            batch.fields = list(dict.fromkeys([*batch.fields, F.MASK, F.SCORE]))
+            batch.fields = list(dict.fromkeys([*batch.fields, fields.MASK, fields.SCORE]))
         metrics.update(result.metrics)
         metrics["timing_s/tokensel_driver_select"] = time.time() - t0
         return batch

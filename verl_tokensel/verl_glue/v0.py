@@ -7,8 +7,8 @@ used only by ``python -m verl_tokensel.main_ppo`` with ``trainer.use_v1=false``:
    ``actor_rollout_ref.rollout.checkpoint_manager_class`` right after the actor workers exist, calls ``set_loss_fn``;
 2. the driver's selection (``score_source=rollout``): a ``RayPPOTrainer`` subclass
    (:func:`tokensel_ray_ppo_trainer_class`) keeps the old-policy entropy ``fit`` pops and adds the mask and scores
-   to the ``DataProto`` in ``_update_actor`` (:func:`select_v0`), and with ``phases=lopti`` calls the update twice
-   (:mod:`~verl_tokensel.verl_glue.lopti`);
+   to the ``DataProto`` in ``_update_actor`` (:func:`select_v0`), and for a rule with several update passes calls
+   the update once per pass (:mod:`~verl_tokensel.verl_glue.update_passes`);
 3. building that subclass: :func:`v0_task_runner` rebinds the global ``RayPPOTrainer`` in the globals of the
    TaskRunner's ``run`` inside the TaskRunner process (verl's module is untouched), and swaps in the pre-pass actor
    worker class for ``score_source=prepass``.
@@ -23,7 +23,7 @@ from typing import Optional
 import ray
 from omegaconf import DictConfig, open_dict
 
-from verl_tokensel.core import fields as F
+from verl_tokensel.core import fields
 from verl_tokensel.core.batch import row_keys
 from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
 from verl_tokensel.verl_glue.rollout_source import DriverSelector, column_as_list
@@ -66,22 +66,23 @@ def select_v0(driver: DriverSelector, batch, metrics: Optional[dict] = None) -> 
     """Add the padded mask and scores to a v0 update ``DataProto`` (in place); returns the metrics."""
     t0 = time.time()
     td = batch.batch
-    padded = {k: td[k] for k in F.DRIVER_INPUTS if k != F.ENTROPY and k in td.keys()}
+    padded = {k: td[k] for k in fields.DRIVER_INPUTS if k != fields.ENTROPY and k in td.keys()}
     if V0_ENTROPY_FIELD in td.keys():
-        padded[F.ENTROPY] = td.pop(V0_ENTROPY_FIELD)
-    width = padded[F.RESPONSE_MASK].shape[1]
-    keys = row_keys(td["input_ids"], td["attention_mask"]) if driver.spec.needs_row_keys else None
+        padded[fields.ENTROPY] = td.pop(V0_ENTROPY_FIELD)
+    width = padded[fields.RESPONSE_MASK].shape[1]
+    keys = row_keys(td["input_ids"], td["attention_mask"]) if driver.sel.needs_row_keys else None
     external = {}
-    if driver.spec.needs_external:
+    if driver.sel.needs_external:
         resp_attn = td["attention_mask"][:, -width:].bool()
         prompt_attn = td["attention_mask"][:, : td["prompts"].shape[1]].bool()
         prompts = [td["prompts"][i][prompt_attn[i]] for i in range(len(batch))]
         responses = [td["responses"][i][resp_attn[i]] for i in range(len(batch))]
         external = driver.external_fields(prompts, responses, width)
-    uids = column_as_list(batch.non_tensor_batch[F.UID]) if F.UID in batch.non_tensor_batch else list(range(len(batch)))
+    uids = (column_as_list(batch.non_tensor_batch[fields.UID]) if fields.UID in batch.non_tensor_batch
+            else list(range(len(batch))))
     result = driver.select_rows(padded, uids, keys, None, external)
-    td[F.MASK] = result.mask
-    td[F.SCORE] = result.scores
+    td[fields.MASK] = result.mask
+    td[fields.SCORE] = result.scores
     out = dict(result.metrics)
     out["timing_s/tokensel_driver_select"] = time.time() - t0
     if metrics is not None:
@@ -109,24 +110,26 @@ def tokensel_ray_ppo_trainer_class():
             return old_log_prob, mfu
 
         def _update_actor(self, batch):
+            from verl_tokensel.core.fields import UPDATE_PASS
             from verl_tokensel.verl_glue.actor_config import actor_selection
-            from verl_tokensel.verl_glue.lopti import LOPTI_PHASE_KEY, run_lopti_passes, uses_lopti
+            from verl_tokensel.verl_glue.update_passes import run_update_passes, several_passes
 
             metrics = select_v0(self.tokensel_driver, batch) if self.tokensel_driver is not None else {}
-            if not uses_lopti(actor_selection(self.config)):
+            sel = actor_selection(self.config)
+            if not several_passes(sel):
                 output = super()._update_actor(batch)
-            else:  # Lopti: two whole actor updates, the pass number reaching the loss as a non-tensor key
+            else:  # the rule's update passes: whole actor updates, the pass number reaching the loss
                 outputs = []
 
-                def update(phase: int) -> dict:
-                    batch.meta_info[LOPTI_PHASE_KEY] = phase
+                def update(n: int) -> dict:
+                    batch.meta_info[UPDATE_PASS] = n
                     outputs.append(super(TokenselRayPPOTrainer, self)._update_actor(batch))
                     return outputs[-1].meta_info["metrics"]
 
                 try:
-                    merged = run_lopti_passes(update)
+                    merged = run_update_passes(sel, update)
                 finally:
-                    batch.meta_info.pop(LOPTI_PHASE_KEY, None)
+                    batch.meta_info.pop(UPDATE_PASS, None)
                 output = outputs[-1]
                 output.meta_info["metrics"] = merged
             output.meta_info["metrics"].update(metrics)

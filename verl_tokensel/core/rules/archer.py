@@ -79,10 +79,13 @@ class Archer(Rule):
     own_policy_loss = True
     legacy = {"action": "clip_class", "phases": "one"}
 
+    def needs_kl_loss(self, knobs) -> bool:
+        return knobs.selected_kl_weight != 1.0
+
     def check_with_actor(self, sel, actor) -> None:
         super().check_with_actor(sel, actor)
         k = sel.knobs
-        if k.selected_kl_weight != 1.0 and not actor.use_kl_loss:
+        if self.needs_kl_loss(k) and not actor.use_kl_loss:
             raise config_error(
                 "use_kl_loss", actor.use_kl_loss,
                 f"true (with token_selection.selected_kl_weight={k.selected_kl_weight})",

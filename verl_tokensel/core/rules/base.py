@@ -183,6 +183,10 @@ class Rule:
         """It reads the policy entropy of the pass that scores (the update pass for ``score_source=current``)."""
         return any(SCORE_REGISTRY[s].needs_entropy for s in self.scores(sel))
 
+    def needs_kl_loss(self, knobs: Any) -> bool:
+        """It weights the KL loss per token, so it needs ``use_kl_loss`` on."""
+        return False
+
     def update_passes(self, knobs: Any) -> tuple[Optional[int], ...]:
         """The driver's update passes per step (each a whole actor update); ``(None,)``: verl's one."""
         return (None,)

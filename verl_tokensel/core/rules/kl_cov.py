@@ -91,7 +91,7 @@ class KLCov(Rule):
 
     def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
         penalty = torch.where(mask, float(sel.knobs.kl_penalty_coef), 0.0).to(torch.float32)
-        return LossTransform(policy_loss="abs_log_ratio_penalty", policy_loss_args={"kl_penalty": penalty})
+        return LossTransform(policy_loss="abs_log_ratio_penalty", policy_loss_args={"penalty": penalty})
 
     def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
         n_sel, n_pool = int(mask.sum()), int(tokens.sum())
