@@ -45,6 +45,7 @@ RUNS = {
     "kl_cov_global": ("kl_cov_global", {"ratio": 0.05}, None),
     "clip_cov_global": ("clip_cov_global", {"ratio": 0.05, "cov_lb": -10.0}, None),
     "archer": ("archer", {}, None),
+    "archer_kl_mean_all": ("archer", {"archer_kl_mean": "all"}, None),
     "ar": ("ar", {}, None),
     "lopti_1": ("lopti", {"lopti_eta": "eta"}, 1),
     "lopti_2": ("lopti", {"lopti_eta": "eta"}, 2),
