@@ -212,6 +212,12 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
                    shaping_knobs=None if shaping_cls is None else shaping_cls(**shaped), **shared)
 
 
+def override(sel: Selection, **values: Any) -> Selection:
+    """``sel`` with flat knobs replaced as ``token_selection.<knob>=value`` would replace them (the shared keys,
+    ``rule``, the rule's and the shaping's knobs); a knob nobody reads is refused."""
+    return apply_overrides("<selection>", sel, values)
+
+
 def check_with_actor(
     sel: Selection,
     *,
@@ -259,4 +265,4 @@ def knob_table_rows() -> list[tuple[str, str, str, str]]:
 
 __all__ = ["ENGINE_SWITCHES", "LEGACY_KEYS", "NORMALISERS", "PRESETS", "SHARED_KEYS", "Selection",
            "TokenSelectionConfig", "TokenSelectionConfigError", "apply_overrides", "check_with_actor", "knob_sources",
-           "knob_table_rows", "preset", "register_preset", "resolve_selection"]
+           "knob_table_rows", "override", "preset", "register_preset", "resolve_selection"]
