@@ -405,11 +405,11 @@ class SanityRecorder:
             if bool((mask & ~valid).any()):
                 out["failures"].append("a padding position was selected")
             if selection is not None and selection.scope == "micro_batch":
-                want = budget(selection.ratio, n_valid)
+                want = budget(selection.knobs.ratio, n_valid)
                 out["count_checked"] += 1
                 if n_sel != want:
                     out["failures"].append(f"micro-batch with {n_valid} valid tokens: {n_sel} selected, "
-                                           f"ceil({selection.ratio} N) = {want}")
+                                           f"ceil({selection.knobs.ratio} N) = {want}")
             if not grad_check:
                 continue
             rows = self.grad_rows[k]
@@ -430,7 +430,7 @@ class SanityRecorder:
             if sel_total != expected_selected:
                 out["failures"].append(f"{sel_total} tokens selected over the step, {expected_selected} expected "
                                        f"(sum over the {selection.scope if selection else '?'} pools of "
-                                       f"ceil({selection.ratio if selection else '?'} n))")
+                                       f"ceil({selection.knobs.ratio if selection else '?'} n))")
         out.update(selected_tokens=sel_total, valid_tokens=valid_total,
                    selected_fraction=sel_total / max(valid_total, 1),
                    selected_fraction_per_micro_batch=[round(f, 6) for f in fractions],
@@ -516,15 +516,13 @@ def make_variants(H, actor, names, run_prepass: bool = False) -> list[Variant]:
     worker, ``TokenselMcoreActorConfig``) of the variants, with ``calculate_entropy`` as the tokensel
     trainers set it: on when the loss scores by entropy itself (``score_source=current``), off when a
     pre-pass scored before the update, unless forced with ``+entropy``."""
-    from verl_tokensel.core.scores import SCORE_REGISTRY
 
     out = []
     for name in names:
         preset, force_entropy, knobs = parse_variant(name, run_prepass=run_prepass)
         probe = H.selecting_actor_config(actor, preset, calculate_entropy=force_entropy, **knobs)
         sel = getattr(probe, "selection", None)
-        entropy = force_entropy or (sel is not None and sel.score_source == "current"
-                                    and SCORE_REGISTRY[sel.score].needs_entropy)
+        entropy = force_entropy or (sel is not None and sel.score_source == "current" and sel.score_needs_entropy)
         cfg = (H.selecting_actor_config(actor, preset, calculate_entropy=entropy, **knobs)
                if entropy != force_entropy else probe)
         out.append(Variant(name, preset, entropy, cfg, sel, knobs))
@@ -539,13 +537,13 @@ def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     if sel is None or sel.scope == "micro_batch":
         return None
     if sel.scope == "sequence":
-        return sum(budget(sel.ratio, n) for n in valid_per_row)
+        return sum(budget(sel.knobs.ratio, n) for n in valid_per_row)
     if sel.scope == "group":
         groups: dict = {}
         for uid, n in zip(uids, valid_per_row):
             groups[uid] = groups.get(uid, 0) + n
-        return sum(budget(sel.ratio, n) for n in groups.values())
-    return budget(sel.ratio, sum(valid_per_row))  # mini_batch / batch: one mini-batch per step here
+        return sum(budget(sel.knobs.ratio, n) for n in groups.values())
+    return budget(sel.knobs.ratio, sum(valid_per_row))  # mini_batch / batch: one mini-batch per step here
 
 
 def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict, names, run_prepass: bool = False,
@@ -594,7 +592,7 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
         return r, seconds, peak, (resting if args.device == "cuda" else None)
 
     per = {v.name: {"preset": v.preset, "knobs": v.knobs, "calculate_entropy": v.entropy,
-                    "selection": dataclasses.asdict(v.selection) if v.selection is not None else None,
+                    "selection": v.selection.as_knobs() if v.selection is not None else None,
                     "step_s": [], "peak_mem_bytes": None, "resting_mem_bytes": None} for v in variants}
     rec["variants"] = per  # filled in place: a deadline's partial JSON keeps what was measured
     rec["baseline"] = variants[0].name

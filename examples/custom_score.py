@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_tokensel.core.config import Selection, register_preset
+from verl_tokensel.core.config import preset, register_preset
 from verl_tokensel.core.scores import ScoreInputs, register_score
 
 NAME = "low_confidence"
@@ -31,7 +31,7 @@ def low_confidence(inp: ScoreInputs) -> torch.Tensor:
     return -torch.expm1(inp.log_prob.detach().float())
 
 
-register_preset(NAME, Selection(score=NAME, ratio=0.2, direction="top", scope="micro_batch", normaliser="all"))
+register_preset(NAME, preset("mask", score=NAME, ratio=0.2, direction="top", scope="micro_batch", normaliser="all"))
 
 
 if __name__ == "__main__":
@@ -45,6 +45,6 @@ if __name__ == "__main__":
                       [0.80, 0.30, 0.95, 1.00, 1.00]])
     valid = torch.tensor([[True] * 5, [True, True, True, False, False]])
     scores = low_confidence(ScoreInputs(log_prob=p.log(), response_mask=valid))
-    mask = select_tokens(scores, valid, rule.ratio, scope=rule.scope, direction=rule.direction)
+    mask = select_tokens(scores, valid, rule.knobs.ratio, scope=rule.scope, direction=rule.knobs.direction)
     # ceil(0.2 x 8 valid tokens) = 2 kept: the two least likely, p = 0.05 and 0.30
     print("p(a_t) of the selected tokens:", [round(x, 2) for x in p[mask].tolist()])

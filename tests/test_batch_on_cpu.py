@@ -14,7 +14,7 @@ from verl_tokensel.analysis.scorer import TokenScores
 from verl_tokensel.analysis.selection import scored_batch, select_preset
 from verl_tokensel.analysis.stats import exact_grad_norms, gmts_scores
 from verl_tokensel.core.batch import group_ids, pad_rows, row_keys, score_batch
-from verl_tokensel.core.config import PRESETS, Selection
+from verl_tokensel.core.config import PRESETS, override, preset
 from verl_tokensel.core.scores import logit_grad_norm
 from verl_tokensel.verl_glue.driver_select import select_on_driver
 from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
@@ -89,7 +89,7 @@ def _analysis_view_of(model_output, data):
 def test_the_loss_and_the_analysis_score_a_micro_batch_alike(score):
     """Scores without omega read only per-token values and row keys: the loss's and view's must be equal."""
     model_output, data, _ = make_micro_batch(batch=5, seed=3, with_sum_pi_squared=True)
-    sel = Selection(score=score, ratio=0.2, direction="top", scope="micro_batch", normaliser="all", seed=11)
+    sel = preset("mask", score=score, ratio=0.2, direction="top", scope="micro_batch", normaliser="all", seed=11)
     cfg = type("Cfg", (), {"clip_ratio": 0.2, "use_kl_loss": False})()
     trained = unpack_micro_batch(cfg, sel, model_output, data).scores
     scored, pairs, adv, *_ = _analysis_view_of(model_output, data)
@@ -104,12 +104,11 @@ def test_the_driver_and_the_analysis_select_alike_on_policy(preset):
     scored, pairs, adv, lp, ent, sp2, padded = _analysis_view_of(model_output, data)
     sel = PRESETS[preset]
     on_driver = select_on_driver(
-        Selection(score=sel.score, ratio=sel.ratio, direction=sel.direction, scope="batch", normaliser="all",
-                  seed=sel.seed, score_source="rollout"),
+        override(sel, scope="batch", normaliser="all", score_source="rollout"),
         {"response_mask": padded["response_mask"], "old_log_probs": lp, "advantages": padded["advantages"],
          "entropy": ent, "sum_pi_squared": sp2},
         keys=row_keys([p + r for p, r in pairs]))
-    chosen = select_preset(scored_batch(scored, adv, sel.score, pairs=pairs, seed=sel.seed), sel,
+    chosen = select_preset(scored_batch(scored, adv, sel.knobs.score, pairs=pairs, seed=sel.seed), sel,
                            scope="micro_batch")
     torch.testing.assert_close(chosen.scores, on_driver.scores, rtol=1e-6, atol=1e-7)
     assert torch.equal(chosen.mask, on_driver.mask)

@@ -33,9 +33,8 @@ from omegaconf import OmegaConf
 import verl
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
-from dataclasses import replace
 
-from verl_tokensel.core.config import ENGINE_SWITCHES, PRESETS
+from verl_tokensel.core.config import ENGINE_SWITCHES, PRESETS, override
 from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, TokenselMcoreActorConfig
 from verl_tokensel.verl_glue.install import validate_driver_config
 
@@ -180,17 +179,16 @@ def _expected_refusal(cfg, preset):
     a, sel, knobs = cfg.actor_rollout_ref.actor, PRESETS[preset], _knobs(cfg)
     if sel is None:  # knobs with no selector would be ignored
         return f"token_selection.{sorted(knobs)[0]}" if knobs else None
-    if sel.score in ("all", "stapo") and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule has no budget to set
+    if sel.knobs.score in ("all", "stapo") and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule has no budget to set
         return "token_selection.ratio"
-    rule = replace(sel, **knobs)
-    reads = {"kl_penalty_coef": rule.action == "kl_penalty", "cov_lb": rule.score == "clip_cov",
-             "cov_ub": rule.score == "clip_cov"}  # knobs one kind of rule reads: ignored by the others, so refused
+    reads = {"kl_penalty_coef": sel.rule == "kl_cov", "cov_lb": sel.rule == "clip_cov",
+             "cov_ub": sel.rule == "clip_cov"}  # knobs one rule reads: ignored by the others, so refused
     ignored = sorted(k for k in knobs if not reads.get(k, True))
     if ignored:
         return f"token_selection.{ignored[0]}"
     if sel.normaliser == "selected" and a.loss_agg_mode != "token-mean":  # a mean over selected tokens: token-mean
         return "token_selection.normaliser"
-    if sel.action == "clip_class" and sel.selected_kl_weight != 1 and not a.use_kl_loss:  # archer weights the KL
+    if sel.rule == "archer" and sel.knobs.selected_kl_weight != 1 and not a.use_kl_loss:  # archer weights the KL
         return "use_kl_loss"
     return None
 
@@ -214,7 +212,7 @@ def test_recipe_composes_and_validates(env, name, preset):
     actor = validate()
     assert (cfg.model_engine, type(actor)) == (("megatron", TokenselMcoreActorConfig) if name in MEGATRON else
                                                ("dp", TokenselFSDPActorConfig))
-    assert actor.selection == (None if PRESETS[preset] is None else replace(PRESETS[preset], **_knobs(cfg)))
+    assert actor.selection == (None if PRESETS[preset] is None else override(PRESETS[preset], **_knobs(cfg)))
     assert cfg.actor_rollout_ref.model.path == "/dummy/model"
     assert cfg.data.train_files == "/dummy/train.parquet" and cfg.data.val_files == "/dummy/val.parquet"
     assert cfg.trainer.v1.trainer_mode == "tokensel_sync"

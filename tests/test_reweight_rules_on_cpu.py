@@ -25,12 +25,12 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core.batch import score_batch
-from verl_tokensel.core.config import PRESETS, Selection, TokenSelectionConfigError, resolve_selection
+from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, preset, resolve_selection
+from verl_tokensel.core.fields import UPDATE_PASS as LOPTI_PHASE_KEY
 from verl_tokensel.core.rule import apply_rule
-from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
-from verl_tokensel.core.stapo import quantile_below_count, spurious_tokens
+from verl_tokensel.core.rules import RULE_REGISTRY
+from verl_tokensel.core.rules.stapo import quantile_below_count, spurious_tokens
 from verl_tokensel.verl_glue import loss as loss_mod
-from verl_tokensel.verl_glue.lopti import merge_phase_metrics
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
 from helpers.actor_configs import actor_config, micro_batch, padded
@@ -168,8 +168,8 @@ def test_a_lopti_batch_without_its_pass_number_fails_loudly():
 
 
 def test_lopti_metrics_merge_as_the_released_code():
-    merged = merge_phase_metrics([{"actor/pg_loss": 1.0, "actor/lr": 0.1, "x": [1, 2]},
-                                  {"actor/pg_loss": 3.0, "actor/lr": 0.1, "x": [3]}])
+    merged = RULE_REGISTRY["lopti"].merge_pass_metrics(PRESETS["lopti"].knobs, [
+        {"actor/pg_loss": 1.0, "actor/lr": 0.1, "x": [1, 2]}, {"actor/pg_loss": 3.0, "actor/lr": 0.1, "x": [3]}])
     assert merged["actor/pg_loss"] == 2.0 and merged["actor/lr"] == pytest.approx(0.1) and merged["x"] == [1, 2, 3]
     assert merged["tokensel/lopti/phase1/actor/pg_loss"] == 1.0
     assert merged["tokensel/lopti/phase2/actor/pg_loss"] == 3.0
@@ -223,9 +223,9 @@ def test_stapo_over_two_ranks_picks_the_tokens_of_one_process():
 def test_stapo_rule_keeps_every_token_but_the_spurious_ones():
     valid, adv, lp, ent = _stapo_data()
     sel = PRESETS["stapo"]
-    sel = Selection(**{**sel.__dict__, "stapo_prob": 0.05})
-    sb = score_batch(sel.score, {"response_mask": valid, "log_probs": lp, "old_log_probs": lp, "advantages": adv,
-                                 "entropy": ent})
+    sel = override(sel, stapo_prob=0.05)
+    sb = score_batch(sel.knobs.score, {"response_mask": valid, "log_probs": lp, "old_log_probs": lp, "advantages": adv,
+                                       "entropy": ent})
     out = apply_rule(sel, sb)
     spurious, _ = spurious_tokens(adv, lp, ent, valid, prob_threshold=0.05, entropy_quantile=0.75)
     assert torch.equal(out.mask, valid & ~spurious)
@@ -262,8 +262,8 @@ def test_stapo_loss_is_stock_loss_over_the_kept_tokens():
 def test_shaping_comes_before_a_score_that_reads_the_advantage():
     valid, adv, lp, ent = _stapo_data()
     old = lp + 0.1
-    base = Selection(score="grad_norm", ratio=0.2, direction="top", scope="micro_batch", normaliser="all")
-    shaped = Selection(**{**base.__dict__, "shaping": "ar", "ar_alpha": 0.9})
+    base = preset("mask", score="grad_norm", ratio=0.2, direction="top", scope="micro_batch", normaliser="all")
+    shaped = override(base, shaping="ar", ar_alpha=0.9)
     fields = {"response_mask": valid, "log_probs": lp, "old_log_probs": old, "entropy": ent}
     out = apply_rule(shaped, score_batch("grad_norm", {**fields, "advantages": adv}))
     w = 0.9 * torch.exp(old) + 0.1

@@ -19,11 +19,15 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core.batch import score_batch
-from verl_tokensel.core.config import PRESETS, Selection, TokenSelectionConfigError, resolve_selection
-from verl_tokensel.core.cov import clip_cov_candidates, clipped_by_ratio, cov_budget, cov_scores, select_cov
+from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, resolve_selection
+from verl_tokensel.core.cov import cov_budget, cov_scores
 from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.rules.clip_cov import candidates as clip_cov_candidates
+from verl_tokensel.core.rules.clip_cov import clipped_by_ratio, select_clip_cov
+from verl_tokensel.core.rules.kl_cov import select_kl_cov
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
-from verl_tokensel.verl_glue.policy_loss import PPO_CLIP_PER_TOKEN, clip_cov_loss
+from verl_tokensel.verl_glue.policy_loss import PPO_CLIP_PER_TOKEN
+from verl_tokensel.verl_glue.policy_loss import zeroed_tokens_loss as clip_cov_loss
 
 from helpers.actor_configs import actor_config, micro_batch, padded
 from helpers.distributed import run_distributed
@@ -40,6 +44,15 @@ def run(loss_fn, cfg, mo, data, lp):
 def _inputs(data, lp_pad):
     valid = data["response_mask"].bool()
     return valid, data["advantages"], data["old_log_probs"], lp_pad
+
+
+def select_cov(rule, *, advantages, log_prob, pool, ratio, group=None, verl_means=False, old_log_prob=None, draw=None,
+               lb=1.0, ub=5.0):
+    """The covariance rules' own selections, by rule name."""
+    if rule == "kl_cov":
+        return select_kl_cov(advantages, log_prob, pool, ratio, group=group, verl_means=verl_means)
+    return select_clip_cov(advantages, log_prob, old_log_prob, pool, ratio, draw, lb=lb, ub=ub, group=group,
+                           verl_means=verl_means)
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,7 +135,7 @@ def test_clip_cov_loss_given_verls_draw_is_verls_clip_cov():
     valid = data["response_mask"].bool()
     adv, old = data["advantages"], data["old_log_probs"]
     x = padded(mo["log_probs"], data).detach()
-    cand = clip_cov_candidates(cov_scores(adv, x, valid, rule="clip_cov", verl_means=True),
+    cand = clip_cov_candidates(cov_scores(adv, x, valid, means="masked"),
                                clipped_by_ratio(x, old, adv, 0.2, 0.2), valid, lb, ub)
     k = cov_budget(ratio, int(valid.sum()))
     assert int(cand.sum()) > k
@@ -191,18 +204,19 @@ def test_mini_batch_selection_does_not_move_with_the_micro_batch_split():
     back: the micro-batch size cannot change which tokens are penalised (verl issue: per-micro-batch pools)."""
     valid, adv, lp, old, _ = _pool_data(seed=5)
     sel = PRESETS["kl_cov_global"]
-    sel = Selection(**{**sel.__dict__, "ratio": 0.05})
+    sel = override(sel, ratio=0.05)
     tensors = {"response_mask": valid, "advantages": adv, "old_log_probs": old, "log_probs": lp}
-    whole = apply_rule(sel, score_batch(sel.score, tensors), stats=False)
+    whole = apply_rule(sel, score_batch(sel.knobs.score, tensors), stats=False)
     assert int(whole.mask.sum()) == cov_budget(0.05, int(valid.sum()))
     for size in (1, 4, 8):  # each micro-batch reads its rows of the measured mask: the union is the whole mask
         pieces = []
         for start in range(0, valid.shape[0], size):
             part = {k: v[start:start + size] for k, v in tensors.items()}
             measured = (whole.mask[start:start + size], whole.scores[start:start + size])
-            pieces.append(apply_rule(sel, score_batch(sel.score, part), measured=measured, stats=False))
+            pieces.append(apply_rule(sel, score_batch(sel.knobs.score, part), measured=measured, stats=False))
         assert torch.equal(torch.cat([p.mask for p in pieces]), whole.mask)
-        assert torch.equal(torch.cat([p.kl_penalty for p in pieces]), whole.kl_penalty)
+        penalty = [p.transform.policy_loss_args["penalty"] for p in pieces]
+        assert torch.equal(torch.cat(penalty), whole.transform.policy_loss_args["penalty"])
     # while verl's per-micro-batch pool picks other tokens at each size
     per_mb = {size: torch.cat([select_cov("kl_cov", advantages=adv[s:s + size], log_prob=lp[s:s + size],
                                           pool=valid[s:s + size], ratio=0.05, verl_means=True)[0]
@@ -282,9 +296,8 @@ def test_a_rule_the_actor_cannot_serve_is_refused_naming_the_key(preset, actor, 
     ({"budget": "quantile"}, "token_selection.budget"),
 ])
 def test_invalid_rule_knobs_name_the_key(knobs, key):
-    base = PRESETS["clip_cov_global"].__dict__
     with pytest.raises(TokenSelectionConfigError, match=key.replace(".", r"\.")):
-        Selection(**{**base, **knobs})
+        override(PRESETS["clip_cov_global"], **knobs)
 
 
 def test_new_presets_run_their_rule_in_the_loss():
@@ -408,7 +421,7 @@ def test_a_knob_the_rule_does_not_read_is_refused(preset, knob):
 
     with pytest.raises(TokenSelectionConfigError, match=rf"token_selection\.{knob}=.*would be ignored"):
         resolve_selection(preset, TokenSelectionConfig(**{knob: 0.5}))
-    assert resolve_selection("kl_cov_global", TokenSelectionConfig(kl_penalty_coef=1.0)).kl_penalty_coef == 1.0
+    assert resolve_selection("kl_cov_global", TokenSelectionConfig(kl_penalty_coef=1.0)).knobs.kl_penalty_coef == 1.0
 
 
 @pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer", "ar", "lopti", "stapo"])
@@ -421,10 +434,10 @@ def test_the_analysis_tools_select_as_the_rule_does(preset):
     sel = PRESETS[preset]
     knobs = {"ratio": 0.2, "cov_lb": -10.0} if preset == "clip_cov_global" else {"stapo_prob": 0.05} \
         if preset == "stapo" else {} if preset in ("archer", "ar", "lopti") else {"ratio": 0.2}
-    sel = Selection(**{**sel.__dict__, **knobs})
+    sel = override(sel, **knobs)
     tensors = {"response_mask": valid, "advantages": adv, "old_log_probs": old, "log_probs": lp,
                "entropy": -lp * 0.5}
-    batch = score_batch(sel.score, tensors, keys=torch.arange(valid.shape[0]))
+    batch = score_batch(sel.knobs.score, tensors, keys=torch.arange(valid.shape[0]))
     out = select_preset(batch, sel)
     assert torch.equal(out.mask, apply_rule(sel, batch, stats=False, scope=out.scope).mask)
     assert sum(out.budgets) == int(out.mask.sum()) if out.scope == "sequence" else out.budgets[0] == int(out.mask.sum())

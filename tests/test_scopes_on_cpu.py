@@ -1,26 +1,29 @@
-"""core.scopes is the one home of scopes, directions, the budget and the world size: select, dist_topk and
-config read them from there, and neither selection module imports the other for them."""
+"""core.scopes is the one home of scopes (and the sources that fill them), directions, the budget and the world size:
+select, dist_topk, the shared config and the rules read them from there, and neither selection module imports the
+other for them."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from verl_tokensel.core import config, dist_topk, pools, select
+from verl_tokensel.core import dist_topk, scopes, select, selection
+from verl_tokensel.core.rules import base
 
 
 def test_one_home_for_scopes_directions_budget():
-    assert config.SCOPES is pools.SCOPES and config.DIRECTIONS is pools.DIRECTIONS
+    assert selection.SCOPES is scopes.SCOPES and base.DIRECTIONS is scopes.DIRECTIONS
+    assert selection.SOURCE_SCOPES is scopes.SOURCE_SCOPES and base.SOURCE_SCOPES is scopes.SOURCE_SCOPES
     # the config's errors and select_tokens' guard share one check of the names
-    assert select.invalid_rule_arg is pools.invalid_rule_arg and config.invalid_rule_arg is pools.invalid_rule_arg
-    assert select.budget is pools.budget and dist_topk.budget is pools.budget
-    assert dist_topk.world_size is pools.world_size
+    assert select.invalid_rule_arg is scopes.invalid_rule_arg and base.invalid_rule_arg is scopes.invalid_rule_arg
+    assert select.budget is scopes.budget and dist_topk.budget is scopes.budget
+    assert dist_topk.world_size is scopes.world_size
 
 
 def test_budget_and_world_size_without_a_process_group():
-    assert [pools.budget(0.2, n) for n in (0, 1, 5, 10, 11)] == [0, 1, 1, 2, 3]
-    assert pools.budget(0.07, 100) == 7
-    assert pools.world_size(None) == 1
+    assert [scopes.budget(0.2, n) for n in (0, 1, 5, 10, 11)] == [0, 1, 1, 2, 3]
+    assert scopes.budget(0.07, 100) == 7
+    assert scopes.world_size(None) == 1
 
 
 def test_dist_topk_does_not_import_select():

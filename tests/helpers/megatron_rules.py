@@ -135,7 +135,7 @@ def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None,
 
     from verl.utils import tensordict_utils as tu
 
-    from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
+    from verl_tokensel.core.fields import UPDATE_PASS as LOPTI_PHASE_KEY
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     cfg = actor.cfg.copy()

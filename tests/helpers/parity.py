@@ -148,7 +148,7 @@ def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]
     sel = ALL[preset]
     if sel.normaliser == "selected" and row["loss_agg_mode"] != "token-mean":
         return ("token_selection.normaliser", "loss_agg_mode")
-    if sel.action == "clip_class" and sel.selected_kl_weight != 1.0 and not row["kl_loss"]:
+    if sel.rule == "archer" and sel.knobs.selected_kl_weight != 1.0 and not row["kl_loss"]:
         return ("use_kl_loss",)  # archer weights the KL loss per token
     return None
 
@@ -159,7 +159,7 @@ def runs_where_stock_refuses(preset: str, row: dict, stock: dict) -> bool:
     ``loss_mode=kl_cov`` / ``clip_cov``, which run there too)."""
     from verl_tokensel.core.config import PRESETS as ALL
 
-    return (ALL[preset].action in ("kl_penalty", "zero_loss") and row["clip_ratio_c"] <= 1.0
+    return (ALL[preset].rule in ("kl_cov", "clip_cov") and row["clip_ratio_c"] <= 1.0
             and stock.get("stage") == "update" and stock.get("error") == "AssertionError")
 
 
@@ -286,8 +286,8 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
         cfg.validate(n_gpus=row["dp"], train_batch_size=row["mini"] * row["mini_batches"])
         batch = full.clone()
         tu.assign_non_tensor(batch, calculate_entropy=bool(cfg.calculate_entropy or cfg.entropy_coeff != 0))
-        if cfg.selection.phases == "lopti":
-            from verl_tokensel.core.shaping import LOPTI_PHASE_KEY
+        if cfg.selection.update_passes != (None,):
+            from verl_tokensel.core.fields import UPDATE_PASS as LOPTI_PHASE_KEY
 
             tu.assign_non_tensor(batch, **{LOPTI_PHASE_KEY: LOPTI_PHASE})
         if cfg.selection.score_source == "rollout":
@@ -322,8 +322,8 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
             view.worker.train_batch = inner
     except Exception as e:  # noqa: BLE001
         return {**_error(e, stage), **{k: v for k, v in out.items() if k not in ("micro", "minibatches")}}
-    out.update(status="ok", loss=r.loss, ratio=cfg.selection.ratio, scope=cfg.selection.scope,
-               budget=cfg.selection.budget, score=cfg.selection.score,
+    out.update(status="ok", loss=r.loss, ratio=cfg.selection.knobs.ratio, scope=cfg.selection.scope,
+               budget=cfg.selection.knobs.budget, score=cfg.selection.knobs.score,
                metrics={k: _plain(v) for k, v in r.metrics.items()
                         if k.startswith("tokensel/") and ("tokens" in k or "groups" in k)})
     return out

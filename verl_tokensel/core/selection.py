@@ -8,6 +8,7 @@ entropy and KL terms. It validates itself once, in ``__post_init__``, and asks t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -106,6 +107,16 @@ class Selection:
                 "knows before the first micro-batch's backward. Fix: set token_selection.score_source=prepass "
                 "or normaliser=all.")
         self.impl.check(self)
+
+    def as_knobs(self) -> dict[str, Any]:
+        """The flat knob view (``token_selection``'s namespace): the rule, the shared keys, the rule's and the
+        shaping's knobs, for reports and logs."""
+        out = {"rule": self.rule, **dataclasses.asdict(self.knobs)}
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name not in ("rule", "knobs", "shaping_knobs")})
+        if self.shaping_knobs is not None:
+            out.update(dataclasses.asdict(self.shaping_knobs))
+        return out
 
     @property
     def impl(self) -> Rule:
