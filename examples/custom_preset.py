@@ -39,7 +39,7 @@ from verl_tokensel.core.config import preset, register_preset, resolve_selection
 NAME = "entropy_top10"
 
 # Names are global to the process and cannot be overwritten (register_preset refuses): pick your own.
-register_preset(NAME, preset("mask", score="entropy", ratio=0.1, direction="top", scope="micro_batch",
+register_preset(NAME, preset("gradient_mask", score="entropy", ratio=0.1, direction="top", scope="micro_batch",
                              normaliser="all"))
 
 

@@ -31,7 +31,8 @@ def low_confidence(inp: ScoreInputs) -> torch.Tensor:
     return -torch.expm1(inp.log_prob.detach().float())
 
 
-register_preset(NAME, preset("mask", score=NAME, ratio=0.2, direction="top", scope="micro_batch", normaliser="all"))
+register_preset(NAME, preset("gradient_mask", score=NAME, ratio=0.2, direction="top", scope="micro_batch",
+                             normaliser="all"))
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def _analysis_view_of(model_output, data):
 def test_the_loss_and_the_analysis_score_a_micro_batch_alike(score):
     """Scores without omega read only per-token values and row keys: the loss's and view's must be equal."""
     model_output, data, _ = make_micro_batch(batch=5, seed=3, with_sum_pi_squared=True)
-    sel = preset("mask", score=score, ratio=0.2, direction="top", scope="micro_batch", normaliser="all", seed=11)
+    sel = preset("gradient_mask", score=score, ratio=0.2, direction="top", scope="micro_batch", normaliser="all",
+                 seed=11)
     cfg = type("Cfg", (), {"clip_ratio": 0.2, "use_kl_loss": False})()
     trained = unpack_micro_batch(cfg, sel, model_output, data).scores
     scored, pairs, adv, *_ = _analysis_view_of(model_output, data)

@@ -96,11 +96,16 @@ def test_yaml_mirrors_dataclass_defaults():
             assert lines[i - 1].strip().startswith("#"), f"{path.name}:{i + 1} key without a comment: {line}"
 
 
-def test_readme_knob_table_matches_dataclass():
+def test_readme_knob_table_and_yaml_are_generated_from_the_knob_fields():
+    """One source for each knob's meaning: the README table and actor.yaml are what knob_docs renders from the rules'
+    and the shared config's fields (``python -m verl_tokensel.core.knob_docs --write`` after changing one)."""
+    from verl_tokensel.core import knob_docs
+
     readme = (ROOT / "README.md").read_text()
+    assert knob_docs.readme_with_table(readme) == readme, "README knob table is stale: run knob_docs --write"
+    assert knob_docs.actor_yaml() == knob_docs.ACTOR_YAML.read_text(), "actor.yaml is stale: run knob_docs --write"
     for name, default, paper, _ in knob_table_rows():
-        row = f"| `{name}` | {default} | {paper} |"
-        assert row in readme, f"README knob table lacks or misstates: {row}"
+        assert f"| `{name}` | {default} | {paper} |" in readme, name
 
 
 def _cli(*args, timeout=240):
@@ -237,13 +242,20 @@ def test_readme_recipe_snippet_composes(tmp_path):
 
 
 def test_selection_fields_are_the_knob_set():
-    """TokenSelectionConfig declares the knobs; a resolved Selection carries exactly those (the README table
-    and the YAML are checked against the same dataclass above)."""
-    from verl_tokensel.core.config import ENGINE_SWITCHES, Selection
+    """TokenSelectionConfig declares the knobs: the shared keys, the ranking, every registered rule's and shaping's
+    own, the earlier keys and the engine switches; every resolved Selection's flat view is among them, and the shared
+    config keeps at most 12 fields (the README table and the YAML are checked against the same dataclass above)."""
+    from verl_tokensel.core.config import ENGINE_SWITCHES, LEGACY_KEYS, SHARED_KEYS, Selection
+    from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Ranking
 
     assert set(ENGINE_SWITCHES) == {"auto_enable_entropy", "no_grad_scores", "prepass_reuse"}
-    knobs = {f.name for f in fields(TokenSelectionConfig)} - set(ENGINE_SWITCHES)
-    assert {f.name for f in fields(Selection)} == knobs
+    assert len(fields(Selection)) <= 12
+    declared = {"rule", *SHARED_KEYS, *(f.name for f in fields(Ranking)), *LEGACY_KEYS, *ENGINE_SWITCHES}
+    declared |= {f.name for r in RULE_REGISTRY.values() for f in fields(r.Knobs)}
+    declared |= {f.name for s in SHAPING_REGISTRY.values() for f in fields(s.Knobs)}
+    assert {f.name for f in fields(TokenSelectionConfig)} == declared
+    for sel in PRESETS.values():
+        assert sel is None or set(sel.as_knobs()) <= declared
 
 
 def test_actor_config_is_resolved_once_per_node_content():

@@ -205,7 +205,7 @@ def test_sanity_checker_catches_a_leak_and_a_wrong_count():
     rows[0, 6 + 3 - 1] = True  # sample 1, j = 0
     rec.calls = [{"prompt_lens": [2, 3], "resp_lens": [4, 2], "mask": mask, "valid": valid}]
     rec.grad_rows = [rows]
-    sel = preset("mask", score="entropy", ratio=0.5, direction="top", scope="micro_batch", normaliser="all")
+    sel = preset("gradient_mask", score="entropy", ratio=0.5, direction="top", scope="micro_batch", normaliser="all")
     ok = rec.check(sel, rmpad=True)
     assert ok["failures"] == [] and ok["selected_fraction"] == 0.5 and ok["grad_checked"] == 1
 
@@ -213,7 +213,7 @@ def test_sanity_checker_catches_a_leak_and_a_wrong_count():
     leak = rec.check(sel, rmpad=True)
     assert leak["unselected_with_grad"] == 1 and any("non-zero logit gradient" in f for f in leak["failures"])
 
-    wrong = rec.check(preset("mask", score="entropy", ratio=0.2, direction="top", scope="micro_batch",
+    wrong = rec.check(preset("gradient_mask", score="entropy", ratio=0.2, direction="top", scope="micro_batch",
                                     normaliser="all"), rmpad=True)
     assert any("ceil(0.2 N) = 2" in f for f in wrong["failures"]), wrong["failures"]
 
@@ -234,7 +234,7 @@ def test_sanity_checker_megatron_layout_and_step_totals():
     rows[8 + 3 - 1, 0] = True  # sample 1, j = 0
     rec.calls = [{"prompt_lens": [2, 3], "resp_lens": [4, 2], "mask": mask, "valid": valid}]
     rec.grad_rows = [rows]
-    group = preset("mask", score="gmts", ratio=0.5, direction="top", scope="group", normaliser="all",
+    group = preset("gradient_mask", score="gmts", ratio=0.5, direction="top", scope="group", normaliser="all",
                    score_source="prepass")
     ok = rec.check(group, rmpad=True, expected_selected=3)
     assert ok["failures"] == [] and ok["grad_checked"] == 1 and ok["count_checked"] == 0, ok

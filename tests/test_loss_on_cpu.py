@@ -32,7 +32,7 @@ from helpers.loss_inputs import make_micro_batch
 # the presets whose mask gates the policy gradient (the other actions: tests/test_rules_on_cpu.py)
 # the presets whose rule is a ranked gradient mask (the reweighting rules, the phases and STAPO's unbudgeted mask are
 # tested in tests/test_reweight_rules_on_cpu.py)
-SELECTING_PRESETS = [p for p in PRESETS if p != "none" and PRESETS[p].rule == "mask"
+SELECTING_PRESETS = [p for p in PRESETS if p != "none" and PRESETS[p].rule == "gradient_mask"
                      and SCORE_REGISTRY[PRESETS[p].knobs.score].ranks and PRESETS[p].shaping == "none"]
 # The in-loss twin of a preset whose scores are measured before the update (score_source prepass or
 # rollout): same score, ratio, direction and normaliser, ranked inside the micro-batch. The loss maths

@@ -262,7 +262,7 @@ def test_stapo_loss_is_stock_loss_over_the_kept_tokens():
 def test_shaping_comes_before_a_score_that_reads_the_advantage():
     valid, adv, lp, ent = _stapo_data()
     old = lp + 0.1
-    base = preset("mask", score="grad_norm", ratio=0.2, direction="top", scope="micro_batch", normaliser="all")
+    base = preset("gradient_mask", score="grad_norm", ratio=0.2, direction="top", scope="micro_batch", normaliser="all")
     shaped = override(base, shaping="ar", ar_alpha=0.9)
     fields = {"response_mask": valid, "log_probs": lp, "old_log_probs": old, "entropy": ent}
     out = apply_rule(shaped, score_batch("grad_norm", {**fields, "advantages": adv}))

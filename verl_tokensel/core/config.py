@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass, field, make_dataclass, replace
+from dataclasses import field, make_dataclass, replace
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import TokenSelectionConfigError, check_bool, config_error
@@ -107,9 +107,8 @@ def _build_override_class() -> type:
            "Every knob defaults to ``None`` = \"use the preset's value\"; setting a knob while ``token_selector=none``"
            " is an error (nothing is silently ignored). Built from the shared config, the ranking and every "
            "registered rule's and shaping's knobs (:func:`knob_sources`).")
-    cls = make_dataclass("TokenSelectionConfig", specs, namespace={
+    return make_dataclass("TokenSelectionConfig", specs, namespace={
         "__post_init__": __post_init__, "overrides": overrides, "__doc__": doc, "__module__": __name__})
-    return dataclass(cls)
 
 
 TokenSelectionConfig = _build_override_class()
@@ -162,7 +161,9 @@ def _rule_of(token_selector: str, base: Selection, given: dict[str, Any]) -> str
         if legacy[key] == value:
             continue
         want = {**legacy, key: value}
-        found = [name for name, r in RULE_REGISTRY.items() if r.legacy == want]
+        # the plain ranking rule (no knobs of its own) first: what an earlier key for the gradient mask meant
+        found = sorted((name for name, r in RULE_REGISTRY.items() if r.legacy == want),
+                       key=lambda name: RULE_REGISTRY[name].Knobs is not Ranking)
         if not found:
             raise config_error(f"token_selection.{key}", value, f"{legacy[key]} (with token_selector="
                                f"{token_selector}, rule {rule})", f"no rule reads {want}.")
@@ -170,6 +171,16 @@ def _rule_of(token_selector: str, base: Selection, given: dict[str, Any]) -> str
                       f"token_selection.rule={found[0]}. Set that instead.", FutureWarning, stacklevel=3)
         rule = found[0]
     return rule
+
+
+def _shaping_of(value: Any) -> Any:
+    """``token_selection.shaping``'s value, an earlier name mapped onto its shaping (and said so)."""
+    for name, shaping in SHAPING_REGISTRY.items():
+        if value in shaping.aliases:
+            warnings.warn(f"actor_rollout_ref.actor.token_selection.shaping={value} is an earlier name: it now reads "
+                          f"shaping={name}. Set that instead.", FutureWarning, stacklevel=4)
+            return name
+    return value
 
 
 def _readers(key: str) -> str:
@@ -184,7 +195,7 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
     nor the rule nor its shaping reads is refused, naming who reads it."""
     given = dict(given)
     rule = _rule_of(token_selector, base, given)
-    shaping = given.pop("shaping", base.shaping)
+    shaping = _shaping_of(given.pop("shaping", base.shaping))
     knobs_cls = RULE_REGISTRY[rule].Knobs
     rule_keys = {f.name for f in dataclasses.fields(knobs_cls)}
     ranking = {f.name for f in dataclasses.fields(Ranking)}

@@ -32,22 +32,22 @@ PRESETS: dict[str, Optional[Selection]] = {
     "none": None,
     # "Beyond the 80/20 Rule" (arXiv 2506.01939) released code: top 20% current-policy entropy,
     # ceil(0.2 N) over the valid tokens of one micro-batch on one rank, mean over selected tokens
-    "forking": preset("mask", score="entropy", ratio=0.2, scope="micro_batch", normaliser="selected"),
+    "forking": preset("gradient_mask", score="entropy", ratio=0.2, scope="micro_batch", normaliser="selected"),
     # "Beyond the 80/20 Rule" paper formula: keep H >= tau over the whole training batch B (top 20% of
     # its response tokens, old-policy entropy, ranked on the driver), normalise by all response tokens
-    "forking_paper": preset("mask", score="entropy", ratio=0.2, scope="batch", normaliser="all",
+    "forking_paper": preset("gradient_mask", score="entropy", ratio=0.2, scope="batch", normaliser="all",
                             score_source="rollout"),
     # the paper's negative control: train on the lowest-entropy 80%
-    "forking_bottom": preset("mask", score="entropy", ratio=0.8, direction="bottom", scope="micro_batch",
+    "forking_bottom": preset("gradient_mask", score="entropy", ratio=0.8, direction="bottom", scope="micro_batch",
                              normaliser="selected"),
     # random 20% with the same budget and normaliser as `forking` (control absent from the paper)
-    "random": preset("mask", score="random", ratio=0.2, scope="micro_batch", normaliser="selected"),
+    "random": preset("gradient_mask", score="random", ratio=0.2, scope="micro_batch", normaliser="selected"),
     # GMTS (arXiv 2608.30632): delta = H * |r A 1[not clipped]| measured by a no-grad forward at the
     # start of each PPO mini-batch, top 20% within each prompt group (all its responses, whatever rank
     # or position they sit at), normalise by all tokens
-    "gmts": preset("mask", score="gmts", ratio=0.2, scope="group", normaliser="all", score_source="prepass"),
+    "gmts": preset("gradient_mask", score="gmts", ratio=0.2, scope="group", normaliser="all", score_source="prepass"),
     # exact logit-gradient norm |omega| * ||e_a - p||, top 20%, normalise by all tokens
-    "grad_norm": preset("mask", score="grad_norm", ratio=0.2, scope="micro_batch", normaliser="all"),
+    "grad_norm": preset("gradient_mask", score="grad_norm", ratio=0.2, scope="micro_batch", normaliser="all"),
     # KL-Cov (Cui et al., arXiv 2505.22617): the top max(1, int(ratio * N)) covariances
     # (A - mean A)(log pi - mean log pi) of the whole optimizer mini-batch, exact over the data-parallel ranks,
     # measured at its start, get kl_penalty_coef * |log r| on an unclipped surrogate; verl 0.9.1's defaults
@@ -66,7 +66,7 @@ PRESETS: dict[str, Optional[Selection]] = {
                      archer_kl_mean="class"),
     # AR (Yang et al., arXiv 2505.12929; code zhyang2226/AR-Lopti): every token's advantage times
     # alpha * pi_old + 1 - alpha; alpha 0.3 (the paper's K&K figure; its AR-only script 0.2, its math table 0.1)
-    "ar": preset("mask", **_KEEP_ALL, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
+    "ar": preset("gradient_mask", **_KEEP_ALL, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
     # Lopti (same paper): a first whole update pass on the tokens with pi_old < eta (0.5), then one on the rest,
     # each with the other tokens' advantages zeroed and kept in the denominator
     "lopti": preset("lopti", **_KEEP_ALL, lopti_eta=0.5),
@@ -74,7 +74,7 @@ PRESETS: dict[str, Optional[Selection]] = {
     "ar_lopti": preset("lopti", **_KEEP_ALL, lopti_eta=0.5, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
     # entropy advantage shaping (Cheng et al., arXiv 2506.14758, Eq. 5-6): A + min(alpha * H.detach(), |A| / kappa)
     # on every token, H the update pass's entropy; alpha 0.4 (GRPO; 0.1 for PPO), kappa 2 (Sec. 4)
-    "entropy_adv": preset("mask", **_KEEP_ALL, shaping="entropy",
+    "entropy_adv": preset("gradient_mask", **_KEEP_ALL, shaping="entropy_adv",
                           shaping_knobs=dict(entropy_alpha=0.4, entropy_kappa=2.0)),
     # STAPO (arXiv 2602.15620, Sec. 3 and 5.1): the spurious tokens (A > 0, pi < 0.002, H under the 0.75 entropy
     # quantile of those candidates in each mini-batch, at the policy starting its update) leave the loss, which is

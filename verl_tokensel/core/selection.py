@@ -30,8 +30,8 @@ def _shared(default: Any, help: str, paper: str) -> Any:
 class Selection:
     """A fully resolved selection rule (a preset, possibly with overrides)."""
 
-    rule: str = _shared("mask", "The token rule (a registered rule; the preset sets it).", "n/a")
-    knobs: Any = _shared(None, "The rule's knobs (its Knobs dataclass).", "n/a")
+    rule: str = field(metadata={"help": "The token rule (a registered rule; the preset sets it).", "paper": "n/a"})
+    knobs: Any = field(metadata={"help": "The rule's knobs (its Knobs dataclass).", "paper": "n/a"})
     score_source: str = _shared(
         "current", f"When the scores are measured: one of {', '.join(SCORE_SOURCES)}. current = in the update "
         "forward of each micro-batch; prepass = a no-grad forward at the start of each PPO mini-batch; rollout = "
@@ -50,8 +50,8 @@ class Selection:
         "then the loss's only tokens (score_source=prepass).",
         "all (80/20 paper, GMTS); selected (80/20 code); kept (STAPO)")
     seed: int = _shared(
-        0, "Seed of the random draws (the random score, Clip-Cov's draw); a token's draw depends only on (seed, the "
-        "token ids of its prompt and response, its position), so every rank, micro-batch split and rerun draws the "
+        0, "Seed of the random draws (the random score, a rule's keyed draw); a token's draw depends only on (seed, "
+        "the token ids of its prompt and response, its position), so every rank, micro-batch split and rerun draws the "
         "same.", "n/a")
     mask_entropy_bonus: bool = _shared(False, "Apply the mask to the entropy bonus (entropy_coeff) too.",
                                        "false (80/20 code used all tokens)")
@@ -63,9 +63,9 @@ class Selection:
         "the base model (80/20: > 86% top-20% overlap of base and RL model)")
     shaping: str = _shared(
         "none", "Advantage shaping before the rule (and before a score that reads the advantage): none or a "
-        "registered shaping (ar = A * (ar_alpha * pi_old + 1 - ar_alpha); entropy = A + min(entropy_alpha * H, |A| "
-        "/ entropy_kappa), H the update pass's entropy, detached).",
-        "ar (AR, arXiv 2505.12929); entropy (arXiv 2506.14758)")
+        "registered shaping (" + "; ".join(f"{name} = {(s.__doc__ or '').strip()}" for name, s in
+                                           SHAPING_REGISTRY.items()) + ").",
+        "; ".join(f"{name} ({s.source})" for name, s in SHAPING_REGISTRY.items()))
     shaping_knobs: Any = _shared(None, "The shaping's knobs (its Knobs dataclass), None without one.", "n/a")
 
     def __post_init__(self) -> None:

@@ -1,12 +1,13 @@
 """The token rules, one module each, registered by name (:mod:`~verl_tokensel.core.rules.base` is the seam).
 
-Importing this package registers the built-in rules and shapings; a rule in user code registers the same way
-(``examples/custom_rule.py``).
+Importing this package imports every module in it, which registers the built-in rules and shapings: a new rule
+is one module here (and its preset line in :mod:`~verl_tokensel.core.presets`). A rule in user code registers the
+same way (``examples/custom_rule.py``).
 """
 
-# the gradient mask registers first: the rule an earlier key (action=gradient, phases=one) maps back to
-from verl_tokensel.core.rules import mask  # noqa: F401  # isort: split
-from verl_tokensel.core.rules import archer, clip_cov, kl_cov, lopti, shaping, stapo  # noqa: F401  (register)
+import importlib
+import pkgutil
+
 from verl_tokensel.core.rules.base import (
     RULE_REGISTRY,
     SHAPING_REGISTRY,
@@ -20,6 +21,9 @@ from verl_tokensel.core.rules.base import (
     register_rule,
     register_shaping,
 )
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
+    importlib.import_module(f"{__name__}.{_module}")
 
 __all__ = ["RULE_REGISTRY", "SHAPING_REGISTRY", "ActorSettings", "LossContext", "LossTransform", "Ranking", "Rule",
            "Shaping", "knob", "register_rule", "register_shaping"]

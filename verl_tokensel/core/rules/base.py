@@ -250,6 +250,10 @@ class Shaping:
 
     name: ClassVar[str] = ""
     Knobs: ClassVar[type] = type(None)
+    #: where it comes from (paper, released code), for the knob docs
+    source: ClassVar[str] = ""
+    #: earlier values of ``token_selection.shaping`` that name it (they keep working and say its name)
+    aliases: ClassVar[tuple[str, ...]] = ()
 
     def needs_entropy(self, knobs: Any) -> bool:
         return False

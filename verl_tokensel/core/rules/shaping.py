@@ -6,8 +6,8 @@ torch, no verl import.
   ``A'_t = (alpha * pi_old(o_t) + 1 - alpha) * A_t``, ``pi_old = exp(old_log_prob)`` of the sampled token (a
   constant: no gradient). The released code applies it once per step on the driver; the weight reads only the old
   log-prob, so applying it in each micro-batch's loss gives the same numbers.
-- ``entropy`` (Cheng et al., "Reasoning with Exploration: An Entropy Perspective", arXiv 2506.14758, Sec. 3.2,
-  Eq. 5-6): ``A'_t = A_t + min(alpha * H_t.detach(), |A_t| / kappa)``, ``H_t`` the current policy's entropy at the
+- ``entropy_adv`` (earlier value ``entropy``; Cheng et al., "Reasoning with Exploration: An Entropy Perspective",
+  arXiv 2506.14758, Sec. 3.2, Eq. 5-6): ``A'_t = A_t + min(alpha * H_t.detach(), |A_t| / kappa)``, ``H_t`` the current policy's entropy at the
   token (the update pass's).
 """
 
@@ -43,9 +43,10 @@ class ARKnobs:
 
 @register_shaping("ar")
 class AdvantageReweighting(Shaping):
-    """``A * (alpha * pi_old + 1 - alpha)``."""
+    """A * (ar_alpha * pi_old + 1 - ar_alpha)"""
 
     Knobs = ARKnobs
+    source = "AR, arXiv 2505.12929"
 
     def shape(self, batch, knobs, advantages):
         if batch.inputs.old_log_prob is None:
@@ -72,11 +73,13 @@ class EntropyKnobs:
                                "kappa > 1 keeps the shaped advantage's sign (the paper's condition; its value is 2).")
 
 
-@register_shaping("entropy")
+@register_shaping("entropy_adv")
 class EntropyShaping(Shaping):
-    """``A + min(alpha * H.detach(), |A| / kappa)``, H the update pass's entropy."""
+    """A + min(entropy_alpha * H, |A| / entropy_kappa), H the update pass's entropy, detached"""
 
     Knobs = EntropyKnobs
+    source = "arXiv 2506.14758"
+    aliases = ("entropy",)
 
     def needs_entropy(self, knobs) -> bool:
         return True
@@ -84,7 +87,7 @@ class EntropyShaping(Shaping):
     def shape(self, batch, knobs, advantages):
         entropy = batch.inputs.entropy
         if entropy is None:
-            raise ValueError("shaping=entropy needs the policy entropy of the update pass: set "
+            raise ValueError(f"shaping={self.name} needs the policy entropy of the update pass: set "
                              "actor_rollout_ref.actor.calculate_entropy=True (or token_selection.auto_enable_entropy)")
         return None, entropy_shift(advantages, entropy, knobs.entropy_alpha, knobs.entropy_kappa)
 
@@ -92,10 +95,10 @@ class EntropyShaping(Shaping):
         shift = transform.advantage_shift
         if not tokens.any() or shift is None:
             return {}
-        out = {"entropy_adv/mean_shift": float(shift[tokens].mean())}
+        out = {f"{self.name}/mean_shift": float(shift[tokens].mean())}
         if batch.advantages is not None:
             capped = (shift < knobs.entropy_alpha * batch.inputs.entropy.float()) & tokens
-            out["entropy_adv/capped_share"] = float(capped.sum()) / int(tokens.sum())
+            out[f"{self.name}/capped_share"] = float(capped.sum()) / int(tokens.sum())
         return out
 
 

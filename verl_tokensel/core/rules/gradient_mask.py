@@ -11,7 +11,7 @@ from __future__ import annotations
 from verl_tokensel.core.rules.base import Ranking, Rule, register_rule
 
 
-@register_rule("mask")
+@register_rule("gradient_mask")
 class GradientMask(Rule):
     """Rank ``score`` over the scope, keep the policy gradient on the selected tokens only."""
 

@@ -1,0 +1,47 @@
+"""The rule seam keeps each rule in one place: a rule's registered name (as a string in code) and its own knobs
+(its Knobs fields beyond the shared ranking) stand only in its module and in the preset table, in the product's
+``.py`` files (``core/``, ``verl_glue/``, ``plugin.py``, ``main_ppo.py``); prose may still name it. So a new rule is
+one module of ``core/rules/``, one preset line and its tests (ARCHITECTURE.md, "Where a new thing goes")."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY
+from verl_tokensel.core.rules.base import knob_fields
+
+PACKAGE = Path(__file__).resolve().parents[1] / "verl_tokensel"
+PRODUCT = sorted(p for p in PACKAGE.rglob("*.py")
+                 if p.relative_to(PACKAGE).parts[0] in ("core", "verl_glue", "plugin.py", "main_ppo.py"))
+PRESETS_FILE = PACKAGE / "core" / "presets.py"
+COMPONENTS = {**{("rule", n): (r, knob_fields(r.Knobs)) for n, r in RULE_REGISTRY.items()},
+              **{("shaping", n): (s, dataclasses.fields(s.Knobs)) for n, s in SHAPING_REGISTRY.items()}}
+
+
+def files_naming(name: str, knobs: list[str]) -> dict[str, list[str]]:
+    """The product files where ``name`` stands as a string literal or a knob as a word, and which of them."""
+    patterns = [(name, re.compile(rf"""["']{re.escape(name)}["']"""))]
+    patterns += [(k, re.compile(rf"\b{re.escape(k)}\b")) for k in knobs]
+    out: dict[str, list[str]] = {}
+    for path in PRODUCT:
+        text = path.read_text(encoding="utf-8")
+        found = [word for word, pat in patterns if pat.search(text)]
+        if found:
+            out[path.relative_to(PACKAGE).as_posix()] = found
+    return out
+
+
+@pytest.mark.parametrize("kind,name", sorted(COMPONENTS), ids=lambda v: str(v))
+def test_a_rule_stands_in_its_module_and_the_preset_table_only(kind, name):
+    component, own = COMPONENTS[(kind, name)]
+    module = Path(inspect.getfile(type(component))).resolve()
+    if PACKAGE not in module.parents:  # a rule registered by a test or user code
+        pytest.skip(f"{kind} {name} is not the package's")
+    where = files_naming(name, [f.name for f in own])
+    allowed = {module.relative_to(PACKAGE).as_posix(), PRESETS_FILE.relative_to(PACKAGE).as_posix()}
+    assert set(where) <= allowed, f"{kind} {name} stands outside its module and the preset table: {where}"
