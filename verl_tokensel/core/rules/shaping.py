@@ -7,8 +7,8 @@ torch, no verl import.
   constant: no gradient). The released code applies it once per step on the driver; the weight reads only the old
   log-prob, so applying it in each micro-batch's loss gives the same numbers.
 - ``entropy_adv`` (earlier value ``entropy``; Cheng et al., "Reasoning with Exploration: An Entropy Perspective",
-  arXiv 2506.14758, Sec. 3.2, Eq. 5-6): ``A'_t = A_t + min(alpha * H_t.detach(), |A_t| / kappa)``, ``H_t`` the current policy's entropy at the
-  token (the update pass's).
+  arXiv 2506.14758, Sec. 3.2, Eq. 5-6): ``A'_t = A_t + min(alpha * H_t.detach(), |A_t| / kappa)``, ``H_t`` the
+  current policy's entropy at the token (the update pass's).
 """
 
 from __future__ import annotations
