@@ -15,7 +15,7 @@ pool = the optimizer mini-batch over ALL data-parallel ranks, each rank holds a 
 which of its tokens are in the global top-k. For W gloo ranks (spawned on 127.0.0.1, 1 torch thread each) and
 N = 2^16, 2^18, ... valid tokens per rank, every rank computes its mask twice:
 
-(a) this project: :func:`verl_tokensel.core.cov.select_cov` (``"kl_cov"``, the preset's own path):
+(a) this project: :func:`verl_tokensel.core.rules.kl_cov.select_kl_cov` (the preset's own path):
     :func:`~verl_tokensel.core.cov.cov_scores` with the group's pooled means (one all-reduce of three float64
     sums), :func:`~verl_tokensel.core.cov.pooled_count` for N_total, then
     :func:`verl_tokensel.core.dist_topk.topk_mask_distributed` with k = ``cov_budget(ratio, N_total)``
@@ -60,7 +60,8 @@ import torch.distributed as dist
 
 from bench_dist_topk import (CollectiveBytes, all_reduce_scalar, fmt_bytes, run_ranks, sizes_that_fit,
                              time_budget_exceeded, timed_max_over_ranks)
-from verl_tokensel.core.cov import cov_budget, cov_scores, pooled_count, select_cov
+from verl_tokensel.core.cov import cov_budget, cov_scores, pooled_count
+from verl_tokensel.core.rules.kl_cov import select_kl_cov
 
 MIN_LEN, MAX_LEN = 512, 4096  # response lengths, tokens
 GROUP = 8  # responses per prompt (GRPO's rollout.n)
@@ -109,7 +110,7 @@ def make_batch(n: int, rank: int, log2: int) -> tuple[torch.Tensor, torch.Tensor
 # --------------------------------------------------------------------------------------------
 def project_mask(adv: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor, ratio: float) -> torch.Tensor:
     """This project: pooled means by one all-reduce, exact distributed top-k; nothing of size N leaves the rank."""
-    return select_cov("kl_cov", advantages=adv, log_prob=log_prob, pool=pool, ratio=ratio, group=dist.group.WORLD)[0]
+    return select_kl_cov(adv, log_prob, pool, ratio, group=dist.group.WORLD)[0]
 
 
 def gather_valid(adv: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor):
@@ -179,7 +180,7 @@ def rank_main(rank: int, world: int, q, stage, args, log2s: list[int], deadline:
             break
         t_size = time.perf_counter()
         adv, log_prob, pool = make_batch(1 << log2, rank, log2)
-        cov = cov_scores(adv, log_prob, pool, rule="kl_cov", group=dist.group.WORLD)  # for the tie statistics
+        cov = cov_scores(adv, log_prob, pool, group=dist.group.WORLD)  # for the tie statistics
         n_total = pooled_count(pool, dist.group.WORLD)
 
         t_gather = []

@@ -35,6 +35,15 @@ SHARED_KEYS = tuple(f.name for f in dataclasses.fields(Selection) if f.name not 
 LEGACY_KEYS = ("action", "phases")
 
 
+def _legacy_rule(key: str, value: str, base: Optional[dict[str, str]] = None) -> Optional[str]:
+    """The rule an earlier key's value names (with the other earlier keys as ``base`` reads them): the plain ranking
+    rule (no knobs of its own) first, what an earlier key for the gradient mask meant; None if no rule reads so."""
+    want = {**(base or {}), key: value}
+    found = sorted((name for name, r in RULE_REGISTRY.items() if all(r.legacy.get(k) == v for k, v in want.items())),
+                   key=lambda name: RULE_REGISTRY[name].Knobs is not Ranking)
+    return found[0] if found else None
+
+
 def _engine_switches() -> list[tuple[str, type, Any]]:
     def switch(default: bool, help: str, paper: str) -> Any:
         return field(default=default, metadata={"help": help, "paper": paper, "group": "engine"})
@@ -79,7 +88,8 @@ def knob_sources() -> dict[str, list[tuple[str, dataclasses.Field]]]:
         for f in dataclasses.fields(shaping.Knobs):
             add(f.name, f"shaping {name}", f)
     for key in LEGACY_KEYS:
-        values = ", ".join(dict.fromkeys(f"{r.legacy[key]} = rule {r.name}" for r in RULE_REGISTRY.values()))
+        values = ", ".join(f"{value} = rule {_legacy_rule(key, value)}"
+                           for value in dict.fromkeys(r.legacy[key] for r in RULE_REGISTRY.values()))
         add(key, "legacy", field(default=None, metadata={
             "help": f"Earlier key, mapped onto token_selection.rule ({values}); use token_selection.rule.",
             "paper": "n/a"}))
@@ -160,16 +170,13 @@ def _rule_of(token_selector: str, base: Selection, given: dict[str, Any]) -> str
                                f"token_selection.{key} is an earlier key of token_selection.rule.")
         if legacy[key] == value:
             continue
-        want = {**legacy, key: value}
-        # the plain ranking rule (no knobs of its own) first: what an earlier key for the gradient mask meant
-        found = sorted((name for name, r in RULE_REGISTRY.items() if r.legacy == want),
-                       key=lambda name: RULE_REGISTRY[name].Knobs is not Ranking)
-        if not found:
+        found = _legacy_rule(key, value, legacy)
+        if found is None:
             raise config_error(f"token_selection.{key}", value, f"{legacy[key]} (with token_selector="
-                               f"{token_selector}, rule {rule})", f"no rule reads {want}.")
+                               f"{token_selector}, rule {rule})", f"no rule reads {key}={value} with {legacy}.")
         warnings.warn(f"actor_rollout_ref.actor.token_selection.{key}={value} is an earlier key: it now reads "
-                      f"token_selection.rule={found[0]}. Set that instead.", FutureWarning, stacklevel=3)
-        rule = found[0]
+                      f"token_selection.rule={found}. Set that instead.", FutureWarning, stacklevel=3)
+        rule = found
     return rule
 
 
