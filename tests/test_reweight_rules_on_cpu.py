@@ -26,7 +26,7 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, preset, resolve_selection
-from verl_tokensel.core.fields import UPDATE_PASS as LOPTI_PHASE_KEY
+from verl_tokensel.core.fields import UPDATE_PASS
 from verl_tokensel.core.rule import apply_rule
 from verl_tokensel.core.rules import RULE_REGISTRY
 from verl_tokensel.core.rules.stapo import quantile_below_count, spurious_tokens
@@ -110,7 +110,7 @@ def test_entropy_adv_turns_the_update_entropy_on():
 # --------------------------------------------------------------------------------------------
 def _phase(data, phase):
     out = copy.copy(data)
-    tu.assign_non_tensor(out, **{LOPTI_PHASE_KEY: phase})
+    tu.assign_non_tensor(out, **{UPDATE_PASS: phase})
     return out
 
 
@@ -163,7 +163,7 @@ def test_lopti_kl_term_counts_each_token_in_one_pass_with_the_full_denominator()
 
 def test_a_lopti_batch_without_its_pass_number_fails_loudly():
     mo, data, _ = micro_batch(0)
-    with pytest.raises(RuntimeError, match=LOPTI_PHASE_KEY):
+    with pytest.raises(RuntimeError, match=UPDATE_PASS):
         tokensel_ppo_loss(actor_config("lopti"), mo, data)
 
 

@@ -135,7 +135,7 @@ def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None,
 
     from verl.utils import tensordict_utils as tu
 
-    from verl_tokensel.core.fields import UPDATE_PASS as LOPTI_PHASE_KEY
+    from verl_tokensel.core.fields import UPDATE_PASS
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     cfg = actor.cfg.copy()
@@ -153,7 +153,7 @@ def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None,
 
     data = batch.copy()
     if phase is not None:
-        tu.assign_non_tensor(data, **{LOPTI_PHASE_KEY: phase})
+        tu.assign_non_tensor(data, **{UPDATE_PASS: phase})
     loss_fn = SelectingLoss(sel_cfg, observer=observe) if preset else SelectingLoss(sel_cfg)
     r = H.run_train_step(actor, data, loss_fn=loss_fn, capture_grads=True, capture_params=False)
     grads = {k: v for k, v in r.grads.items() if k in SAME_PARAMS or k in SAME_PARAMS.values()}

@@ -268,7 +268,7 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
     """One update under ``preset``: the outcome and, on success, what the budget checks need."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_tokensel.core import fields as F
+    from verl_tokensel.core import fields
     from verl_tokensel.cpu import batches as B, worker as H
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
@@ -287,17 +287,17 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
         batch = full.clone()
         tu.assign_non_tensor(batch, calculate_entropy=bool(cfg.calculate_entropy or cfg.entropy_coeff != 0))
         if cfg.selection.update_passes != (None,):
-            from verl_tokensel.core.fields import UPDATE_PASS as LOPTI_PHASE_KEY
+            from verl_tokensel.core.fields import UPDATE_PASS
 
-            tu.assign_non_tensor(batch, **{LOPTI_PHASE_KEY: LOPTI_PHASE})
+            tu.assign_non_tensor(batch, **{UPDATE_PASS: LOPTI_PHASE})
         if cfg.selection.score_source == "rollout":
             driver = B.add_driver_selection(cfg, batch)
             out["driver"] = {k: float(v) for k, v in driver.metrics.items()}
-            out["driver_valid"] = int(batch[F.RESPONSE_MASK].values().sum())
+            out["driver_valid"] = int(batch[fields.RESPONSE_MASK].values().sum())
         stage = "dispatch"
         shard = _shard(batch, row, rank)
-        if F.MASK in shard.keys():
-            out["driver_rank_selected"] = int(shard[F.MASK].values().sum())
+        if fields.MASK in shard.keys():
+            out["driver_rank_selected"] = int(shard[fields.MASK].values().sum())
 
         def observe(rec):
             out["micro"].append({"mini": mini_idx[0], "selected": int(rec["mask"].sum()),
@@ -309,8 +309,8 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
 
         def spy(data, *args, **kwargs):
             mini_idx[0] += 1
-            uids = [str(u) for u in data.get(F.UID).tolist()]
-            lens = data[F.RESPONSE_MASK].values().split(data[F.RESPONSE_MASK].offsets().diff().tolist())
+            uids = [str(u) for u in data.get(fields.UID).tolist()]
+            lens = data[fields.RESPONSE_MASK].values().split(data[fields.RESPONSE_MASK].offsets().diff().tolist())
             out["minibatches"].append({"uids": uids, "valid": [int(x.sum()) for x in lens]})
             return inner(data, *args, **kwargs)
 

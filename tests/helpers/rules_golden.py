@@ -17,6 +17,7 @@ Re-record (only for a deliberate change of a rule's maths, saying which in the c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -59,7 +60,7 @@ RUNS = {
 def _driver_mask(batch) -> None:
     """``forking_paper``'s driver selection: the top ``ceil(0.2 N)`` old-pass entropies of the batch's N valid
     tokens, written as the measured mask and scores (nested like ``response_mask``)."""
-    from verl_tokensel.core import fields as F
+    from verl_tokensel.core import fields
 
     ent = batch["entropy"].values().float()
     k = math.ceil(0.2 * ent.numel())
@@ -68,8 +69,8 @@ def _driver_mask(batch) -> None:
     offsets = batch["entropy"].offsets()
     rows = [mask[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
     srows = [ent[offsets[i]:offsets[i + 1]] for i in range(len(offsets) - 1)]
-    batch[F.MASK] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-    batch[F.SCORE] = torch.nested.as_nested_tensor(srows, layout=torch.jagged)
+    batch[fields.MASK] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    batch[fields.SCORE] = torch.nested.as_nested_tensor(srows, layout=torch.jagged)
 
 
 def _summary(grad: torch.Tensor) -> list[float]:
@@ -90,8 +91,6 @@ def one_run(actor, batch, preset: str, knobs: dict, phase) -> dict:
     OmegaConf.set_struct(cfg, False)
     for key, value in ARCHER_ACTOR.items():
         cfg.actor_rollout_ref.actor[key] = value
-    import dataclasses
-
     eta = median_old_prob(batch)
     knobs = {k: (eta if v == "eta" else v) for k, v in knobs.items()}
     sel_cfg = H.selecting_actor_config(dataclasses.replace(actor, cfg=cfg), preset, calculate_entropy=True, **knobs)
