@@ -24,7 +24,7 @@ def test_cpu_step_runs_every_preset_and_reports_the_selected_fraction(tmp_path):
     res = _cli("cpu-step", "--workdir", str(tmp_path), "--presets", "none", "forking", "forking_bottom", "gmts",
                "lopti", "stapo")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "Lopti pass 2" in res.stderr  # the two update passes of a step
+    assert "(update pass 2)" in res.stderr  # the two update passes of a step (lopti)
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+)\s+([0-9.]+)\s", res.stdout, flags=re.M)}
     assert rows["none"] == 1.0
     # ceil(0.2 N) over micro-batch pools of a few dozen tokens: a little above 0.2 / 0.8

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from verl_tokensel.core.cov import cov_budget, cov_scores, pooled_count, top_k_pooled
 from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, check_ranking, knob, register_rule, share
+from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.checks import check_ranking
 from verl_tokensel.core.scores import ScoreInputs, need_advantages, register_score
 
 NAME = "kl_cov"

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from verl_tokensel.core.cov import pooled_count
 from verl_tokensel.core.dist_topk import topk_mask_distributed
 from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import Ranking, Rule, check_no_budget, check_ranking, knob, register_rule, share
+from verl_tokensel.core.rules.base import Ranking, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.checks import check_no_budget, check_ranking
 from verl_tokensel.core.scopes import world_size
 from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
 from verl_tokensel.core.select import keep_first_k
