@@ -73,7 +73,8 @@ class StapoKnobs(Ranking):
     stapo_prob: float = knob(0.002, "tau_p: a spurious token has pi < tau_p (and A > 0).", "0.002 (STAPO, Sec. 5.1)")
     stapo_entropy_quantile: float = knob(
         0.75, "q: a candidate (A > 0, pi < tau_p) is spurious when its entropy is under the q quantile of the "
-        "mini-batch's candidates (exact over the data-parallel ranks).", "0.75 (STAPO v1, Sec. 5.1)")
+        "mini-batch's candidates (exact over the data-parallel ranks).",
+        "0.75 (STAPO Sec. 5.1 and its hyperparameter table, the latest text; early summaries: 0.8)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
