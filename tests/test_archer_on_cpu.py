@@ -118,11 +118,25 @@ def test_class_weights_make_a_token_mean_per_class():
     torch.testing.assert_close(w, want)
 
 
-def test_per_class_means_need_token_mean():
+def test_with_seq_mean_token_mean_the_kl_is_each_responses_class_mean_averaged():
+    """The recipes' aggregation (the released script's micro-batches of one response): per response, the mean of
+    the KL over its own low-entropy tokens, averaged over the mini-batch's responses."""
+    ours = actor_config("archer", loss_agg_mode="seq-mean-token-mean", **ACTOR)
+    mo, data, lp = micro_batch(3, batch=6, resp_len=20, noise=0.5, with_ref=True)
+    _, _, metrics = _run(ours, mo, data, lp)
+    valid = data["response_mask"].bool()
+    x = padded(mo["log_probs"], data).detach().double()
+    low = valid & ~_classes(padded(mo["entropy"], data).detach(), valid)
+    kld = torch.where(low, _k3(x, data["ref_log_prob"].double()), 0)
+    expect = float((kld.sum(-1) / low.sum(-1).clamp_min(1)).mean())
+    assert _metric(metrics, "kl_loss") == pytest.approx(expect, rel=1e-5)
+
+
+def test_per_class_means_need_a_mean_aggregation():
     with pytest.raises(TokenSelectionConfigError, match=r"archer_kl_mean.*token-mean.*Fix:"):
-        resolve_selection("archer", use_kl_loss=True, loss_agg_mode="seq-mean-token-mean")
+        resolve_selection("archer", use_kl_loss=True, loss_agg_mode="seq-mean-token-sum")
     # the earlier variant runs with any aggregation
     from verl_tokensel.core.config import TokenSelectionConfig
 
     assert resolve_selection("archer", TokenSelectionConfig(archer_kl_mean="all"), use_kl_loss=True,
-                             loss_agg_mode="seq-mean-token-mean").knobs.archer_kl_mean == "all"
+                             loss_agg_mode="seq-mean-token-sum").knobs.archer_kl_mean == "all"

@@ -210,7 +210,7 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
     shaping_cls = SHAPING_REGISTRY[shaping].Knobs if shaping in SHAPING_REGISTRY else None
     shaping_keys = set() if shaping_cls is None else {f.name for f in dataclasses.fields(shaping_cls)}
     shaped = dataclasses.asdict(base.shaping_knobs) if shaping == base.shaping and base.shaping_knobs else {}
-    shared = {}
+    shared, unread = {}, []
     for key in sorted(given):
         if key in SHARED_KEYS:
             shared[key] = given[key]
@@ -219,15 +219,18 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
         elif key in shaping_keys:
             shaped[key] = given[key]
         else:
-            raise config_error(
-                f"token_selection.{key}", given[key], f"null (with token_selector={token_selector}, rule {rule}, "
-                f"shaping {shaping})", f"only {_readers(key) or 'no registered component'} reads it, so it would be "
-                f"ignored. Fix: remove token_selection.{key} (a recipe may set it for its own preset: override it "
-                f"with token_selection.{key}=null) or pick a preset that reads it.")
+            unread.append(key)
     if shaping != "none" and shaping not in SHAPING_REGISTRY:
         raise config_error("token_selection.shaping", shaping, ", ".join(("none", *SHAPING_REGISTRY)))
-    return replace(base, rule=rule, knobs=knobs_cls(**knobs), shaping=shaping,
-                   shaping_knobs=None if shaping_cls is None else shaping_cls(**shaped), **shared)
+    sel = replace(base, rule=rule, knobs=knobs_cls(**knobs), shaping=shaping,
+                  shaping_knobs=None if shaping_cls is None else shaping_cls(**shaped), **shared)
+    for key in unread:  # after the rule validated the knobs it reads: their errors come first
+        raise config_error(
+            f"token_selection.{key}", given[key], f"null (with token_selector={token_selector}, rule {rule}, "
+            f"shaping {shaping})", f"only {_readers(key) or 'no registered component'} reads it, so it would be "
+            f"ignored. Fix: remove token_selection.{key} (a recipe may set it for its own preset: override it "
+            f"with token_selection.{key}=null) or pick a preset that reads it.")
+    return sel
 
 
 def override(sel: Selection, **values: Any) -> Selection:

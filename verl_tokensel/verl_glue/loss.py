@@ -122,17 +122,17 @@ def update_pass(sel: Selection, data: TensorDict) -> int | None:
     return int(value)
 
 
-def _context(sel: Selection, data: TensorDict) -> LossContext:
+def _context(config, sel: Selection, data: TensorDict) -> LossContext:
     denominator = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)
     rows = tu.get_non_tensor_data(data=data, key="global_batch_size", default=None)
-    return LossContext(update_pass=update_pass(sel, data),
+    return LossContext(update_pass=update_pass(sel, data), loss_agg_mode=config.loss_agg_mode,
                        denominator=None if denominator is None else float(denominator),
                        global_rows=None if rows is None else int(rows))
 
 
 def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, Selected]:
     """The micro-batch and the rule step on it (or, for a selection measured before the update, its fields)."""
-    context = _context(sel, data)
+    context = _context(config, sel, data)
     if sel.score_source == "current":
         mb = unpack_micro_batch(config, sel, model_output, data)
         return mb, apply_rule(sel, mb.scores, dp_group=dp_group, context=context)

@@ -10,6 +10,8 @@ KL over each entropy class's own tokens, times the class's weight (``dp_actor.py
 loss_mask=<class>, token-mean)``), the micro-batch weighted by its share of the mini-batch's responses as the
 released gradient accumulation does; it is written as per-token weights ``c_t * D * rows / (G * n_class)`` under
 verl's token-mean over all D tokens of the mini-batch (G responses over all ranks, ``rows`` in the micro-batch).
+With ``loss_agg_mode=seq-mean-token-mean`` (the recipes': the released script's micro-batches of one response) the
+same ``agg_loss`` per class is each response's mean over its own class tokens, averaged over the responses.
 ``all``: one token-mean over every valid token with weight ``selected_kl_weight`` on the selected ones (this
 package's earlier variant; about 0.8x the released term at the paper's settings).
 """
@@ -26,6 +28,8 @@ from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, re
 
 NAME = "archer"
 KL_MEANS = ("class", "all")
+#: the aggregations the per-class means are written for (the released code's agg_loss per class, in verl's)
+CLASS_MEAN_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,8 @@ class ArcherKnobs(Ranking):
         "0 (Archer: no KL on high-entropy tokens)")
     archer_kl_mean: str = knob(
         "class", f"The KL term's mean: one of {', '.join(KL_MEANS)}. class = the token-mean over each entropy class's "
-        "own tokens per micro-batch, times its weight (the released code; needs loss_agg_mode=token-mean); all = one "
+        "own tokens per micro-batch (per response with loss_agg_mode=seq-mean-token-mean), times its weight (the "
+        "released code's agg_loss per class; needs loss_agg_mode token-mean or seq-mean-token-mean); all = one "
         "token-mean over every valid token, selected_kl_weight on the selected ones.",
         "class (ArcherCodeR dp_actor.py)")
 
@@ -56,17 +61,31 @@ class ArcherKnobs(Ranking):
 
 
 def class_mean_weights(mask: torch.Tensor, tokens: torch.Tensor, selected_weight: float,
-                       denominator: Optional[float], global_rows: Optional[int]) -> torch.Tensor:
-    """Per-token KL weights that turn verl's token-mean over ``denominator`` tokens into the sum over the two
-    classes (``mask`` and the rest of ``tokens``) of ``weight * mean over the class``, the micro-batch weighted by
-    ``rows / global_rows`` (float32; 0 off ``tokens``). ``None``: the micro-batch alone is the whole."""
-    rows = mask.shape[0]
+                       denominator: Optional[float], global_rows: Optional[int],
+                       loss_agg_mode: str = "token-mean") -> torch.Tensor:
+    """Per-token KL weights under verl's ``loss_agg_mode`` that give the released ``agg_loss(kld, loss_mask=<class>,
+    loss_agg_mode)`` per class (``mask`` and the rest of ``tokens``), times the class's weight (float32; 0 off
+    ``tokens``).
+
+    ``token-mean``: each class's token-mean over the micro-batch, the micro-batch weighted by ``rows /
+    global_rows`` (the released gradient accumulation): ``c * D * rows / (G * n_class)`` under verl's token-mean over
+    ``denominator`` = D tokens. ``seq-mean-token-mean``: each response's token-mean over its own class tokens,
+    averaged over the G responses: ``c * n_response / n_response_class``. ``None``: the micro-batch alone is the
+    whole."""
     selected, others = mask & tokens, tokens & ~mask
-    d = float(tokens.sum()) if denominator is None else float(denominator)
-    g = rows if global_rows is None else int(global_rows)
-    scale = d * rows / g
-    w_sel = selected_weight * scale / max(int(selected.sum()), 1)
-    w_other = scale / max(int(others.sum()), 1)
+    if loss_agg_mode == "seq-mean-token-mean":
+        n = tokens.sum(-1, keepdim=True).float()
+        w_sel = selected_weight * n / selected.sum(-1, keepdim=True).clamp_min(1).float()
+        w_other = n / others.sum(-1, keepdim=True).clamp_min(1).float()
+    elif loss_agg_mode == "token-mean":
+        rows = mask.shape[0]
+        d = float(tokens.sum()) if denominator is None else float(denominator)
+        g = rows if global_rows is None else int(global_rows)
+        scale = d * rows / g
+        w_sel = torch.tensor(selected_weight * scale / max(int(selected.sum()), 1))
+        w_other = torch.tensor(scale / max(int(others.sum()), 1))
+    else:
+        raise ValueError(f"archer_kl_mean=class needs loss_agg_mode in {CLASS_MEAN_AGG_MODES}, got {loss_agg_mode!r}")
     return torch.where(selected, w_sel, torch.where(others, w_other, 0.0)).to(torch.float32)
 
 
@@ -92,12 +111,12 @@ class Archer(Rule):
                 "the rule weights the KL loss per token, and the KL loss is off. Fix: set "
                 "actor_rollout_ref.actor.use_kl_loss=true (Archer: kl_loss_coef=0.001, kl_loss_type=low_var_kl), or "
                 "token_selection.selected_kl_weight=1 to run without a KL term.")
-        if actor.use_kl_loss and k.archer_kl_mean == "class" and actor.loss_agg_mode != "token-mean":
+        if actor.use_kl_loss and k.archer_kl_mean == "class" and actor.loss_agg_mode not in CLASS_MEAN_AGG_MODES:
             raise config_error(
                 "token_selection.archer_kl_mean", "class", "all (with any loss_agg_mode), class (only with "
-                "loss_agg_mode=token-mean)", f"actor_rollout_ref.actor.loss_agg_mode is {actor.loss_agg_mode!r}; the "
-                "per-class token-means are weights under verl's token-mean. Fix: set loss_agg_mode=token-mean or "
-                "token_selection.archer_kl_mean=all.")
+                f"loss_agg_mode {' or '.join(CLASS_MEAN_AGG_MODES)})", f"actor_rollout_ref.actor.loss_agg_mode is "
+                f"{actor.loss_agg_mode!r}; the per-class means are weights under verl's aggregation, written for those "
+                "two. Fix: set loss_agg_mode=token-mean or token_selection.archer_kl_mean=all.")
 
     def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
         k, inp = sel.knobs, batch.inputs
@@ -107,7 +126,8 @@ class Archer(Rule):
         clip_low = torch.where(mask, float(low), float(inp.clip_ratio_low)).to(torch.float64)
         clip_high = torch.where(mask, float(high), float(inp.clip_ratio_high)).to(torch.float64)
         if k.archer_kl_mean == "class":
-            kl_weight = class_mean_weights(mask, tokens, k.selected_kl_weight, ctx.denominator, ctx.global_rows)
+            kl_weight = class_mean_weights(mask, tokens, k.selected_kl_weight, ctx.denominator, ctx.global_rows,
+                                           ctx.loss_agg_mode)
         else:
             kl_weight = (None if k.selected_kl_weight == 1.0
                          else torch.where(mask, float(k.selected_kl_weight), 1.0).to(torch.float32))

@@ -133,11 +133,13 @@ class LossContext:
         denominator: the token-mean denominator of verl's loss (``batch_num_tokens``, over all ranks); None
             outside the loss (the micro-batch alone then is the whole).
         global_rows: the mini-batch's responses over all ranks (``global_batch_size``); None as above.
+        loss_agg_mode: the actor's ``loss_agg_mode`` (verl's aggregation of every term).
     """
 
     update_pass: Optional[int] = None
     denominator: Optional[float] = None
     global_rows: Optional[int] = None
+    loss_agg_mode: str = "token-mean"
 
 
 @dataclass(frozen=True)
