@@ -2,7 +2,7 @@
 
 ``actor_rollout_ref.actor.token_selector=<name>`` picks one; ``token_selection.<knob>=...`` overrides its values.
 Each mirrors one reference semantics; docs/fidelity.md says how each differs from it, docs/toolbox.md its source.
-``register_preset`` adds one from user code (``examples/custom_preset.py``, ``examples/custom_rule.py``).
+``register_preset`` adds one from user code (``examples/custom_preset.py``).
 """
 
 from __future__ import annotations
