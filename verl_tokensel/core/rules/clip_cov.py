@@ -17,9 +17,8 @@ import torch.distributed as dist
 
 from verl_tokensel.core.cov import cov_budget, cov_scores, pooled_count, top_k_pooled
 from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
-from verl_tokensel.core.rules.checks import check_ranking
-from verl_tokensel.core.rules.kl_cov import check_covariance_score
+from verl_tokensel.core.rules.base import LossTransform, Ranking, knob, register_rule
+from verl_tokensel.core.rules.kl_cov import CovarianceRule
 from verl_tokensel.core.scores import ScoreInputs, need_advantages, register_score
 
 NAME = "clip_cov"
@@ -73,25 +72,13 @@ class ClipCovKnobs(Ranking):
 
 
 @register_rule(NAME)
-class ClipCov(Rule):
+class ClipCov(CovarianceRule):
     """A keyed draw of the covariance's candidates (or another score's top tokens) gets no policy loss."""
 
     Knobs = ClipCovKnobs
-    normalisers = ("all",)
-    own_policy_loss = True
     legacy = {"action": "zero_loss", "phases": "one"}
 
-    def check(self, sel) -> None:
-        check_ranking(sel, self)
-        if sel.knobs.score == NAME:
-            check_covariance_score(sel, NAME)
-
-    def score(self, sel, batch):
-        return None if sel.knobs.score == NAME else super().score(sel, batch)
-
-    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
-        if sel.knobs.score != NAME:
-            return super().select(sel, batch, scores, pool, ratio=ratio, scope=scope, dp_group=dp_group)
+    def select_own(self, sel, batch, pool, *, ratio, scope, dp_group):
         inp, k = batch.inputs, sel.knobs
         return select_clip_cov(inp.advantages, inp.log_prob, inp.old_log_prob, pool, ratio, batch.score("random"),
                                clip_low=inp.clip_ratio_low, clip_high=inp.clip_ratio_high, lb=k.cov_lb, ub=k.cov_ub,
@@ -99,10 +86,6 @@ class ClipCov(Rule):
 
     def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
         return LossTransform(policy_loss="zeroed_tokens", policy_loss_args={"loss_weight": (~mask).to(torch.float32)})
-
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        n_sel, n_pool = int(mask.sum()), int(tokens.sum())
-        return {f"{NAME}/selected_tokens": float(n_sel), f"{NAME}/selected_share": share(n_sel, n_pool)}
 
 
 __all__ = ["ClipCov", "ClipCovKnobs", "candidates", "clip_cov_score", "clipped_by_ratio", "select_clip_cov"]

@@ -66,26 +66,44 @@ class KLCovKnobs(Ranking):
         check_number("token_selection.kl_penalty_coef", self.kl_penalty_coef, 0.0, None, "a number >= 0")
 
 
-@register_rule(NAME)
-class KLCov(Rule):
-    """The covariance's top tokens (or another score's) get the |log r| penalty; nothing is clipped."""
+class CovarianceRule(Rule):
+    """A rule whose own score (the one named like the rule) is a covariance over the pool, selected by the rule
+    itself (:meth:`select_own`, after the pool is known); any other score ranks as the base rule does. KL-Cov's and
+    Clip-Cov's shared steps."""
 
-    Knobs = KLCovKnobs
     normalisers = ("all",)
     own_policy_loss = True
-    legacy = {"action": "kl_penalty", "phases": "one"}
 
     def check(self, sel) -> None:
         check_ranking(sel, self)
-        if sel.knobs.score == NAME:
-            check_covariance_score(sel, NAME)
+        if sel.knobs.score == self.name:
+            check_covariance_score(sel, self.name)
 
     def score(self, sel, batch):
-        return None if sel.knobs.score == NAME else super().score(sel, batch)
+        return None if sel.knobs.score == self.name else super().score(sel, batch)
 
     def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
-        if sel.knobs.score != NAME:
+        if sel.knobs.score != self.name:
             return super().select(sel, batch, scores, pool, ratio=ratio, scope=scope, dp_group=dp_group)
+        return self.select_own(sel, batch, pool, ratio=ratio, scope=scope, dp_group=dp_group)
+
+    def select_own(self, sel, batch, pool, *, ratio, scope, dp_group) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mask, cov)`` of the rule's own covariance selection over ``pool``."""
+        raise NotImplementedError
+
+    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
+        n_sel, n_pool = int(mask.sum()), int(tokens.sum())
+        return {f"{self.name}/selected_tokens": float(n_sel), f"{self.name}/selected_share": share(n_sel, n_pool)}
+
+
+@register_rule(NAME)
+class KLCov(CovarianceRule):
+    """The covariance's top tokens (or another score's) get the |log r| penalty; nothing is clipped."""
+
+    Knobs = KLCovKnobs
+    legacy = {"action": "kl_penalty", "phases": "one"}
+
+    def select_own(self, sel, batch, pool, *, ratio, scope, dp_group):
         inp = batch.inputs
         return select_kl_cov(inp.advantages, inp.log_prob, pool, ratio, verl_means=scope == "micro_batch",
                              group=None if scope == "micro_batch" else dp_group)
@@ -95,11 +113,11 @@ class KLCov(Rule):
         return LossTransform(policy_loss="abs_log_ratio_penalty", policy_loss_args={"penalty": penalty})
 
     def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        n_sel, n_pool = int(mask.sum()), int(tokens.sum())
-        out = {f"{NAME}/selected_tokens": float(n_sel), f"{NAME}/selected_share": share(n_sel, n_pool)}
-        if n_sel:
+        out = super().stats(sel, batch, mask, scores, tokens, transform)
+        if mask.any():
             out[f"{NAME}/min_selected_cov"] = float(scores[mask].min())
         return out
 
 
-__all__ = ["COV_SCOPES", "KLCov", "KLCovKnobs", "check_covariance_score", "kl_cov_score", "select_kl_cov"]
+__all__ = ["COV_SCOPES", "CovarianceRule", "KLCov", "KLCovKnobs", "check_covariance_score", "kl_cov_score",
+           "select_kl_cov"]
