@@ -132,11 +132,33 @@ def test_with_seq_mean_token_mean_the_kl_is_each_responses_class_mean_averaged()
     assert _metric(metrics, "kl_loss") == pytest.approx(expect, rel=1e-5)
 
 
-def test_per_class_means_need_a_mean_aggregation():
-    with pytest.raises(TokenSelectionConfigError, match=r"archer_kl_mean.*token-mean.*Fix:"):
-        resolve_selection("archer", use_kl_loss=True, loss_agg_mode="seq-mean-token-sum")
-    # the earlier variant runs with any aggregation
-    from verl_tokensel.core.config import TokenSelectionConfig
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"])
+def test_with_a_token_sum_aggregation_the_class_sums_are_the_earlier_weights(agg):
+    """The token-sum modes: the released ``agg_loss(kld, loss_mask=<class>, agg)`` is a sum over the class's tokens
+    over a denominator free of the class (the responses, the horizon), so the two classes add up to weight 0 on the
+    high-entropy tokens and 1 on the others, under verl's own aggregation; ``class`` and ``all`` agree."""
+    mo, data, lp = micro_batch(5, batch=6, resp_len=20, noise=0.5, with_ref=True)
+    valid = data["response_mask"].bool()
+    x = padded(mo["log_probs"], data).detach().double()
+    low = valid & ~_classes(padded(mo["entropy"], data).detach(), valid)
+    kld = torch.where(low, _k3(x, data["ref_log_prob"].double()), 0)
+    per_row = kld.sum(-1)
+    expect = {"token-sum": per_row.sum(), "seq-mean-token-sum": per_row.mean(),
+              "seq-mean-token-sum-norm": per_row.mean() / valid.shape[-1]}[agg]  # verl 0.9.1's
+    runs = {}
+    for kl_mean in ("class", "all"):
+        loss, grad, metrics = _run(actor_config("archer", {"archer_kl_mean": kl_mean}, loss_agg_mode=agg, **ACTOR),
+                                   mo, data, lp)
+        assert _metric(metrics, "kl_loss") == pytest.approx(float(expect), rel=1e-5)
+        runs[kl_mean] = (loss, grad)
+    torch.testing.assert_close(runs["class"][0], runs["all"][0], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(runs["class"][1], runs["all"][1], rtol=1e-6, atol=1e-10)
 
-    assert resolve_selection("archer", TokenSelectionConfig(archer_kl_mean="all"), use_kl_loss=True,
-                             loss_agg_mode="seq-mean-token-sum").knobs.archer_kl_mean == "all"
+
+def test_archer_runs_with_every_aggregation():
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum"):
+        assert resolve_selection("archer", use_kl_loss=True, loss_agg_mode=agg).knobs.archer_kl_mean == "class"
+    with pytest.raises(TokenSelectionConfigError, match=r"archer_kl_mean.*class, all"):
+        from verl_tokensel.core.config import TokenSelectionConfig
+
+        resolve_selection("archer", TokenSelectionConfig(archer_kl_mean="both"), use_kl_loss=True)

@@ -11,7 +11,10 @@ loss_mask=<class>, token-mean)``), the micro-batch weighted by its share of the 
 released gradient accumulation does; it is written as per-token weights ``c_t * D * rows / (G * n_class)`` under
 verl's token-mean over all D tokens of the mini-batch (G responses over all ranks, ``rows`` in the micro-batch).
 With ``loss_agg_mode=seq-mean-token-mean`` (the recipes': the released script's micro-batches of one response) the
-same ``agg_loss`` per class is each response's mean over its own class tokens, averaged over the responses.
+same ``agg_loss`` per class is each response's mean over its own class tokens, averaged over the responses. With
+``token-sum``, ``seq-mean-token-sum`` and ``seq-mean-token-sum-norm`` the per-class ``agg_loss`` is a sum over the
+class's tokens with a denominator that does not depend on the class (the responses, the horizon), so the two classes'
+terms add up to weights ``selected_kl_weight`` / 1 under verl's own aggregation, the same weights as ``all``.
 ``all``: one token-mean over every valid token with weight ``selected_kl_weight`` on the selected ones (this
 package's earlier variant; about 0.8x the released term at the paper's settings).
 """
@@ -28,8 +31,8 @@ from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, re
 
 NAME = "archer"
 KL_MEANS = ("class", "all")
-#: the aggregations the per-class means are written for (the released code's agg_loss per class, in verl's)
-CLASS_MEAN_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+#: verl's aggregations whose per-class agg_loss is a sum over the class's tokens (denominator free of the class)
+SUM_AGG_MODES = ("token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -46,8 +49,8 @@ class ArcherKnobs(Ranking):
     archer_kl_mean: str = knob(
         "class", f"The KL term's mean: one of {', '.join(KL_MEANS)}. class = the token-mean over each entropy class's "
         "own tokens per micro-batch (per response with loss_agg_mode=seq-mean-token-mean), times its weight (the "
-        "released code's agg_loss per class; needs loss_agg_mode token-mean or seq-mean-token-mean); all = one "
-        "token-mean over every valid token, selected_kl_weight on the selected ones.",
+        "released code's agg_loss per class under the actor's loss_agg_mode; with the token-sum modes it equals all); "
+        "all = one token-mean over every valid token, selected_kl_weight on the selected ones.",
         "class (ArcherCodeR dp_actor.py)")
 
     def __post_init__(self) -> None:
@@ -70,7 +73,8 @@ def class_mean_weights(mask: torch.Tensor, tokens: torch.Tensor, selected_weight
     ``token-mean``: each class's token-mean over the micro-batch, the micro-batch weighted by ``rows /
     global_rows`` (the released gradient accumulation): ``c * D * rows / (G * n_class)`` under verl's token-mean over
     ``denominator`` = D tokens. ``seq-mean-token-mean``: each response's token-mean over its own class tokens,
-    averaged over the G responses: ``c * n_response / n_response_class``. ``None``: the micro-batch alone is the
+    averaged over the G responses: ``c * n_response / n_response_class``. The token-sum modes (``SUM_AGG_MODES``):
+    a sum per class, so ``c`` on the selected tokens and 1 on the others. ``None``: the micro-batch alone is the
     whole."""
     selected, others = mask & tokens, tokens & ~mask
     if loss_agg_mode == "seq-mean-token-mean":
@@ -84,8 +88,10 @@ def class_mean_weights(mask: torch.Tensor, tokens: torch.Tensor, selected_weight
         scale = d * rows / g
         w_sel = torch.tensor(selected_weight * scale / max(int(selected.sum()), 1))
         w_other = torch.tensor(scale / max(int(others.sum()), 1))
+    elif loss_agg_mode in SUM_AGG_MODES:
+        w_sel, w_other = torch.tensor(float(selected_weight)), torch.tensor(1.0)
     else:
-        raise ValueError(f"archer_kl_mean=class needs loss_agg_mode in {CLASS_MEAN_AGG_MODES}, got {loss_agg_mode!r}")
+        raise ValueError(f"unknown loss_agg_mode {loss_agg_mode!r}")
     return torch.where(selected, w_sel, torch.where(others, w_other, 0.0)).to(torch.float32)
 
 
@@ -111,12 +117,6 @@ class Archer(Rule):
                 "the rule weights the KL loss per token, and the KL loss is off. Fix: set "
                 "actor_rollout_ref.actor.use_kl_loss=true (Archer: kl_loss_coef=0.001, kl_loss_type=low_var_kl), or "
                 "token_selection.selected_kl_weight=1 to run without a KL term.")
-        if actor.use_kl_loss and k.archer_kl_mean == "class" and actor.loss_agg_mode not in CLASS_MEAN_AGG_MODES:
-            raise config_error(
-                "token_selection.archer_kl_mean", "class", "all (with any loss_agg_mode), class (only with "
-                f"loss_agg_mode {' or '.join(CLASS_MEAN_AGG_MODES)})", f"actor_rollout_ref.actor.loss_agg_mode is "
-                f"{actor.loss_agg_mode!r}; the per-class means are weights under verl's aggregation, written for those "
-                "two. Fix: set loss_agg_mode=token-mean or token_selection.archer_kl_mean=all.")
 
     def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
         k, inp = sel.knobs, batch.inputs
