@@ -38,6 +38,8 @@ EXAMPLES_DIR = ROOT / "examples"
 #: every example and the test(s) that run it: a test of this module, or ``tests/<file>::<test>`` of another
 EXAMPLES = {
     "custom_score.py": ["test_custom_score_runs_as_a_script", "test_custom_score_selects_low_probability_tokens"],
+    "custom_rule.py": ["test_custom_rule_runs_one_update_and_prints_its_metrics",
+                       "test_custom_rule_is_verls_loss_with_weighted_advantages"],
     "custom_preset.py": ["test_custom_preset_runs_as_a_script", "test_dapo_example_with_the_custom_preset",
                          "test_custom_preset_loads_from_a_verl_plugins_entry_point"],
     "run_dapo.sh": ["test_dapo_example_with_the_custom_preset", "test_dapo_example_names_a_missing_variable"],
@@ -115,16 +117,17 @@ def test_custom_preset_loads_from_a_verl_plugins_entry_point(tmp_path):
 
 @pytest.fixture
 def restored_registries():
-    """The score and preset registries as they were before the test (an example registers into them)."""
+    """The score, rule and preset registries as they were before the test (an example registers into them)."""
     from verl_tokensel.core.config import PRESETS
     from verl_tokensel.core.scores import SCORE_REGISTRY
 
-    presets, scores = dict(PRESETS), dict(SCORE_REGISTRY)
+    from verl_tokensel.core.rules import RULE_REGISTRY
+
+    saved = [(reg, dict(reg)) for reg in (PRESETS, SCORE_REGISTRY, RULE_REGISTRY)]
     yield
-    PRESETS.clear()
-    PRESETS.update(presets)
-    SCORE_REGISTRY.clear()
-    SCORE_REGISTRY.update(scores)
+    for reg, before in saved:
+        reg.clear()
+        reg.update(before)
 
 
 def test_custom_score_selects_low_probability_tokens(restored_registries):
@@ -151,6 +154,51 @@ def test_custom_score_selects_low_probability_tokens(restored_registries):
     # the selected tokens are the lowest-probability ones: every kept score >= every dropped score
     assert scores[mask].min() >= scores[valid & ~mask].max()
     assert torch.isfinite(loss)
+
+
+def test_custom_rule_runs_one_update_and_prints_its_metrics():
+    """The rule in user code through verl's real FSDP2 TrainingWorker (one train_mini_batch, ~7 s): it trains
+    (the weights move) and its metrics come back under tokensel/surprise_weight/; the weights' mean over a
+    micro-batch is 1 when no weight hits its bound (a check the tiny model's surprisals meet)."""
+    out = _script(EXAMPLES_DIR / "custom_rule.py", timeout=300)
+    assert "token_selector=surprise_weight -> Selection(rule='surprise_weight', knobs=SurpriseKnobs(" in out, out
+    change = re.search(r"max \|param change\| ([0-9.e+-]+)", out)
+    assert change and float(change.group(1)) > 0, out
+    metrics = dict(re.findall(r"^tokensel/surprise_weight/(\w+) = ([0-9.]+)", out, re.M))
+    assert set(metrics) == {"mean_weight", "min_weight", "max_weight"}, out
+    assert 0.5 <= float(metrics["min_weight"]) < 1.0 < float(metrics["max_weight"]) <= 2.0, out
+
+
+def test_custom_rule_is_verls_loss_with_weighted_advantages(restored_registries, monkeypatch):
+    """Through the selecting loss, the example's rule is verl's ppo_loss on advantages w_t * A_t, w_t written
+    out here from its docstring; loss and gradient to 1e-6. Its knobs are checked, naming the key."""
+    spec = importlib.util.spec_from_file_location("example_custom_rule", EXAMPLES_DIR / "custom_rule.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    from verl.workers.utils.losses import ppo_loss
+    from verl_tokensel.core.config import TokenSelectionConfigError
+    from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
+
+    from helpers.actor_configs import actor_config, micro_batch, padded
+
+    ours, stock = actor_config("surprise_weight", fresh=True), actor_config(None)
+    for seed in range(2):
+        mo, data, lp = micro_batch(seed, batch=6, resp_len=20, noise=0.3)
+        loss, _ = tokensel_ppo_loss(ours, mo, data)
+        (grad,) = torch.autograd.grad(loss, lp)
+        valid = data["response_mask"].bool()
+        s = -padded(mo["log_probs"], data).detach().float()
+        w = (1 + 0.5 * (s - s[valid].mean())).clamp(0.5, 2.0)
+        assert (w[valid] != 1).any()
+        mo2, data2, lp2 = micro_batch(seed, batch=6, resp_len=20, noise=0.3)
+        data2["advantages"] = torch.where(valid, w * data2["advantages"], data2["advantages"])
+        expect, _ = ppo_loss(stock, mo2, data2)
+        (g,) = torch.autograd.grad(expect, lp2)
+        torch.testing.assert_close(loss, expect, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(grad, g, rtol=1e-6, atol=1e-9)
+    with pytest.raises(TokenSelectionConfigError, match=r"surprise_max_weight.*>= 1"):
+        module.SurpriseKnobs(surprise_max_weight=0.5)
 
 
 # --- the DAPO launch script --------------------------------------------------------------------------------------

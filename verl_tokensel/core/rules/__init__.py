@@ -2,7 +2,7 @@
 
 Importing this package imports every module in it, which registers the built-in rules and shapings: a new rule
 is one module here (and its preset line in :mod:`~verl_tokensel.core.presets`). A rule in user code registers the
-same way .
+same way (``examples/custom_rule.py``).
 """
 
 import importlib

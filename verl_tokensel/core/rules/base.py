@@ -14,7 +14,7 @@ A token rule is a class registered by name (:func:`register_rule`, refusing to o
 An advantage shaping (:func:`register_shaping`) is a smaller component of the same kind with one job, the
 advantages' affine map; it runs before any rule (``token_selection.shaping``): AR's factor ahead of Lopti's passes.
 A rule in user code is one class and one :func:`~verl_tokensel.core.presets.register_preset` call
-.
+(``examples/custom_rule.py``).
 """
 
 from __future__ import annotations
