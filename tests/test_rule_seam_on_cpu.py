@@ -45,3 +45,13 @@ def test_a_rule_stands_in_its_module_and_the_preset_table_only(kind, name):
     where = files_naming(name, [f.name for f in own])
     allowed = {module.relative_to(PACKAGE).as_posix(), PRESETS_FILE.relative_to(PACKAGE).as_posix()}
     assert set(where) <= allowed, f"{kind} {name} stands outside its module and the preset table: {where}"
+
+
+def test_the_shared_config_holds_only_what_every_rule_shares():
+    """At most 12 shared fields (rule, knobs, score source, scope, ...); a rule's own knobs live in its Knobs."""
+    from verl_tokensel.core.selection import Selection
+
+    shared = [f.name for f in dataclasses.fields(Selection)]
+    assert len(shared) <= 12, shared
+    own = {f.name for _, fields in COMPONENTS.values() for f in fields}
+    assert not own & set(shared), own & set(shared)
