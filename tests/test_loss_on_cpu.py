@@ -417,6 +417,50 @@ def test_stock_loss_refuses_a_selector_config():
         ppo_loss(cfg, mo, data)
 
 
+def _clear_then_update(info, values):  # verl PR #7514's way of writing ppo_loss's batch info
+    info.clear()
+    info.update(values)
+
+
+def _ior(info, values):
+    info |= values
+
+
+WRITES = {
+    "setitem": lambda info, values: [info.__setitem__(k, v) for k, v in values.items()],
+    "update": lambda info, values: info.update(values),
+    "update_kwargs": lambda info, values: info.update(**values),
+    "clear_then_update": _clear_then_update,
+    "setdefault": lambda info, values: [info.setdefault(k, v) for k, v in values.items()],
+    "ior": _ior,
+    "pop": lambda info, values: info.pop("dp_size", None),
+    "popitem": lambda info, values: info.popitem(),
+    "delitem": lambda info, values: info.__delitem__(next(iter(info))),
+}
+
+
+@pytest.mark.parametrize("how", sorted(WRITES))
+def test_a_stock_loss_writing_the_batch_info_any_way_is_refused(how):
+    """A stock ppo_loss that fills ``global_batch_info`` by any dict method (not only item by item) with a selector
+    configured is refused; the selecting loss's own writes pass, and with ``token_selector=none`` every way
+    writes."""
+    values = {"dp_size": 1, "batch_num_tokens": 10, "global_batch_size": 4}
+    cfg = actor_config("forking", fresh=True)
+    info = cfg.global_batch_info
+    dict.update(info, values)  # what an earlier micro-batch left there
+    with pytest.raises(RuntimeError, match=r"token_selector=forking.*verl_tokensel\.main_ppo"):
+        WRITES[how](info, values)
+    assert dict(info) == values, "a refused write changed the batch info"
+    info.active = True  # inside the selecting loss
+    try:
+        WRITES[how](info, values)
+    finally:
+        info.active = False
+    none = actor_config("none", fresh=True).global_batch_info
+    dict.update(none, values)
+    WRITES[how](none, values)
+
+
 def test_stock_loss_accepts_selector_none():
     cfg = actor_config("none", fresh=True)
     stock = actor_config(None)

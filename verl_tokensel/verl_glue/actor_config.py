@@ -33,7 +33,7 @@ class StockLossGuard(dict):
     selector: Optional[str] = None
     active: bool = False
 
-    def __setitem__(self, key, value):
+    def _refuse_stock_write(self) -> None:
         if self.selector is not None and not self.active:
             raise RuntimeError(
                 f"actor_rollout_ref.actor.token_selector={self.selector} is set, but verl's stock ppo_loss is "
@@ -42,7 +42,40 @@ class StockLossGuard(dict):
                 "that is not a tokensel_* mode. Fix: launch with `python -m verl_tokensel.main_ppo` "
                 "(both drivers) or use trainer.use_v1=true with trainer.v1.trainer_mode=tokensel_sync."
             )
+
+    # every way of writing a dict: a stock loss that fills the batch info by update() or clear() + writes, not
+    # item by item, is refused as well (dict's C methods do not go through __setitem__)
+    def __setitem__(self, key, value):
+        self._refuse_stock_write()
         super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self._refuse_stock_write()
+        super().__delitem__(key)
+
+    def update(self, *args, **kwargs):
+        self._refuse_stock_write()
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self._refuse_stock_write()
+        return super().setdefault(key, default)
+
+    def __ior__(self, other):
+        self._refuse_stock_write()
+        return super().__ior__(other)
+
+    def clear(self):
+        self._refuse_stock_write()
+        super().clear()
+
+    def pop(self, *args):
+        self._refuse_stock_write()
+        return super().pop(*args)
+
+    def popitem(self):
+        self._refuse_stock_write()
+        return super().popitem()
 
     def __reduce__(self):
         return (_rebuild_guard, (dict(self), self.selector))
