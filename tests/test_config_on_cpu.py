@@ -210,6 +210,35 @@ def test_validate_driver_config_accepts_stock_and_v0():
     validate_driver_config(_compose(overrides=[f"{SEL}=gmts"]))
 
 
+@pytest.mark.parametrize("use_v1", [False, True])
+def test_the_v0_route_needs_no_task_runner_v1(use_v1, monkeypatch):
+    """verl's announced branch without TaskRunnerV1 (use_v1 false by default): ``verl_tokensel.main_ppo`` reaches
+    verl's ``run_ppo`` with our v0 TaskRunner without importing it; the V1 route still takes verl's. ``run_ppo``
+    is recorded instead of run (it would start Ray); validation runs as it is."""
+    import verl.trainer.main_ppo as verl_main
+
+    from verl_tokensel import main_ppo
+    from verl_tokensel.cpu import tiny_model
+
+    tiny_model_dir = tiny_model.build_tiny_model_dir()  # the shared cached one: validation loads its tokenizer
+    seen = {}
+    monkeypatch.setattr(verl_main, "run_ppo", lambda config, task_runner_class: seen.update(runner=task_runner_class))
+    cfg = _compose(overrides=[f"{SEL}=forking", f"trainer.use_v1={str(use_v1).lower()}",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+                              "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+                              f"actor_rollout_ref.model.path={tiny_model_dir}", f"critic.model.path={tiny_model_dir}",
+                              "algorithm.adv_estimator=grpo"])
+    if use_v1:
+        main_ppo.run(cfg)
+        assert seen["runner"] is verl_main.TaskRunnerV1
+        return
+    monkeypatch.delattr(verl_main, "TaskRunnerV1")
+    main_ppo.run(cfg)
+    runner = getattr(seen["runner"], "__ray_actor_class__", seen["runner"])
+    assert runner.__name__ == "TokenselTaskRunner", seen
+
+
 def test_fused_kernels_refused_where_the_scoring_pass_needs_sum_pi_squared():
     from verl_tokensel.verl_glue.install import validate_driver_config
 

@@ -38,7 +38,9 @@ from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
 
 def run(config: DictConfig) -> None:
     """Validate on the driver, then hand over to verl's ``run_ppo``."""
-    from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
+    # TaskRunnerV1 (and the V1 trainer package behind it) only on the V1 path: verl's announced branch without
+    # it (use_v1 false by default) keeps the v0 route whole
+    from verl.trainer.main_ppo import run_ppo
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
@@ -51,11 +53,14 @@ def run(config: DictConfig) -> None:
         except CpuConflictError as err:  # every conflict, one per line, without a traceback; exit 2: a usage error
             print(err, file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-    register_v1_trainers()
+    if config.trainer.use_v1:
+        register_v1_trainers()
     validate_driver_config(config)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if config.trainer.use_v1:
+        from verl.trainer.main_ppo import TaskRunnerV1
+
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
         run_ppo(config, task_runner_class=v0_task_runner())
