@@ -170,7 +170,7 @@ def test_d_v1_tokensel_sync_trainer_installs_the_loss(cluster):
     from verl.utils.config import omega_conf_to_dataclass
 
     _, wg = cluster
-    register_v1_trainers()  # main_ppo.run does it; the verl.plugins entry point does too
+    register_v1_trainers()  # main_ppo.run does it on the V1 path; the verl.plugins entry point does too
     trainer_cls = get_trainer_cls("tokensel_sync")
     assert issubclass(trainer_cls, PPOTrainerSync) and trainer_cls.__module__ == install.__name__
 
