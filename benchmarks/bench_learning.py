@@ -7,8 +7,8 @@ Run (from the repository root; each run is one real verl pipeline, ~3-5 min on a
 
 A toy-scale version of the 80/20 paper's comparison (full tokens vs top-20% entropy vs bottom-80%) plus
 the random-20% control the paper lacks and GMTS: the demo's warm-started tiny Qwen2
-(:mod:`verl_tokensel.demo.warmup`: a templated trace whose route word decides the answer), the demo's GRPO
-settings (:func:`verl_tokensel.cli.demo.demo_overrides`), ``--steps`` steps per run. Per preset it prints
+(:mod:`verl_tokensel_cpu.demo.warmup`: a templated trace whose route word decides the answer), the demo's GRPO
+settings (:func:`verl_tokensel_cpu.cli.demo.demo_overrides`), ``--steps`` steps per run. Per preset it prints
 the mean and spread (sample standard deviation over seeds) of the final reward and of the reward gain
 (mean of the last 3 steps minus mean of the first 3, as in the demo's table), side by side, plus the
 last step's share of answers on the ``think`` route, its entropy statistics (share < 0.01 nats, 80th
@@ -19,7 +19,7 @@ start (one warmed model, seed 0, for every run: the comparison is between preset
 the reward per step is a mean over 128 answers to 16 prompts, so one step's reward carries sampling
 noise of about 0.04 (the table's "gain" spread includes it); no validation set.
 
-``--task multi`` runs the same on the multi-decision task (:mod:`verl_tokensel.demo.task_multi`: K steps per
+``--task multi`` runs the same on the multi-decision task (:mod:`verl_tokensel_cpu.demo.task_multi`: K steps per
 answer, each with its own route word, every one of which must be right; its own warm start, reward, ``--steps``
 and ``--lr`` defaults), by default over every toolbox preset, and adds to the table the share of each rule's
 selected tokens on the route words alone. Its results: ``benchmarks/results/bench_learning_multi_cpu.md``::
@@ -110,11 +110,11 @@ def table(runs: list[dict], presets, task: str = "route") -> str:
 
 def run_one(preset: str, seed: int, steps: int, lr: float, model_dir: str, out: Path, timeout_s: float,
             task: str = "route") -> dict:
-    from verl_tokensel import launch
-    from verl_tokensel.cli.demo import ROLLOUT_N, demo_overrides, final_model_dir, launch_problem
-    from verl_tokensel.demo import report
-    from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
-    from verl_tokensel.demo.tasks import get_task
+    from verl_tokensel_cpu import launch
+    from verl_tokensel_cpu.cli.demo import ROLLOUT_N, demo_overrides, final_model_dir, launch_problem
+    from verl_tokensel_cpu.demo import report
+    from verl_tokensel_cpu.demo.rollouts import analyse_rollouts, last_step_file
+    from verl_tokensel_cpu.demo.tasks import get_task
 
     spec = get_task(task)
     run_dir = out / f"{preset}_seed{seed}"
@@ -152,7 +152,7 @@ START_KEYS = ("selected_share", "selected_on_decision_share", "decision_token_sh
 def start_selection(run_dir: Path, preset: str, model_dir: str, task: str) -> dict:
     """The rule's selection on the run's first-step rollouts (the warm start's answers) under the warm start, where
     the decisions are still open: ``start_<key>`` for each of :data:`START_KEYS` (``{}`` without the dump)."""
-    from verl_tokensel.demo.rollouts import analyse_rollouts
+    from verl_tokensel_cpu.demo.rollouts import analyse_rollouts
 
     first = run_dir / "rollouts" / preset / "1.jsonl"
     if not first.is_file():
@@ -191,8 +191,8 @@ def null_noise(model_dir: str, steps: int, seed: int = 0, task: str = "route") -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
-    from verl_tokensel.demo.warmup import WarmupConfig, sample_accuracy, train_problems
+    from verl_tokensel_cpu.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
+    from verl_tokensel_cpu.demo.warmup import WarmupConfig, sample_accuracy, train_problems
 
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -215,10 +215,10 @@ def _null_noise_multi(model_dir: str, steps: int, seed: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_tokensel.cli.demo import ROLLOUT_N
-    from verl_tokensel.demo.dataset_multi import split_prompts
-    from verl_tokensel.demo.tasks import get_task
-    from verl_tokensel.demo.warmup import MultiWarmupConfig, sample_stats_multi
+    from verl_tokensel_cpu.cli.demo import ROLLOUT_N
+    from verl_tokensel_cpu.demo.dataset_multi import split_prompts
+    from verl_tokensel_cpu.demo.tasks import get_task
+    from verl_tokensel_cpu.demo.warmup import MultiWarmupConfig, sample_stats_multi
 
     torch.set_num_threads(1)
     cfg = MultiWarmupConfig()
@@ -241,10 +241,10 @@ def _null_noise_multi(model_dir: str, steps: int, seed: int) -> dict:
 
 def _import_demo(record: dict, demo_out: Path, steps: int, lr: float, task: str = "route") -> None:
     """Add a demo's runs (``results.json``) as seed-0 runs, re-summarised with the same code as a bench run."""
-    from verl_tokensel.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
-    from verl_tokensel.demo import report
+    from verl_tokensel_cpu.cli.demo import ROLLOUT_N, TRAIN_BATCH_SIZE
+    from verl_tokensel_cpu.demo import report
 
-    from verl_tokensel.cli.demo import ACTOR_LR
+    from verl_tokensel_cpu.cli.demo import ACTOR_LR
 
     demo = json.loads((demo_out / "results.json").read_text())
     settings = demo.get("settings", {"lr": ACTOR_LR, "seed": 0})  # older results.json: the demo's defaults
@@ -266,10 +266,10 @@ def _key(run: dict) -> tuple:
 
 
 def main(argv=None) -> int:
-    from verl_tokensel.cli.demo import ROLLOUT_N, preset_list, task_name
+    from verl_tokensel_cpu.cli.demo import ROLLOUT_N, preset_list, task_name
     from verl_tokensel.core.config import PRESETS as REGISTRY
-    from verl_tokensel.demo.tasks import get_task
-    from verl_tokensel.demo.warmup import warm_model_dir
+    from verl_tokensel_cpu.demo.tasks import get_task
+    from verl_tokensel_cpu.demo.warmup import warm_model_dir
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", type=task_name, default="route",

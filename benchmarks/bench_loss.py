@@ -16,7 +16,7 @@ its loss w.r.t. the log-probs; variants are interleaved (stock, forking, gmts, g
 grad_norm+spsq, stock, ...) and the median over the repeats is compared with stock's. Target: <= 1.05x.
 
 Part 2 (one real verl actor update step on CPU): verl's ``TrainingWorker`` with the FSDP2 engine and the
-tiny random Qwen2 from ``verl_tokensel.cpu.worker``.
+tiny random Qwen2 from ``verl_tokensel_cpu.worker``.
 Same weights every step (lr=0), same batch; the selecting loss is bound as the worker's loss function;
 presets that rank by entropy get ``calculate_entropy=True`` (what the plugin turns on), stock does not.
 Target: <= 1.02x. The tiny model makes the model's share of a step far smaller than in a real run, so
@@ -41,19 +41,19 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' builder of the engine's mi
 
 
 def _import_cpu_worker():
-    """verl's real TrainingWorker on CPU (``verl_tokensel.cpu.worker``). Returns (module or None, why not)."""
+    """verl's real TrainingWorker on CPU (``verl_tokensel_cpu.worker``). Returns (module or None, why not)."""
     try:
-        import verl_tokensel.cpu.worker as mod
+        import verl_tokensel_cpu.worker as mod
 
         return mod, None
     except Exception as e:  # pragma: no cover
-        return None, f"verl_tokensel.cpu.worker: {type(e).__name__}: {e}"
+        return None, f"verl_tokensel_cpu.worker: {type(e).__name__}: {e}"
 
 
 # The CPU worker helper must select verl's CPU platform before verl is imported: import it first.
 H, HARNESS_ERROR = _import_cpu_worker()
 
-from verl_tokensel.cpu import batches as B  # noqa: E402
+from verl_tokensel_cpu import batches as B  # noqa: E402
 
 import torch  # noqa: E402
 

@@ -116,7 +116,7 @@ def build_model_dir(root: Path, hidden: int) -> str:
     """The tiny tokenizer with a random Qwen2 of vocabulary 151,936 and ``hidden`` units (cached)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     path = root / f"qwen2_v{VOCAB}_h{hidden}"
     if (path / "config.json").exists():
@@ -275,7 +275,7 @@ class _Variant:
     """One variant on a worker: its loss, whether the update computes entropy, its selection config."""
 
     def __init__(self, actor, variant: str, tokens: int, mini_batches: int):
-        from verl_tokensel.cpu import worker as H
+        from verl_tokensel_cpu import worker as H
         from verl_tokensel.verl_glue.loss import SelectingLoss
 
         preset = {"forking(graph)": "forking"}.get(variant, variant)
@@ -293,7 +293,7 @@ class _Variant:
     def step(self) -> dict:
         """One update (after its old-log-prob pass): seconds incl. the driver's selection, the update's peak KiB,
         the log-prob kernel's seconds and name, the share of mini-batches whose pre-pass reused the old pass."""
-        from verl_tokensel.cpu import batches as B, worker as H
+        from verl_tokensel_cpu import batches as B, worker as H
 
         from verl.utils import tensordict_utils as tu
 
@@ -325,7 +325,7 @@ class _Variant:
 
 
 def _actor(model_dir: str, tokens: int, mini_batches: int):
-    from verl_tokensel.cpu import worker as H  # selects verl's CPU platform first
+    from verl_tokensel_cpu import worker as H  # selects verl's CPU platform first
 
     per_mb = tokens // (PROMPT + RESPONSE)
     actor = H.make_training_worker(model_dir, use_remove_padding=True, ppo_mini_batch_size=per_mb,
@@ -367,7 +367,7 @@ def child_time(variants: list[str], model_dir: str, tokens: int, mini_batches: i
 
 def _driver_select(config, batch) -> float:
     """What the driver does for ``score_source=rollout``; adds the mask fields to ``batch``; returns seconds."""
-    from verl_tokensel.cpu.batches import add_driver_selection
+    from verl_tokensel_cpu.batches import add_driver_selection
 
     t0 = time.perf_counter()
     add_driver_selection(config, batch)

@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # must come before verl: selects verl's CPU platform
-from verl_tokensel.cpu import worker as H  # noqa: E402
-from verl_tokensel.cpu import batches as B  # noqa: E402
+from verl_tokensel_cpu import worker as H  # noqa: E402
+from verl_tokensel_cpu import batches as B  # noqa: E402
 
 import torch  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402

@@ -12,11 +12,11 @@ Here, on a CPU (tiny model, fp32; the Megatron phase on the CPU test bed; the te
     python benchmarks/gpu_check.py --tiny --device cpu --out /tmp/gpu_check.json
 
 What it does, in one process, through verl's own ``TrainingWorker`` built by the in-process harness
-(``verl_tokensel.cpu.worker.make_training_worker``; ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
+(``verl_tokensel_cpu.worker.make_training_worker``; ``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` on GPU):
 
 1. model: writes a random-init Qwen3 shaped like Qwen3-0.6B (hidden 1024, 28 layers, 16 heads, 8 KV
    heads, head_dim 128, intermediate 3072, vocab 151936, tied embeddings) and a locally trained
-   byte-level BPE tokenizer (``verl_tokensel.cpu.tiny_model``). Nothing is downloaded. ``--tiny``: hidden
+   byte-level BPE tokenizer (``verl_tokensel_cpu.tiny_model``). Nothing is downloaded. ``--tiny``: hidden
    64, 2 layers, 2 heads, 2 KV heads (``tiny_model.MEGATRON_TINY_CONFIG``: TP=2 would divide them too).
    Both phases train the same folder.
 2. fsdp: FSDP2 engine, bf16 compute (fp32 master weights), ``flash_attention_2`` if ``flash_attn``
@@ -57,11 +57,11 @@ What it does, in one process, through verl's own ``TrainingWorker`` built by the
    * GPU without TransformerEngine's torch extension (PyPI publishes ``transformer_engine_torch`` as a
      source archive only, so the carried default set has none; see ``scripts/pack_megatron_wheels.sh``):
      megatron-core's local layers (mbridge's layer spec with ``use_transformer_engine=False``, the
-     layer-spec shim of ``verl_tokensel.cpu.megatron``) with ``torch.nn.functional.scaled_dot_product_attention``
+     layer-spec shim of ``verl_tokensel_cpu.megatron``) with ``torch.nn.functional.scaled_dot_product_attention``
      per packed sequence in place of the local ``DotProductAttention`` (which rejects packed sequences),
      no fused kernels: ``stack.layers = "local"``. The ratios then measure the selection on an unfused
      Megatron model, not on the production one.
-   * CPU (``--device cpu``, the dry run): the CPU test bed of ``verl_tokensel.cpu.megatron`` (gloo, local
+   * CPU (``--device cpu``, the dry run): the CPU test bed of ``verl_tokensel_cpu.megatron`` (gloo, local
      layers and attention, fp32). ``--megatron-attention sdpa`` runs the GPU fallback's attention there.
 
    Sanity as for FSDP, plus for a pre-pass variant the group-scope count: the masks the loss applied
@@ -108,7 +108,7 @@ TINY_QWEN3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, nu
                   max_position_embeddings=1024, rms_norm_eps=1e-6)
 # Both vocabularies exceed the tokenizer's 384 tokens (as Qwen3's 151936 exceeds its 151669): the
 # batches draw ids from the whole model vocabulary. The tiny shape takes its KV heads from
-# verl_tokensel.cpu.tiny_model.MEGATRON_TINY_CONFIG (see build_model_dir): one folder serves both engines.
+# verl_tokensel_cpu.tiny_model.MEGATRON_TINY_CONFIG (see build_model_dir): one folder serves both engines.
 
 DEFAULT_VARIANTS = ("none", "none+entropy", "forking", "forking:no_grad_scores=false", "gmts", "grad_norm",
                     "forking_paper")
@@ -254,7 +254,7 @@ def build_model_dir(path: Path, tiny: bool, device: str, seed: int = 0) -> tuple
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     path.mkdir(parents=True, exist_ok=True)
     tok = tiny_model.build_tiny_tokenizer(path)
@@ -552,7 +552,7 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
     import torch
     from verl.utils import tensordict_utils as tu
 
-    from verl_tokensel.cpu import batches as B
+    from verl_tokensel_cpu import batches as B
 
     failures: list[str] = []
     variants = make_variants(H, actor, names, run_prepass=run_prepass)
@@ -738,7 +738,7 @@ def megatron_skip_reason(args) -> str | None:
     if args.no_megatron:
         return "--no-megatron"
     if args.device == "cpu":  # the CPU test bed: megatron-core + mbridge with the runtime shims
-        from verl_tokensel.cpu.megatron import megatron_available
+        from verl_tokensel_cpu.megatron import megatron_available
 
         return megatron_available()
     if not _findable("megatron.core"):
@@ -754,10 +754,10 @@ _PATCHED: set = set()
 
 def install_local_layer_spec() -> None:
     """mbridge's layer spec with ``use_transformer_engine=False`` and its weight names for the local spec's
-    separate norms (shim 5 of ``verl_tokensel.cpu.megatron``, device-independent): the Megatron model
+    separate norms (shim 5 of ``verl_tokensel_cpu.megatron``, device-independent): the Megatron model
     without TransformerEngine. Idempotent."""
     if "layer_spec" not in _PATCHED:
-        from verl_tokensel.cpu.megatron import install_local_layer_spec
+        from verl_tokensel_cpu.megatron import install_local_layer_spec
 
         install_local_layer_spec()
         _PATCHED.add("layer_spec")
@@ -828,7 +828,7 @@ def megatron_plan(args) -> tuple[list[str], dict, list, list]:
              "recompute": args.megatron_recompute}
     if args.device == "cpu":
         sdpa = args.megatron_attention == "sdpa"
-        stack.update(platform="cpu test bed (verl_tokensel.cpu.megatron shims, gloo)",
+        stack.update(platform="cpu test bed (verl_tokensel_cpu.megatron shims, gloo)",
                      bridge=f"mbridge {_version('mbridge')} (vanilla_mbridge=True)", transformer_engine=None,
                      layers="local", attention=("torch sdpa per packed sequence" if sdpa
                                                 else "local DotProductAttention, dense per-sequence causal mask"))
@@ -1035,7 +1035,7 @@ def main(argv=None) -> int:
             return EXIT_ENV
         import tempfile
 
-        H = clock.run_phase("imports", 120, importlib.import_module, "verl_tokensel.cpu.worker")  # verl, ray
+        H = clock.run_phase("imports", 120, importlib.import_module, "verl_tokensel_cpu.worker")  # verl, ray
         attn = pick_attention(args)
         workload = TINY_WORKLOAD if args.tiny else GPU_WORKLOAD
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))

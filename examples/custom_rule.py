@@ -88,7 +88,7 @@ register_preset(NAME, preset(NAME, score="all", ratio=1.0, scope="micro_batch", 
 
 def main() -> None:
     from verl_tokensel.core.config import resolve_selection
-    from verl_tokensel.cpu import batches, worker
+    from verl_tokensel_cpu import batches, worker
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     print(f"token_selector={NAME} -> {resolve_selection(NAME)}")

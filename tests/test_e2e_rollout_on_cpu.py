@@ -25,9 +25,9 @@ for _mod in ("verl", "ray", "vllm", "transfer_queue"):
     if importlib.util.find_spec(_mod) is None:  # pragma: no cover
         pytest.skip(f"{_mod} is not installed (requirements/cpu-test.txt)", allow_module_level=True)
 
-from verl_tokensel.launch import run_main_ppo  # noqa: E402
+from verl_tokensel_cpu.launch import run_main_ppo  # noqa: E402
 from helpers.pipeline import prepare_tiny_run  # noqa: E402
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 
 STEPS = 2
 KNOB = "actor_rollout_ref.actor.token_selection."

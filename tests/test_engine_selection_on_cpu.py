@@ -23,7 +23,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]
 COMBO_IDS = [f"dynbsz={d}-rmpad={r}" for d, r in COMBOS]

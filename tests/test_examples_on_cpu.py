@@ -230,7 +230,7 @@ def _tiny_cpu_overrides(work: Path, reward_file: Path) -> list[str]:
 def tiny_run_inputs(tmp_path_factory):
     """(tiny model dir, train parquet, val parquet, reward file) of a download-free run."""
     from helpers.pipeline import write_reward_file, write_tiny_rl_dataset
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     work = tmp_path_factory.mktemp("examples_inputs")
     train, val = write_tiny_rl_dataset(work / "data")

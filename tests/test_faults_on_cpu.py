@@ -1,6 +1,6 @@
 """Faults in a real selecting run (verl's ``main_ppo`` on CPU, V1 driver, ``forking``): a process is killed
 with SIGKILL while it works, and the run must end on its own: a non-zero exit, within a bounded time after
-the kill, a message naming what died (:attr:`verl_tokensel.launch.RunResult.died`), and no process of the
+the kill, a message naming what died (:attr:`verl_tokensel_cpu.launch.RunResult.died`), and no process of the
 run left behind (every process the run started carries its marker variable; none may survive).
 
 - ``test_actor_worker_killed_during_the_update``: the FSDP2 actor worker (its pid is the one that
@@ -37,8 +37,8 @@ for _mod, _why in [
 
 from helpers.pipeline import loss_announcements, prepare_tiny_run  # noqa: E402
 from helpers.procs import wait_until_busy  # noqa: E402
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel.launch import marked_pids, run_main_ppo  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.launch import marked_pids, run_main_ppo  # noqa: E402
 
 RUN_TIMEOUT_S = 600
 #: after the kill, the run must have ended (exit, and its processes gone) within this many seconds

@@ -30,7 +30,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
 from verl_tokensel.verl_glue.loss import SelectingLoss  # noqa: E402
 
 PRESETS = ["none", "forking", "forking_bottom", "random", "gmts", "grad_norm", "forking_paper"]

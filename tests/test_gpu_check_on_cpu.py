@@ -2,7 +2,7 @@
 
 The script's real job needs a GPU (a Qwen3-0.6B-shaped model, 4k-token responses); here it runs in
 its ``--tiny --device cpu`` mode end to end (verl's real TrainingWorker: FSDP2, then the Megatron engine
-on the CPU test bed of ``verl_tokensel.cpu.megatron``, fp32) and the JSON it writes is checked; a second
+on the CPU test bed of ``verl_tokensel_cpu.megatron``, fp32) and the JSON it writes is checked; a second
 run puts the GPU fallback's attention (torch SDPA per packed sequence) on the Megatron test bed. The
 sanity checker (the part that must catch a leaking mask on the GPU) is also fed hand-made micro-batches,
 one correct and one with a leak, and the watchdog is made to fire. About 40 s on two idle cores.

@@ -36,7 +36,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 import torch  # noqa: E402
 
 from verl_tokensel.core.scopes import budget  # noqa: E402
-from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
 from verl_tokensel.verl_glue.loss import SelectingLoss, tokensel_ppo_loss  # noqa: E402
 from verl_tokensel.verl_glue.no_graph import entropy_no_graph  # noqa: E402
 

@@ -41,7 +41,7 @@ for _mod, _why in [
         pytest.skip(_why, allow_module_level=True)
 
 from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
-from verl_tokensel.cpu import tiny_model  # noqa: E402
+from verl_tokensel_cpu import tiny_model  # noqa: E402
 
 import ray  # noqa: E402
 from omegaconf import open_dict  # noqa: E402

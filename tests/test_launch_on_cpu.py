@@ -1,4 +1,4 @@
-"""The outer-timeout launcher (verl_tokensel.launch) on a fake entry point: no verl, no Ray, a few seconds.
+"""The outer-timeout launcher (verl_tokensel_cpu.launch) on a fake entry point: no verl, no Ray, a few seconds.
 
 The fake ``main_ppo`` prints a pipeline stage, writes one metrics line the way verl's ``file`` logger does,
 starts a grandchild in ITS OWN session (as Ray's raylet/workers may be) and then hangs. The launcher must
@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from verl_tokensel.launch import TIMEOUT_RETURNCODE, last_stage, read_metrics, run_main_ppo
+from verl_tokensel_cpu.launch import TIMEOUT_RETURNCODE, last_stage, read_metrics, run_main_ppo
 
 FAKE = textwrap.dedent('''
     import json, os, subprocess, sys, time
@@ -109,7 +109,7 @@ def test_cpu_with_the_stock_entry_point_is_refused_before_starting(tmp_path):
 
 
 def test_job_submission_command(tmp_path):
-    from verl_tokensel.launch import _build_command
+    from verl_tokensel_cpu.launch import _build_command
 
     cmd = _build_command("verl_tokensel.main_ppo", ["a=1"], cpu=True, metrics_path=tmp_path / "m.jsonl",
                          ray_address="local", python=sys.executable, ray_job_address="http://127.0.0.1:8265",
@@ -122,7 +122,7 @@ def test_job_submission_command(tmp_path):
 
 
 def test_job_runtime_env_travels_with_the_job_and_env_vars_are_refused(tmp_path):
-    from verl_tokensel.launch import _build_command
+    from verl_tokensel_cpu.launch import _build_command
 
     env = {"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/verl_tokensel-0.1.0-py3-none-any.whl"]}
     cmd = _build_command("verl_tokensel.main_ppo", ["a=1"], cpu=True, metrics_path=tmp_path / "m.jsonl",
@@ -164,7 +164,7 @@ RuntimeError: Sync replay buffer selected terminal groups with no materializable
 
 
 def test_what_died_names_the_process():
-    from verl_tokensel.launch import what_died
+    from verl_tokensel_cpu.launch import what_died
 
     assert what_died(ACTOR_DEATH) == "the Ray actor WorkerDict DrERjuWorkerDict_0:0 (pid 26701, node 192.0.2.2) died"
     assert what_died(ACTOR_DEATH.split("ray.exceptions")[0]) == (

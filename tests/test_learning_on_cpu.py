@@ -1,6 +1,6 @@
 """Learning check: from the demo's warm start, a short real verl GRPO run with ``forking`` raises the reward.
 
-Nothing is faked: the demo's warm-started tiny Qwen2 (:mod:`verl_tokensel.demo.warmup`, cached under the
+Nothing is faked: the demo's warm-started tiny Qwen2 (:mod:`verl_tokensel_cpu.demo.warmup`, cached under the
 demo's cache folder, so after ``verl-tokensel demo`` the warm-up is not repeated) and one real verl
 pipeline (``python -m verl_tokensel.main_ppo``, vLLM rollout, math-verify reward, FSDP2 update) with the
 demo's GRPO settings and ``token_selector=forking``. A regression in what reaches the optimizer (an empty
@@ -54,11 +54,11 @@ def test_gain_statistic():
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_forking_grpo_raises_reward(tmp_path):
-    from verl_tokensel import launch
-    from verl_tokensel.cli.demo import demo_overrides, launch_problem
-    from verl_tokensel.demo import report
-    from verl_tokensel.demo.dataset import write_dataset
-    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
+    from verl_tokensel_cpu import launch
+    from verl_tokensel_cpu.cli.demo import demo_overrides, launch_problem
+    from verl_tokensel_cpu.demo import report
+    from verl_tokensel_cpu.demo.dataset import write_dataset
+    from verl_tokensel_cpu.demo.warmup import WarmupConfig, warm_model_dir
 
     cfg = WarmupConfig()
     model_dir, warm = warm_model_dir(cfg)

@@ -1,7 +1,7 @@
 """Token selection through verl's REAL Megatron engine (``TrainingWorker``, ``model_engine=megatron``) on CPU.
 
 verl 0.9.1's ``MegatronEngineWithLMHead`` with megatron-core and mbridge, on the CPU test bed of
-:mod:`verl_tokensel.cpu.megatron` (gloo; Megatron's local layers), in six layouts, each a spawned run:
+:mod:`verl_tokensel_cpu.megatron` (gloo; Megatron's local layers), in six layouts, each a spawned run:
 one process (packed ``thd`` batches; padded ``bshd`` batches with dynamic batch size; ``thd`` in bf16, verl's
 engine default, the others fp32), tensor parallelism 2, pipeline parallelism 2 and data parallelism 2 (two
 processes each). Learning rate 0, so every preset of a
@@ -36,7 +36,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbr
 
 import torch  # noqa: E402
 
-from verl_tokensel.cpu import tiny_model  # noqa: E402
+from verl_tokensel_cpu import tiny_model  # noqa: E402
 from helpers import distributed as D  # noqa: E402
 from helpers.megatron_runs import PRESETS, megatron_rank_run  # noqa: E402
 

@@ -59,9 +59,9 @@ for _mod, _why in [
 from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from verl_tokensel.cpu import pipeline as cpu_pipeline  # noqa: E402
-from verl_tokensel.cpu.megatron import SHIMS_ANNOUNCEMENT, SHIMS_ENV, install_on_megatron_import  # noqa: E402
-from verl_tokensel.cpu.pipeline import (  # noqa: E402
+from verl_tokensel_cpu import pipeline as cpu_pipeline  # noqa: E402
+from verl_tokensel_cpu.megatron import SHIMS_ANNOUNCEMENT, SHIMS_ENV, install_on_megatron_import  # noqa: E402
+from verl_tokensel_cpu.pipeline import (  # noqa: E402
     ENV_VARS_KEY,
     FSDP_SETTINGS,
     MEGATRON_ENV_SETTINGS,
@@ -70,7 +70,7 @@ from verl_tokensel.cpu.pipeline import (  # noqa: E402
     apply_cpu_pipeline,
     cli_override_keys,
 )
-from verl_tokensel.launch import ENGINE_OVERRIDES  # noqa: E402
+from verl_tokensel_cpu.launch import ENGINE_OVERRIDES  # noqa: E402
 
 (MEGATRON,) = ENGINE_OVERRIDES["megatron"]  # model_engine=megatron, as the demo's --engine megatron passes it
 
@@ -95,7 +95,7 @@ def _apply(*overrides: str, config_name: str = "tokensel_trainer"):
 def test_switch_fills_the_megatron_settings(config_name, overrides):
     from verl.utils.config import omega_conf_to_dataclass
 
-    from verl_tokensel.cpu.megatron_config import CpuMcoreEngineConfig
+    from verl_tokensel_cpu.megatron_config import CpuMcoreEngineConfig
     from verl_tokensel.verl_glue.actor_config import TokenselMcoreActorConfig
 
     cfg, env = _apply(*overrides, "actor_rollout_ref.actor.token_selector=forking",
@@ -215,7 +215,7 @@ def test_docs_table_lists_every_megatron_setting():
 
 
 def test_engine_config_admits_fp32_and_keeps_verls_checks():
-    from verl_tokensel.cpu.megatron_config import CpuMcoreEngineConfig
+    from verl_tokensel_cpu.megatron_config import CpuMcoreEngineConfig
 
     assert CpuMcoreEngineConfig(dtype="float32").dtype == "float32"
     assert CpuMcoreEngineConfig(dtype="bfloat16").dtype == "bfloat16"
@@ -240,22 +240,22 @@ def test_worker_process_gets_the_shims_when_it_imports_megatron():
             "print('installed', getattr(torch, '_verl_tokensel_megatron_cpu', False), "
             "r._get_cuda_rng_state.__module__)")
     env = {**os.environ, "VERL_PLATFORM": "cpu", SHIMS_ENV: "1",
-           "VERL_USE_EXTERNAL_MODULES": "verl_tokensel.cpu.platform"}
+           "VERL_USE_EXTERNAL_MODULES": "verl_tokensel_cpu.platform"}
     res = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=300,
                          env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "installed True verl_tokensel.cpu.megatron" in res.stdout, res.stdout + res.stderr[-3000:]
+    assert "installed True verl_tokensel_cpu.megatron" in res.stdout, res.stdout + res.stderr[-3000:]
     assert SHIMS_ANNOUNCEMENT.format(pid="") in res.stderr
 
 
 def test_megatron_checkpoint_round_trip_restores_adam(tmp_path):  # ~15 s: two Megatron builds in a spawned process
     """What a resume does to the engine, without Ray: a fresh Megatron engine loads a checkpoint (shim 7 of
-    verl_tokensel.cpu.megatron: megatron-core's torch-Adam path asserts on a fresh optimizer, copies into fp32 leaf
+    verl_tokensel_cpu.megatron: megatron-core's torch-Adam path asserts on a fresh optimizer, copies into fp32 leaf
     views with autograd on, and leaves Adam one step tensor shared by every parameter) and holds the saved weights,
     moments and step; the next update then moves it exactly as it moves the engine that saved it."""
     from helpers import distributed as D
     from helpers.megatron_runs import megatron_checkpoint_round_trip
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     model = tiny_model.build_tiny_model_dir(tmp_path / "tiny", **tiny_model.MEGATRON_TINY_CONFIG)
     (out,) = D.run_distributed(megatron_checkpoint_round_trip, world_size=1, args=(model, str(tmp_path / "ckpt")),
@@ -274,7 +274,7 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     return Path(tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("mg_pipeline_model") / "tiny",
                                                 **tiny_model.MEGATRON_TINY_CONFIG))
@@ -284,7 +284,7 @@ def _run(work: Path, model_dir: Path, selector: str, extra=(), *, use_v1: bool =
     """A 2-step run in ``work`` (Megatron, a full checkpoint at each step); ``tiny_run``: batch sizes of
     :func:`helpers.pipeline.prepare_tiny_run`."""
     from helpers.pipeline import FULL_CHECKPOINT, prepare_tiny_run, with_overrides
-    from verl_tokensel.launch import run_main_ppo
+    from verl_tokensel_cpu.launch import run_main_ppo
 
     overrides = prepare_tiny_run(work, model_dir=model_dir, token_selector=selector, use_v1=use_v1, steps=STEPS,
                                  **tiny_run)
@@ -393,7 +393,7 @@ def test_resume_from_a_megatron_checkpoint_with_forking(model_dir, tmp_path):
     from safetensors.torch import load_file
 
     from helpers.pipeline import HF_DIR, resume_overrides, with_overrides
-    from verl_tokensel.launch import run_main_ppo
+    from verl_tokensel_cpu.launch import run_main_ppo
 
     first, overrides = _run(tmp_path / "first", model_dir, "forking",
                             [*DETERMINISTIC, f"trainer.rollout_data_dir={tmp_path / 'first' / 'rollouts'}"],
@@ -437,7 +437,7 @@ def test_megatron_actor_worker_killed_during_the_update(model_dir, tmp_path):
 
     from helpers.pipeline import loss_announcements, prepare_tiny_run, with_overrides
     from helpers.procs import wait_until_busy
-    from verl_tokensel.launch import marked_pids, run_main_ppo
+    from verl_tokensel_cpu.launch import marked_pids, run_main_ppo
 
     overrides = with_overrides(prepare_tiny_run(tmp_path, model_dir=model_dir, token_selector="forking", steps=STEPS),
                                [MEGATRON, "actor_rollout_ref.actor.ppo_epochs=40"])

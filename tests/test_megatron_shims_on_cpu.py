@@ -1,4 +1,4 @@
-"""The Megatron CPU test bed's own pieces (``verl_tokensel.cpu.megatron``), without building an engine:
+"""The Megatron CPU test bed's own pieces (``verl_tokensel_cpu.megatron``), without building an engine:
 
 - it refuses to install off verl's CPU platform (a GPU host never runs with the shims), and bad settings are
   named with the valid values;
@@ -21,15 +21,15 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbr
 
 import torch  # noqa: E402
 
-from verl_tokensel.cpu import megatron as M  # noqa: E402
+from verl_tokensel_cpu import megatron as M  # noqa: E402
 
 
 def test_refuses_off_the_cpu_platform():
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")}
-    code = ("from verl_tokensel.cpu.megatron import install_megatron_cpu_shims, MegatronCpuError\n"
+    code = ("from verl_tokensel_cpu.megatron import install_megatron_cpu_shims, MegatronCpuError\n"
             "import torch\n"
             "try:\n    install_megatron_cpu_shims()\nexcept MegatronCpuError as e:\n    print('REFUSED', e)\n"
-            "from verl_tokensel.cpu.megatron import _tensor_cuda\n"
+            "from verl_tokensel_cpu.megatron import _tensor_cuda\n"
             "print('cuda untouched', torch.Tensor.cuda is not _tensor_cuda)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert "REFUSED" in out.stdout, out.stdout + out.stderr
@@ -72,7 +72,7 @@ def test_padded_mask_keeps_causal_valid_keys():
 
 
 def test_tiny_model_cache_with_other_overrides_is_refused(tmp_path):
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     path = tiny_model.build_tiny_model_dir(tmp_path / "m", **tiny_model.MEGATRON_TINY_CONFIG)
     assert tiny_model.build_tiny_model_dir(path, **tiny_model.MEGATRON_TINY_CONFIG) == path

@@ -29,7 +29,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbr
                 allow_module_level=True)
 
 
-from verl_tokensel.cpu import tiny_model  # noqa: E402
+from verl_tokensel_cpu import tiny_model  # noqa: E402
 from helpers import distributed as D  # noqa: E402
 from helpers.megatron_runs import SAME_PARAMS, assert_grads_agree  # noqa: E402
 
@@ -50,7 +50,7 @@ def _per_row(field, batch):
 
 
 def _engine_run(actor) -> dict:
-    from verl_tokensel.cpu import batches as B, worker as H
+    from verl_tokensel_cpu import batches as B, worker as H
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     from helpers.grad_probe import row_ids
@@ -80,7 +80,7 @@ def _engine_run(actor) -> dict:
 
 
 def _both_engines(rank, world, model_dir):
-    from verl_tokensel.cpu import worker as H
+    from verl_tokensel_cpu import worker as H
 
     return {engine: _engine_run(H.make_training_worker(model_dir, engine=engine, **KW))
             for engine in ("megatron", "fsdp")}

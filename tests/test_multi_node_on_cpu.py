@@ -50,8 +50,8 @@ from helpers.pipeline import (  # noqa: E402
 from helpers.scripts import run_script  # noqa: E402
 from helpers.tiny_recipe import TINY_DAPO_RECIPE_SIZES  # noqa: E402
 from helpers.wheel import ROOT, make_venv  # noqa: E402
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel.launch import start_ray_head  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.launch import start_ray_head  # noqa: E402
 
 RUN_TIMEOUT_S = 600
 NODE2_IP = "127.0.0.2"

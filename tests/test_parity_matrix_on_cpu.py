@@ -29,7 +29,7 @@ in all on a loaded machine), which rewrites ``benchmarks/results/parity_matrix_c
         python -m pytest tests/test_parity_matrix_on_cpu.py -q -p no:cacheprovider
 
 The full matrix also runs three of the default slice's rows on verl's Megatron engine (one spawned process, the
-CPU test bed of ``verl_tokensel.cpu.megatron``). Not covered: Megatron with DP, TP or PP (its layouts are
+CPU test bed of ``verl_tokensel_cpu.megatron``). Not covered: Megatron with DP, TP or PP (its layouts are
 ``test_megatron_engine_on_cpu.py``), sequence parallelism, ``shuffle``.
 """
 
@@ -45,7 +45,7 @@ import pytest
 if importlib.util.find_spec("verl") is None:  # pragma: no cover
     pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
 
-from verl_tokensel.cpu import tiny_model, worker as H  # noqa: E402
+from verl_tokensel_cpu import tiny_model, worker as H  # noqa: E402
 from helpers import distributed as D  # noqa: E402
 from helpers import parity as P  # noqa: E402
 

@@ -24,8 +24,8 @@ for _mod in ("verl", "ray", "vllm", "transfer_queue"):
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(f"{_mod} is not installed (requirements/cpu-test.txt)", allow_module_level=True)
 
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel.launch import run_main_ppo  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.launch import run_main_ppo  # noqa: E402
 from helpers.pipeline import prepare_tiny_run, with_overrides  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """The two ``verl.plugins`` entry points, each under verl's own guard: ``tokensel`` (:mod:`verl_tokensel.plugin`,
-the trainer modes) and ``tokensel_cpu`` (:mod:`verl_tokensel.cpu.plugin`, the CPU port, loaded only under
+the trainer modes) and ``tokensel_cpu`` (:mod:`verl_tokensel_cpu.plugin`, the CPU port, loaded only under
 ``VERL_PLATFORM=cpu``). A fault in the CPU port can never switch token selection off on a host that does not ask
 for the CPU platform (a GPU cluster), and it is reported under its own message."""
 
@@ -14,12 +14,12 @@ import pytest
 pytest.importorskip("verl")
 
 # every import of the CPU port fails in the child process, as a broken install or a bad edit would make it
-BREAK_CPU_PORT = "import sys; sys.modules['verl_tokensel.cpu'] = None\n"
+BREAK_CPU_PORT = "import sys; sys.modules['verl_tokensel_cpu'] = None\n"
 # the port's platform fails to import (its entry point still loads, and reports it)
-BREAK_CPU_PLATFORM = "import sys; sys.modules['verl_tokensel.cpu.platform'] = None\n"
+BREAK_CPU_PLATFORM = "import sys; sys.modules['verl_tokensel_cpu.platform'] = None\n"
 # the CPU port's modules imported in the child process, beyond its entry point (which every `import verl` loads)
-PORT_MODULES = ("[m for m, mod in sys.modules.items() if mod is not None and m.startswith('verl_tokensel.cpu.') "
-                "and m != 'verl_tokensel.cpu.plugin']")
+PORT_MODULES = ("[m for m, mod in sys.modules.items() if mod is not None and m.startswith('verl_tokensel_cpu.') "
+                "and m != 'verl_tokensel_cpu.plugin']")
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
@@ -35,7 +35,7 @@ def test_cpu_port_fault_does_not_switch_selection_off_without_the_cpu_platform()
         "from verl.trainer.ppo.v1 import get_trainer_cls\n"
         "assert p.LOAD_ERROR is None, p.LOAD_ERROR\n"
         "assert get_trainer_cls('tokensel_sync').__name__ == 'TokenselPPOTrainerSync'\n"
-        "assert sys.modules.get('verl_tokensel.cpu.platform') is None\n"
+        "assert sys.modules.get('verl_tokensel_cpu.platform') is None\n"
         f"assert not {PORT_MODULES}\n"
     )
     res = _run(code)
@@ -46,12 +46,12 @@ def test_cpu_port_fault_does_not_switch_selection_off_without_the_cpu_platform()
 def test_cpu_port_fault_is_reported_on_its_own_under_verl_platform_cpu():
     code = BREAK_CPU_PLATFORM + (
         "import verl\n"
-        "import verl_tokensel.cpu.plugin as c\n"
+        "import verl_tokensel_cpu.plugin as c\n"
         "assert c.LOAD_ERROR is not None\n"
     )
     res = _run(code, VERL_PLATFORM="cpu")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "verl_tokensel: the CPU port (verl_tokensel.cpu) failed to load under VERL_PLATFORM=cpu" in res.stderr
+    assert "verl_tokensel: the CPU port (verl_tokensel_cpu) failed to load under VERL_PLATFORM=cpu" in res.stderr
 
 
 def test_cpu_entry_point_registers_the_platform_under_verl_platform_cpu():
@@ -60,9 +60,9 @@ def test_cpu_entry_point_registers_the_platform_under_verl_platform_cpu():
     code = (
         "import verl\n"
         "from verl.plugin.platform.platform_manager import PlatformRegistry\n"
-        "import verl_tokensel.cpu.plugin as c\n"
+        "import verl_tokensel_cpu.plugin as c\n"
         "assert c.LOAD_ERROR is None, c.LOAD_ERROR\n"
-        "assert PlatformRegistry.get('cpu').__module__ == 'verl_tokensel.cpu.platform'\n"
+        "assert PlatformRegistry.get('cpu').__module__ == 'verl_tokensel_cpu.platform'\n"
     )
     res = _run(code, VERL_PLATFORM="cpu")
     assert res.returncode == 0, res.stderr[-3000:]
@@ -73,7 +73,7 @@ def test_selection_product_imports_no_cpu_port():
     code = BREAK_CPU_PORT + (
         "import verl\n"
         "import verl_tokensel.verl_glue.install, verl_tokensel.verl_glue.prepass, verl_tokensel.main_ppo\n"
-        "assert not [m for m in sys.modules if m.startswith('verl_tokensel.cpu.')]\n"
+        "assert not [m for m in sys.modules if m.startswith('verl_tokensel_cpu.')]\n"
     )
     res = _run(code)
     assert res.returncode == 0, res.stderr[-3000:]

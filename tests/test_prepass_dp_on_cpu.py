@@ -28,7 +28,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
 from helpers import distributed as D  # noqa: E402
 from helpers.grad_probe import (  # noqa: E402
     capture_logit_grads,

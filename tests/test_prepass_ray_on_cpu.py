@@ -19,7 +19,7 @@ for _mod in ("verl", "ray", "tensordict", "transformers", "tokenizers"):
         pytest.skip(f"{_mod} is not installed: this test needs verl 0.9", allow_module_level=True)
 
 from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
-from verl_tokensel.cpu import tiny_model  # noqa: E402
+from verl_tokensel_cpu import tiny_model  # noqa: E402
 
 N = 8
 GROUP_SIZE = 4

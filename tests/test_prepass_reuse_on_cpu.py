@@ -18,7 +18,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
 
 import torch  # noqa: E402
 
-from verl_tokensel.cpu import batches as B, tiny_model, worker as H  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
 from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, SelectingLoss  # noqa: E402
 
 N = 8

@@ -20,7 +20,7 @@ if importlib.util.find_spec("verl") is None:  # pragma: no cover
     pytest.skip("verl is not installed: these tests need verl 0.9", allow_module_level=True)
 
 from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
-from verl_tokensel.cpu import tiny_model  # noqa: E402
+from verl_tokensel_cpu import tiny_model  # noqa: E402
 
 import torch  # noqa: E402
 from verl.experimental.separation.engine_workers import DetachActorWorker  # noqa: E402

@@ -54,7 +54,7 @@ def test_verl_plugin_entry_point_declared_and_loads():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     assert "tokensel = verl_tokensel.plugin" in cfg["options.entry_points"]["verl.plugins"]
-    assert "tokensel_cpu = verl_tokensel.cpu.plugin" in cfg["options.entry_points"]["verl.plugins"]
+    assert "tokensel_cpu = verl_tokensel_cpu.plugin" in cfg["options.entry_points"]["verl.plugins"]
     eps = [ep for ep in entry_points(group="verl.plugins") if ep.name == "tokensel"]
     assert eps, "package not installed with its entry point (pip install -e .)"
     import verl  # noqa: F401  (loads the plugin)

@@ -18,7 +18,7 @@ ray = pytest.importorskip("ray")
 from helpers.procs import alive, wait_until_busy  # noqa: E402
 from verl_tokensel.analysis.ray_scorer import RayScorerGroup, ScoreWorkerError, balanced_shards  # noqa: E402
 from verl_tokensel.analysis.scorer import score_responses  # noqa: E402
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")

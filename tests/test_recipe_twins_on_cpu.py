@@ -1,7 +1,7 @@
 """The recipes' Megatron twins on CPU: verl's whole ``main_ppo`` pipeline, run as a user runs a recipe, on a tiny model.
 
 Each twin in :data:`TWINS` runs as ``python -m verl_tokensel.main_ppo --config-path=pkg://verl_tokensel.recipes
---config-name=<twin>`` (through :func:`verl_tokensel.launch.run_main_ppo`), with its paths in the ``TOKENSEL_*``
+--config-name=<twin>`` (through :func:`verl_tokensel_cpu.launch.run_main_ppo`), with its paths in the ``TOKENSEL_*``
 variables the recipe reads (:data:`RECIPE_ENV`) and the overrides of :func:`tiny_overrides`, each listed there with its
 reason: sizes (batches, lengths and the token budgets that follow them, two steps, one node of two logical GPUs), the
 tiny data's reward, where the run writes, and the twin's parallel layout scaled to two ranks (:data:`TWINS`). The
@@ -52,7 +52,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from verl_tokensel.core.config import PRESETS  # noqa: E402
-from verl_tokensel.cpu.pipeline import CpuConflictError, apply_cpu_pipeline, cli_override_keys  # noqa: E402
+from verl_tokensel_cpu.pipeline import CpuConflictError, apply_cpu_pipeline, cli_override_keys  # noqa: E402
 
 RECIPES_MODULE = "verl_tokensel.recipes"
 RECIPES = Path(__file__).resolve().parents[1] / "verl_tokensel" / "recipes"
@@ -291,7 +291,7 @@ PREFIX = {"current": "actor/tokensel/", "prepass": "actor/tokensel/prepass/"}
 def tiny_inputs(tmp_path_factory) -> dict[str, Path]:
     """The tiny Qwen2 with two KV heads (TP 2 divides them), the tiny RL data and its reward file."""
     from helpers.pipeline import write_reward_file, write_tiny_rl_dataset
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     root = tmp_path_factory.mktemp("twins")
     model = tiny_model.build_tiny_model_dir(root / "tiny", **tiny_model.MEGATRON_TINY_CONFIG)
@@ -325,7 +325,7 @@ def _check_weights_moved(model_dir: Path, hf_dir: Path, lrs: list[float]) -> flo
 @pytest.mark.slow  # 161-190 s per twin on 2 cores (Ray, two vLLM-CPU servers, two Megatron ranks); CI's time is spent
 @pytest.mark.parametrize("name", list(TWINS))
 def test_twin_runs_two_steps_on_cpu(name, tiny_inputs, tmp_path):
-    from verl_tokensel.launch import run_main_ppo
+    from verl_tokensel_cpu.launch import run_main_ppo
 
     twin = compose_twin(name)
     overrides = tiny_overrides(name, twin, reward_file=tiny_inputs["reward"], work=tmp_path)
@@ -339,9 +339,9 @@ def test_twin_runs_two_steps_on_cpu(name, tiny_inputs, tmp_path):
 
 
 def check_twin_run(twin, result, model_dir: Path, work: Path) -> None:
-    """A finished two-step run of ``twin`` (``result``: :class:`verl_tokensel.launch.RunResult`) in ``work``."""
+    """A finished two-step run of ``twin`` (``result``: :class:`verl_tokensel_cpu.launch.RunResult`) in ``work``."""
     from helpers.pipeline import HF_DIR, loss_announcements
-    from verl_tokensel.cpu.megatron import SHIMS_ANNOUNCEMENT
+    from verl_tokensel_cpu.megatron import SHIMS_ANNOUNCEMENT
 
     result.raise_for_status()
     # step 0: the twin's validation before training; steps 1 and 2 train, and the last validates (its test_freq)

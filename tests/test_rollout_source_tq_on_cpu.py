@@ -26,7 +26,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
 
 from verl_tokensel.core.config import TokenSelectionConfig, resolve_selection  # noqa: E402
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD  # noqa: E402
 
 N, GROUP = 8, 4

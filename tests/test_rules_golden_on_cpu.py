@@ -20,7 +20,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbr
     pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
                 allow_module_level=True)
 
-from verl_tokensel.cpu import tiny_model  # noqa: E402
+from verl_tokensel_cpu import tiny_model  # noqa: E402
 
 from helpers import rules_golden as G  # noqa: E402
 

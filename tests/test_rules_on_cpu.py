@@ -288,7 +288,7 @@ ENGINE_SPLITS = [  # (ppo_micro_batch_size_per_gpu, use_dynamic_bsz, ppo_max_tok
 @pytest.fixture(scope="module")
 def engine_runs(tmp_path_factory):
     """kl_cov_global and clip_cov_global on one mini-batch of 8 responses, split two ways by the engine."""
-    from verl_tokensel.cpu import batches as B, tiny_model, worker as H
+    from verl_tokensel_cpu import batches as B, tiny_model, worker as H
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     model_dir = tiny_model.build_tiny_model_dir(tmp_path_factory.mktemp("tiny_rules") / "qwen2")

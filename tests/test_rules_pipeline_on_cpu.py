@@ -27,8 +27,8 @@ for _mod in ("verl", "ray", "vllm", "transfer_queue"):
         pytest.skip(f"{_mod} is not installed (requirements/cpu-test.txt)", allow_module_level=True)
 
 from verl_tokensel.core.cov import cov_budget  # noqa: E402
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel.launch import ENGINE_OVERRIDES, run_main_ppo  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.launch import ENGINE_OVERRIDES, run_main_ppo  # noqa: E402
 
 from helpers.pipeline import prepare_tiny_run, with_overrides  # noqa: E402
 

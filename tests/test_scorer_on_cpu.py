@@ -172,7 +172,7 @@ def test_one_hot_ish_rows_keep_relative_precision(gap, chunk_size):
 def tiny_model(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     path = build_tiny_model_dir(tmp_path_factory.getbasetemp() / "tiny_qwen2_seed0")
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)

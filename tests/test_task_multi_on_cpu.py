@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from verl_tokensel.cli import demo as demo_cli
+from verl_tokensel_cpu.cli import demo as demo_cli
 from verl_tokensel.cli.main import main as cli_main
-from verl_tokensel.demo import dataset_multi, task_multi
-from verl_tokensel.demo.reward_multi import compute_score
-from verl_tokensel.demo.tasks import TASK_NAMES, get_task
+from verl_tokensel_cpu.demo import dataset_multi, task_multi
+from verl_tokensel_cpu.demo.reward_multi import compute_score
+from verl_tokensel_cpu.demo.tasks import TASK_NAMES, get_task
 
 QS = ["3 + 4", "5 * 2", "7 - 1", "9 * 9"]
 RIGHT = [7, 10, 6, 81]
@@ -52,7 +52,7 @@ def test_trace_template_steps_and_spans():
 
 
 def test_warmup_example_draws_each_route_independently():
-    from verl_tokensel.demo.dataset import split_problems
+    from verl_tokensel_cpu.demo.dataset import split_problems
 
     problems = split_problems()[0]
     rng = random.Random(0)
@@ -73,7 +73,7 @@ def test_warmup_example_draws_each_route_independently():
 def tiny_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     return AutoTokenizer.from_pretrained(build_tiny_model_dir(tmp_path_factory.mktemp("multi") / "model"))
 
@@ -96,7 +96,7 @@ def test_decision_token_mask(tiny_tokenizer):
     assert sum(task_multi.decision_token_mask(texts, text)) < 0.35 * len(texts)
     assert not any(task_multi.decision_token_mask(texts[-8:], "".join(texts[-8:])))  # the box alone
     # the route task through the registry: its route word alone, and its decisions as task.decision_token_mask
-    from verl_tokensel.demo.task import decision_token_mask, trace
+    from verl_tokensel_cpu.demo.task import decision_token_mask, trace
 
     one = trace("9 * 9", 81, "guess")
     texts = token_texts(tiny_tokenizer, tiny_tokenizer("x")["input_ids"], tiny_tokenizer(one)["input_ids"])
@@ -151,7 +151,7 @@ def test_dataset_schema_split_and_lengths(tmp_path, tiny_tokenizer):
     from omegaconf import OmegaConf
     from verl.utils.dataset.rl_dataset import RLHFDataset
 
-    from verl_tokensel.demo.dataset import split_problems
+    from verl_tokensel_cpu.demo.dataset import split_problems
 
     train, val = dataset_multi.write_dataset(tmp_path, k=4)
     tr, va = pd.read_parquet(train), pd.read_parquet(val)
@@ -188,7 +188,7 @@ def test_dataset_schema_split_and_lengths(tmp_path, tiny_tokenizer):
 # ---------------------------------------------------------------- warm-up config
 
 def test_warmup_keys_the_route_task_unchanged_and_the_multi_task_apart(tmp_path, monkeypatch):
-    from verl_tokensel.demo import warmup
+    from verl_tokensel_cpu.demo import warmup
 
     # the route task's cache key and version as they were before the multi task existed: its cached warm starts
     # and committed results stay valid
@@ -242,13 +242,13 @@ def test_overrides_per_task(tmp_path):
 
     args = ("forking", "/m", "/d/train.parquet", "/d/val.parquet", tmp_path)
     route = dict(o.split("=", 1) for o in demo_cli.demo_overrides(*args, steps=3))
-    assert route["reward.custom_reward_function.path"] == "pkg://verl_tokensel.demo.reward" == demo_cli.REWARD_FN
+    assert route["reward.custom_reward_function.path"] == "pkg://verl_tokensel_cpu.demo.reward" == demo_cli.REWARD_FN
     assert (route["data.max_prompt_length"], route["data.max_response_length"]) == ("64", "48")
     assert (demo_cli.ACTOR_LR, demo_cli.DEFAULT_STEPS) == (3e-4, 12)
     assert demo_cli.demo_overrides(*args, steps=3) == demo_cli.demo_overrides(*args, steps=3, task="route")
     overrides = demo_cli.demo_overrides(*args, steps=3, task="multi")
     multi = dict(o.split("=", 1) for o in overrides)
-    assert multi["reward.custom_reward_function.path"] == "pkg://verl_tokensel.demo.reward_multi"
+    assert multi["reward.custom_reward_function.path"] == "pkg://verl_tokensel_cpu.demo.reward_multi"
     assert (multi["data.max_prompt_length"], multi["data.max_response_length"]) == ("80", "96")
     assert multi["actor_rollout_ref.rollout.max_model_len"] == "176"
     assert set(route) == set(multi)  # the same keys, only values differ
@@ -275,8 +275,8 @@ def _write_multi_dump(dump_dir: Path, step: int) -> None:
 
 
 def test_analyse_rollouts_multi(tmp_path):
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
-    from verl_tokensel.demo.rollouts import analyse_rollouts
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.demo.rollouts import analyse_rollouts
 
     model = build_tiny_model_dir(tmp_path / "tiny")
     _write_multi_dump(tmp_path / "dump", 2)
@@ -292,9 +292,9 @@ def test_analyse_rollouts_multi(tmp_path):
 
 @pytest.fixture
 def fake_multi_pipeline(monkeypatch, tmp_path):
-    from verl_tokensel import launch
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
-    from verl_tokensel.demo import warmup
+    from verl_tokensel_cpu import launch
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.demo import warmup
 
     def warm_model_dir(cfg, cache_dir=None, progress=None):
         assert isinstance(cfg, warmup.MultiWarmupConfig)
@@ -320,8 +320,8 @@ def fake_multi_pipeline(monkeypatch, tmp_path):
 
     fake = types.SimpleNamespace(run_main_ppo=run_main_ppo, read_metrics=launch.read_metrics,
                                  last_stage=launch.last_stage)
-    monkeypatch.setitem(sys.modules, "verl_tokensel.launch", fake)
-    monkeypatch.setattr("verl_tokensel.launch", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "verl_tokensel_cpu.launch", fake)
+    monkeypatch.setattr("verl_tokensel_cpu.launch", fake, raising=False)
     return launched
 
 

@@ -90,7 +90,7 @@ def _parse(path: Path) -> PageParser:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir, load_tiny_tokenizer
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir, load_tiny_tokenizer
 
     root = tmp_path_factory.mktemp("view")
     model = build_tiny_model_dir(root / "tiny_qwen2")

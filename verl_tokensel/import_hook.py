@@ -1,8 +1,8 @@
 """The package's one post-import hook: run a callback right after a module executes, wherever it is first imported.
 
 Used by the plugin (register the trainer modes once ``verl.trainer.ppo.v1`` is imported, so ``import verl``
-stays light) and by the CPU port (vLLM-CPU's GEMM dispatch, :mod:`verl_tokensel.cpu.vllm_patch`; Megatron's
-modules, :mod:`verl_tokensel.cpu.megatron`), whose modules may be imported in any process and at any time.
+stays light) and by the CPU port (vLLM-CPU's GEMM dispatch, :mod:`verl_tokensel_cpu.vllm_patch`; Megatron's
+modules, :mod:`verl_tokensel_cpu.megatron`), whose modules may be imported in any process and at any time.
 
 :class:`AfterImport` finds nothing itself: it sits first on ``sys.meta_path``, asks the other finders for the
 spec of a module whose name matches and wraps the spec's loader, so that ``callback(module)`` runs right after

@@ -9,8 +9,7 @@ and select on the driver (all fenced in :mod:`verl_tokensel.verl_glue.v0`).
 
 CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update, or Megatron with
 ``model_engine=megatron``) on CPU; it fills every CPU setting and refuses conflicting ones
-(:mod:`verl_tokensel.cpu.pipeline`, imported only then; manual: ``docs/cpu.md``).
-Unattended runs: :func:`verl_tokensel.launch.run_main_ppo` (outer timeout, metrics).
+(the CPU distribution ``verl-tokensel-cpu``, found through its entry point only then; manual: ``docs/cpu.md``).
 
 Example::
 
@@ -30,7 +29,7 @@ if __name__ == "__main__":  # a known-broken stack gets one line naming the fix,
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from verl_tokensel.switches import wants_cpu  # noqa: E402
+from verl_tokensel.switches import CPU_PLATFORM, SwitchConflictError, device_port, wants_cpu  # noqa: E402
 from verl_tokensel.verl_glue.install import register_v1_trainers, validate_driver_config  # noqa: E402
 from verl_tokensel.verl_glue.routes import our_config_args  # noqa: E402
 from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
@@ -46,11 +45,9 @@ def run(config: DictConfig) -> None:
     from verl.utils.device import auto_set_device
 
     if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
-        from verl_tokensel.cpu.pipeline import CpuConflictError, apply_cpu_pipeline
-
-        try:
-            apply_cpu_pipeline(config)
-        except CpuConflictError as err:  # every conflict, one per line, without a traceback; exit 2: a usage error
+        try:  # the CPU port is its own distribution, found by its entry point (none installed: the install line)
+            device_port(CPU_PLATFORM)(config)
+        except SwitchConflictError as err:  # every conflict, one per line, without a traceback; exit 2: usage error
             print(err, file=sys.stderr, flush=True)
             raise SystemExit(2) from None
     if config.trainer.use_v1:

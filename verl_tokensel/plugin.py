@@ -12,7 +12,7 @@ builds a trainer never pays for them. :func:`ensure_selection_loaded` forces the
 (``verl-tokensel env``, tests).
 
 The CPU port is not loaded from here: it has its own entry point (``tokensel_cpu``,
-:mod:`verl_tokensel.cpu.plugin`), which verl loads in the same processes, under its own guard, so a fault in
+:mod:`verl_tokensel_cpu.plugin`), which verl loads in the same processes, under its own guard, so a fault in
 one can never switch the other off.
 
 verl swallows exceptions raised by plugin imports, so a failure is also printed to stderr (it lands in the

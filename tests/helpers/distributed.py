@@ -1,5 +1,5 @@
 """Data-parallel runs of the in-process CPU harness: ``world_size`` spawned gloo ranks, each a real
-``TrainingWorker`` (:mod:`verl_tokensel.cpu.worker`)."""
+``TrainingWorker`` (:mod:`verl_tokensel_cpu.worker`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Callable, Optional
 
 import torch
 
-from verl_tokensel.cpu.batches import make_update_batch
-from verl_tokensel.cpu.worker import (
+from verl_tokensel_cpu.batches import make_update_batch
+from verl_tokensel_cpu.worker import (
     compute_old_log_probs,
     free_port,
     make_training_worker,

@@ -1,6 +1,6 @@
 """Per-token logit gradients of a real verl update, for tests that check which tokens got gradient.
 
-Use with the in-process harness (:mod:`verl_tokensel.cpu.worker`)::
+Use with the in-process harness (:mod:`verl_tokensel_cpu.worker`)::
 
     with capture_logit_grads(actor) as grads:            # one tensor per micro-batch backward
         run_train_step(actor, batch, loss_fn=SelectingLoss(cfg, observer=observe))

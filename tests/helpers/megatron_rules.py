@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from verl_tokensel.cpu import batches as B, worker as H
+from verl_tokensel_cpu import batches as B, worker as H
 
 from helpers import distributed as D
 from helpers.grad_probe import row_ids

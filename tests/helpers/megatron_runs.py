@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_tokensel.cpu import batches as B, worker as H
+from verl_tokensel_cpu import batches as B, worker as H
 
 from helpers import distributed as D
 from helpers.grad_probe import (capture_logit_grads, padded_response_field, prompt_lengths, response_lengths, row_ids,

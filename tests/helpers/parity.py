@@ -1,5 +1,5 @@
 """The stock-parity matrix: a seeded pairwise design over the actor settings users vary, each combination run
-through stock verl (``ppo_loss``) and every preset on one real ``TrainingWorker`` (:mod:`verl_tokensel.cpu.worker`).
+through stock verl (``ppo_loss``) and every preset on one real ``TrainingWorker`` (:mod:`verl_tokensel_cpu.worker`).
 
 :func:`pairwise` is a greedy all-pairs generator (seeded, deterministic): every pair of levels of any two factors
 appears in at least one row. :func:`run_rows` runs rows on one worker (one rank of it under data parallelism): the
@@ -206,7 +206,7 @@ def _renest(xs):
 def _full_batch(view, row: dict, seed: int):
     """The driver's batch: the real old-log-prob pass (with the log-prob micro-batching), old log-probs moved off
     the current policy (seeded) so that clipping and dual-clip act, and a reference log-prob for the KL loss."""
-    from verl_tokensel.cpu import batches as B, worker as H
+    from verl_tokensel_cpu import batches as B, worker as H
 
     n = row["mini"] * row["rollout_n"] * row["mini_batches"]
     batch = B.make_update_batch(view, n=n, seed=seed, resp_len=(2, 10), group_size=row["rollout_n"])
@@ -249,7 +249,7 @@ def _plain(v) -> list[float]:
 
 
 def _run_stock(view, row, full, rank) -> dict:
-    from verl_tokensel.cpu import worker as H
+    from verl_tokensel_cpu import worker as H
 
     stage = "config"
     try:
@@ -269,7 +269,7 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
     from verl.utils import tensordict_utils as tu
 
     from verl_tokensel.core import fields
-    from verl_tokensel.cpu import batches as B, worker as H
+    from verl_tokensel_cpu import batches as B, worker as H
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     stage = "config"
@@ -333,7 +333,7 @@ def run_rows(actor, rows: list[dict], rank: int = 0, presets=PRESETS) -> dict[st
     """Every row through stock verl and every preset on ``actor``; ``{combo_id: {"stock": ..., "presets": ...}}``.
     A row's old-log-prob pass failing counts as stock's refusal (and every preset's) at stage ``old_pass``.
     Megatron: the old-log-prob pass's outputs come from the model-parallel source rank
-    (:func:`verl_tokensel.cpu.worker.compute_old_log_probs`)."""
+    (:func:`verl_tokensel_cpu.worker.compute_old_log_probs`)."""
     results = {}
     for i, row in enumerate(rows):
         view = _actor_view(actor, row)
@@ -352,7 +352,7 @@ def run_rows(actor, rows: list[dict], rank: int = 0, presets=PRESETS) -> dict[st
 def dp_rank_run(rank: int, world: int, model_dir: str, rmpad: bool, rows: list[dict], engine: str = "fsdp") -> dict:
     """One rank of the rows of a spawned run (use with :func:`helpers.distributed.run_distributed`): the
     data-parallel rows, or the Megatron rows (one process each, Megatron's parallel state is per process)."""
-    from verl_tokensel.cpu import worker as H
+    from verl_tokensel_cpu import worker as H
 
     actor = H.make_training_worker(model_dir, rank=rank, world_size=world, use_remove_padding=rmpad, lr=1e-4,
                                    engine=engine)

@@ -7,13 +7,13 @@
   advantages are non-zero and the policy really moves.
 * :func:`tiny_pipeline_overrides`: the model / data / batch-size overrides of such a run (two steps of
   GRPO, 4 prompts x 4 responses of at most 16 tokens). The CPU settings themselves come from the one
-  switch ``trainer.device=cpu`` (:mod:`verl_tokensel.cpu.pipeline`), added by
-  :func:`verl_tokensel.launch.run_main_ppo`.
+  switch ``trainer.device=cpu`` (:mod:`verl_tokensel_cpu.pipeline`), added by
+  :func:`verl_tokensel_cpu.launch.run_main_ppo`.
 
 Example (what ``tests/test_e2e_on_cpu.py`` does)::
 
     from pathlib import Path
-    from verl_tokensel.launch import run_main_ppo
+    from verl_tokensel_cpu.launch import run_main_ppo
     from helpers.pipeline import prepare_tiny_run
 
     overrides = prepare_tiny_run(Path("/tmp/e2e"), token_selector="forking")
@@ -28,8 +28,8 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
-from verl_tokensel.launch import HF_CHECKPOINT_DIRS
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+from verl_tokensel_cpu.launch import HF_CHECKPOINT_DIRS
 
 __all__ = ["write_tiny_rl_dataset", "write_reward_file", "tiny_pipeline_overrides", "prepare_tiny_run", "REWARD_SOURCE",
            "check_selecting_run", "check_params_changed", "HF_DIR", "loss_announcements", "FULL_CHECKPOINT",

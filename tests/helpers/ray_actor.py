@@ -6,7 +6,7 @@ builds (steps 1, 3 and 6 there): a ``ResourcePoolManager`` with one ``global_poo
 ``RayClassWithInitArgs(config=config.actor_rollout_ref, role=..., distillation_config=...)``, fused by
 ``create_colocated_worker_cls`` into verl's ``WorkerDict`` actor, a ``RayWorkerGroup`` spawned per role, and
 ``init_model()`` on it. Nothing of verl is mocked; the CPU platform
-(:mod:`verl_tokensel.cpu.platform`) reaches the Ray workers through the job's ``runtime_env``.
+(:mod:`verl_tokensel_cpu.platform`) reaches the Ray workers through the job's ``runtime_env``.
 
 Typical use::
 
@@ -18,7 +18,7 @@ Typical use::
         RA.metric_values(out, "tokensel/selected_fraction")
 
 Importing this module selects the CPU platform in this process (it imports
-:mod:`verl_tokensel.cpu.worker`, see its side effects).
+:mod:`verl_tokensel_cpu.worker`, see its side effects).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import copy
 import time
 from typing import Any, Iterator, Optional, Sequence
 
-from verl_tokensel.cpu import worker as H  # selects the CPU platform first
-from verl_tokensel.cpu import batches as B
-from verl_tokensel.cpu import platform as cpu_platform
+from verl_tokensel_cpu import worker as H  # selects the CPU platform first
+from verl_tokensel_cpu import batches as B
+from verl_tokensel_cpu import platform as cpu_platform
 
 ACTOR_ROLE = "actor"
 
@@ -51,7 +51,7 @@ def compose_tokensel_config(
 ):
     """OUR Hydra config (``verl_tokensel.config``/``tokensel_trainer``) with the CPU actor settings.
 
-    The CPU settings are :func:`verl_tokensel.cpu.worker.cpu_actor_overrides` (fsdp2, fp32 incl.
+    The CPU settings are :func:`verl_tokensel_cpu.worker.cpu_actor_overrides` (fsdp2, fp32 incl.
     mixed precision, eager attention, no torch.compile, no gradient checkpointing, small micro-batches;
     ``actor_kwargs`` go there) plus one process on one node (``trainer.n_gpus_per_node=1``,
     ``trainer.nnodes=1``, ``trainer.device=cpu``). ``overrides`` come last. Cached per arguments; a deep
@@ -235,7 +235,7 @@ def make_driver_batch(config, n: Optional[int] = None, seed: int = 0, fmt: str =
     (mini-batch size, epochs, seed, shuffle, temperature, ``calculate_entropy``) is read from ``config``
     as the drivers do (``actor.calculate_entropy or entropy_coeff != 0``).
     """
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     tokenizer = tiny_model.load_tiny_tokenizer(config.actor_rollout_ref.model.path)
     return B.make_config_batch(config, tokenizer, n=n, seed=seed, fmt=fmt, **batch_kwargs)

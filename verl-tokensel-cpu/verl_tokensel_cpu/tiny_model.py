@@ -192,7 +192,7 @@ def load_tiny_tokenizer(model_dir: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-if __name__ == "__main__":  # manual check: python -m verl_tokensel.cpu.tiny_model [dir]
+if __name__ == "__main__":  # manual check: python -m verl_tokensel_cpu.tiny_model [dir]
     import sys
     import time
 

@@ -26,9 +26,9 @@ from typing import Any, Iterable, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from verl_tokensel.switches import CPU_SWITCH_KEY as SWITCH_KEY, wants_cpu
-from verl_tokensel.cpu.platform import MODULE_NAME as PLATFORM_MODULE
-from verl_tokensel.cpu.megatron import SHIMS_ENV as MEGATRON_SHIMS_ENV
+from verl_tokensel.switches import CPU_SWITCH_KEY as SWITCH_KEY, SwitchConflictError, wants_cpu
+from verl_tokensel_cpu.platform import MODULE_NAME as PLATFORM_MODULE
+from verl_tokensel_cpu.megatron import SHIMS_ENV as MEGATRON_SHIMS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ _RAY_INIT_RESOURCE_KEYS = ("ray_kwargs.ray_init.num_cpus", NUM_GPUS_KEY)
 
 #: the Megatron engine config class verl's YAML names, and its CPU subclass (fp32 admitted)
 STOCK_ENGINE_CONFIG = "verl.workers.config.McoreEngineConfig"
-CPU_ENGINE_CONFIG = "verl_tokensel.cpu.megatron_config.CpuMcoreEngineConfig"
+CPU_ENGINE_CONFIG = "verl_tokensel_cpu.megatron_config.CpuMcoreEngineConfig"
 
 _A = "actor_rollout_ref.actor"
 _R = "actor_rollout_ref.rollout"
@@ -105,7 +105,7 @@ class CpuConflict:
         return f"{self.key}={self.value!r}: {self.why}. Valid on CPU: {self.valid}. Fix: {self.fix}."
 
 
-class CpuConflictError(ValueError):
+class CpuConflictError(SwitchConflictError):
     """Every setting of one config that the CPU switch cannot honour (``conflicts``, one per key), in one message:
     one conflict reads as one sentence; several as a first line with their number, then one line each."""
 
@@ -165,7 +165,7 @@ _MG = f"{_A}.megatron"
 _TC = f"{_MG}.override_transformer_config"
 _FUSED = "a fused CUDA kernel"
 
-#: the Megatron engine (``model_engine=megatron``) on the shims of :mod:`verl_tokensel.cpu.megatron`
+#: the Megatron engine (``model_engine=megatron``) on the shims of :mod:`verl_tokensel_cpu.megatron`
 MEGATRON_SETTINGS: tuple[CpuSetting, ...] = (
     CpuSetting(f"{_A}.strategy", "megatron", "model_engine=megatron builds verl's Megatron actor",
                default="megatron", fill=False),
@@ -216,7 +216,7 @@ _USER_WINS_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 
 
 def _require_megatron() -> None:
-    from verl_tokensel.cpu.megatron import megatron_available
+    from verl_tokensel_cpu.megatron import megatron_available
 
     reason = megatron_available()
     if reason:
@@ -395,7 +395,7 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
 
     ``explicit_keys``: keys the user set on the command line (default: read from Hydra's overrides);
     one of them with a value that cannot work on CPU is an error even when it equals verl's default.
-    Raises :class:`CpuConflictError` (a ``ValueError``) listing every conflict of the config, each with its key,
+    Raises :class:`CpuConflictError` (a ``SwitchConflictError``, a ``ValueError``) listing every conflict of the config, each with its key,
     value and fix, before this process's env changes. Call it before Ray starts.
     """
     if not wants_cpu(config):
@@ -426,7 +426,7 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
     for name, value in env.items():
         _set(config, f"{ENV_VARS_KEY}.{name}", value)
     # the driver itself: CPU platform, process-group fix, vLLM-CPU fixes (also what its own imports see)
-    from verl_tokensel.cpu.platform import enable_cpu_mode
+    from verl_tokensel_cpu.platform import enable_cpu_mode
 
     environ.update(env)
     if environ is os.environ:

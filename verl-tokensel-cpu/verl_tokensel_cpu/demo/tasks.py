@@ -46,10 +46,10 @@ class DemoTask:
 
 
 def _route_task() -> DemoTask:
-    from verl_tokensel.demo import dataset, task
-    from verl_tokensel.demo.warmup import WarmupConfig
+    from verl_tokensel_cpu.demo import dataset, task
+    from verl_tokensel_cpu.demo.warmup import WarmupConfig
 
-    from verl_tokensel.demo.task_multi import spans_token_mask
+    from verl_tokensel_cpu.demo.task_multi import spans_token_mask
 
     def mask(token_texts, response, routes_only=False, forks_only=False):
         if not (routes_only or forks_only):
@@ -69,7 +69,7 @@ def _route_task() -> DemoTask:
     # (benchmarks/results/bench_learning_cpu.md).
     return DemoTask(
         name="route", summary="one route word per answer (think: the right value; guess: a near miss)",
-        reward_fn="pkg://verl_tokensel.demo.reward", max_prompt_length=64, max_response_length=48,
+        reward_fn="pkg://verl_tokensel_cpu.demo.reward", max_prompt_length=64, max_response_length=48,
         train_batch_size=16, ppo_mini_batch_size=8, default_steps=12, default_lr=3e-4,
         warmup_config=lambda seed: WarmupConfig(seed=seed),
         write_dataset=lambda out, cfg: dataset.write_dataset(out, n_val=cfg.n_val, seed=cfg.seed),
@@ -80,12 +80,12 @@ def _route_task() -> DemoTask:
 # tokens); the warm start's reward 0.40 rose to 0.83 within 9 steps of 16 prompts with none at 3e-4
 # (benchmarks/results/bench_learning_multi_cpu.md).
 def _multi_task() -> DemoTask:
-    from verl_tokensel.demo import dataset_multi, task_multi
-    from verl_tokensel.demo.warmup import MultiWarmupConfig
+    from verl_tokensel_cpu.demo import dataset_multi, task_multi
+    from verl_tokensel_cpu.demo.warmup import MultiWarmupConfig
 
     return DemoTask(
         name="multi", summary="K steps per answer, each with its own route word; every step must be right",
-        reward_fn="pkg://verl_tokensel.demo.reward_multi", max_prompt_length=80, max_response_length=96,
+        reward_fn="pkg://verl_tokensel_cpu.demo.reward_multi", max_prompt_length=80, max_response_length=96,
         train_batch_size=8, ppo_mini_batch_size=4, default_steps=8, default_lr=3e-4,
         warmup_config=lambda seed: MultiWarmupConfig(seed=seed),
         write_dataset=lambda out, cfg: dataset_multi.write_dataset(out, k=cfg.k, n_val=cfg.n_val, seed=cfg.seed),

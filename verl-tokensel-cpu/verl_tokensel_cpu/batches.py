@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from verl_tokensel.cpu.worker import CpuActor
+    from verl_tokensel_cpu.worker import CpuActor
 
 
 def _vocab_range(tokenizer_or_vocab) -> tuple[int, int]:

@@ -13,7 +13,7 @@ same split, :func:`.dataset.split_problems`), so no validation problem is ever t
 
 Use::
 
-    from verl_tokensel.demo.dataset_multi import write_dataset
+    from verl_tokensel_cpu.demo.dataset_multi import write_dataset
     train_path, val_path = write_dataset("/tmp/demo_data", k=4)
 """
 
@@ -24,8 +24,8 @@ import random
 from pathlib import Path
 from typing import Sequence
 
-from verl_tokensel.demo.dataset import split_problems
-from verl_tokensel.demo.task_multi import ground_truth
+from verl_tokensel_cpu.demo.dataset import split_problems
+from verl_tokensel_cpu.demo.task_multi import ground_truth
 
 DATA_SOURCE = "tokensel_demo_multi"
 INSTRUCTION = "Put the final answers in \\boxed{}."

@@ -66,7 +66,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     from verl_tokensel.analysis.selection import scored_batch, select_preset
     from verl_tokensel.analysis.stats import advantages_or_unit
     from verl_tokensel.core.config import PRESETS
-    from verl_tokensel.demo.tasks import get_task
+    from verl_tokensel_cpu.demo.tasks import get_task
 
     spec = get_task(task)
     sel = PRESETS[preset]

@@ -1,0 +1,1 @@
+"""The ``verl-tokensel`` subcommands of the CPU distribution (entry-point group ``verl_tokensel.commands``)."""
