@@ -10,7 +10,8 @@
 # - wheel route: TOKENSEL_WHEEL=dist/verl_tokensel-<version>-py3-none-any.whl (built with `python -m build`):
 #   the wheel travels in the job's working dir and the runtime env pip-installs that same wheel on every node
 #   (`"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/<wheel>"]`; Ray's pip env inherits the node's packages,
-#   so verl and torch come from the image);
+#   so verl and torch come from the image); several wheels separated by spaces are all installed (a CPU
+#   cluster: the product's and verl-tokensel-cpu's, `python -m build --wheel verl-tokensel-cpu`);
 # - index route: TOKENSEL_PIP=<requirement> makes the runtime env pip-install it on every node (an index of your
 #   own that serves the wheel; no public index serves verl-tokensel).
 # The working dir uploaded to the cluster holds only run.sh (and the wheel), never a checkout's verl_tokensel/
@@ -47,23 +48,28 @@ WHEEL="${TOKENSEL_WHEEL:-}"
 JOB_DIR="$(mktemp -d "${TMPDIR:-/tmp}/tokensel_job.XXXXXX")"
 trap 'rm -rf "$JOB_DIR"' EXIT
 cp "$RECIPES_DIR/run.sh" "$JOB_DIR/"
+PIP_SPECS=()
+[ -n "$PIP_SPEC" ] && PIP_SPECS=("$PIP_SPEC")
 if [ -n "$WHEEL" ]; then
-    if [ ! -f "$WHEEL" ] || [[ "$WHEEL" != *.whl ]]; then
-        echo "error: TOKENSEL_WHEEL=$WHEEL is not a .whl file (build one with: python -m build)" >&2
-        exit 2
-    fi
-    cp "$WHEEL" "$JOB_DIR/"
-    PIP_SPEC="\${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/$(basename "$WHEEL")"
+    PIP_SPECS=()
+    for wheel in $WHEEL; do  # one wheel, or several separated by spaces (the CPU distribution's next to it)
+        if [ ! -f "$wheel" ] || [[ "$wheel" != *.whl ]]; then
+            echo "error: TOKENSEL_WHEEL: $wheel is not a .whl file (build one with: python -m build)" >&2
+            exit 2
+        fi
+        cp "$wheel" "$JOB_DIR/"
+        PIP_SPECS+=("\${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/$(basename "$wheel")")
+    done
 fi
 
-RUNTIME_ENV="$(python3 - "$PIP_SPEC" <<'PY'
+RUNTIME_ENV="$(python3 - "${PIP_SPECS[@]}" <<'PY'
 import json, os, sys
 env = {k: str(os.environ[k]) for k in
        ("TOKENSEL_MODEL_PATH", "TOKENSEL_TRAIN_FILES", "TOKENSEL_VAL_FILES", "TOKENSEL_TIMEOUT")
        if os.environ.get(k)}
 runtime_env = {"env_vars": env}
-if sys.argv[1]:
-    runtime_env["pip"] = [sys.argv[1]]
+if sys.argv[1:]:
+    runtime_env["pip"] = sys.argv[1:]
 print(json.dumps(runtime_env))
 PY
 )"

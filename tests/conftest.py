@@ -21,3 +21,11 @@ def built_wheel(tmp_path_factory):
     from helpers.wheel import build_wheel
 
     return build_wheel(tmp_path_factory.mktemp("dist"))
+
+
+@pytest.fixture(scope="session")
+def built_cpu_wheel(tmp_path_factory):
+    """The CPU distribution's wheel (``verl-tokensel-cpu/``), built once per test session."""
+    from helpers.wheel import build_cpu_wheel
+
+    return build_cpu_wheel(tmp_path_factory.mktemp("dist_cpu"))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from verl.utils.config import omega_conf_to_dataclass
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfig, knob_table_rows
@@ -48,6 +48,28 @@ def test_megatron_composition_gives_mcore_class():
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert type(actor) is TokenselMcoreActorConfig
     assert actor.selection == PRESETS["forking"]
+
+
+def test_the_megatron_config_is_ppo_trainer_with_the_megatron_engine():
+    """verl 0.9.1 marks ``ppo_megatron_trainer`` deprecated (it is ``ppo_trainer`` + ``model_engine=megatron``): ours
+    and the Megatron recipes compose ``ppo_trainer`` with ``model_engine: megatron``, to the same tree as verl's
+    deprecated config plus our actor node."""
+    for path in [ROOT / "verl_tokensel/config/tokensel_megatron_trainer.yaml",
+                 ROOT / "verl_tokensel/recipes/base/megatron.yaml"]:
+        defaults = yaml.safe_load(path.read_text())["defaults"]
+        assert not [d for d in defaults if "ppo_megatron_trainer" in str(d)], (path, defaults)
+        assert {"override model_engine": "megatron"} in defaults or {"override /model_engine": "megatron"} in defaults
+    ours = _compose("tokensel_megatron_trainer")
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        verls = compose("ppo_megatron_trainer", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
+    ours_actor, verls_actor = ours.actor_rollout_ref.actor, verls.actor_rollout_ref.actor
+    assert ours_actor._target_ == "verl_tokensel.verl_glue.actor_config.megatron_actor_config"
+    with open_dict(ours_actor), open_dict(verls_actor):
+        for key in ("token_selector", "token_selection", "_target_"):
+            ours_actor.pop(key)
+        verls_actor.pop("_target_")
+    ours.trainer.v1.trainer_mode = verls.trainer.v1.trainer_mode
+    assert OmegaConf.to_container(ours) == OmegaConf.to_container(verls)
 
 
 @pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer", "ar", "lopti", "ar_lopti",

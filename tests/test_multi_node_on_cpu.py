@@ -4,7 +4,8 @@ A head node (127.0.0.1: 2 CPUs, no GPU) and a second node (``ray start --address
 127.0.0.2, ports and temp dir, 16 CPUs and 1 logical GPU) form one Ray cluster; both run a venv WITHOUT
 verl_tokensel (``import verl_tokensel`` fails there: :func:`helpers.wheel.make_venv`). The job is submitted
 with ``examples/multi_node.sh`` (the 80/20 DAPO recipe, CPU-sized), as its header tells a user: the wheel
-route (``TOKENSEL_WHEEL``: the runtime env pip-installs the built wheel on each node), the preset, model and
+route (``TOKENSEL_WHEEL``: the runtime env pip-installs the built wheels, the product's and the CPU distribution's,
+on each node), the preset, model and
 data in ``TOKENSEL_*`` variables, the CPU switch and sizes (:data:`helpers.tiny_recipe.TINY_DAPO_RECIPE_SIZES`)
 and the tiny run's settings as overrides (v0 driver, ``gmts``: pre-pass scores at each mini-batch start, top
 20% of each prompt group). The job's driver and TaskRunner run on the head; every GPU bundle, so every actor,
@@ -67,9 +68,9 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(built_wheel, tmp_path_factory):
-    """(head, node 2, the nodes' env, a work dir outside the checkout, the wheel)."""
-    wheel, _ = built_wheel
+def cluster(built_wheel, built_cpu_wheel, tmp_path_factory):
+    """(head, node 2, the nodes' env, a work dir outside the checkout, the two wheels, space-separated)."""
+    wheel = f"{built_wheel[0]} {built_cpu_wheel}"
     py, env, cwd, _ = make_venv(tmp_path_factory.mktemp("mn_venv"))
     probe = subprocess.run([str(py), "-c", "import verl_tokensel"], env=env, cwd=str(cwd), capture_output=True)
     assert probe.returncode != 0, "the nodes' venv must not see the checkout's verl_tokensel"
@@ -83,7 +84,7 @@ def _submit(cluster, overrides, log_path):
     other overrides after the CPU switch and sizes; the environment is the nodes' venv only (no checkout)."""
     head, _, env, cwd, wheel = cluster
     values = dict(o.split("=", 1) for o in overrides)
-    job_env = {**env, "RAY_ADDRESS": head.address, "TOKENSEL_WHEEL": str(wheel),
+    job_env = {**env, "RAY_ADDRESS": head.address, "TOKENSEL_WHEEL": wheel,
                **{var: values[key] for key, var in FROM_ENV.items()}}
     rest = [o for o in overrides if o.split("=", 1)[0] not in FROM_ENV]
     return run_script([ROOT / "examples" / "multi_node.sh", "trainer.device=cpu", *TINY_DAPO_RECIPE_SIZES, *rest],

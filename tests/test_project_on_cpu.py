@@ -53,8 +53,16 @@ def test_changelog_names_the_tested_verl_version():
 def test_verl_plugin_entry_point_declared_and_loads():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
-    assert "tokensel = verl_tokensel.plugin" in cfg["options.entry_points"]["verl.plugins"]
-    assert "tokensel_cpu = verl_tokensel_cpu.plugin" in cfg["options.entry_points"]["verl.plugins"]
+    # the product declares one verl.plugins entry point; the CPU distribution its own
+    assert cfg["options.entry_points"]["verl.plugins"].split() == ["tokensel", "=", "verl_tokensel.plugin"]
+    cpu = configparser.ConfigParser()
+    cpu.read(ROOT / "verl-tokensel-cpu" / "setup.cfg")
+    assert cpu["options.entry_points"]["verl.plugins"].split() == ["tokensel_cpu", "=", "verl_tokensel_cpu.plugin"]
+    import verl_tokensel
+    import verl_tokensel_cpu
+
+    assert verl_tokensel_cpu.__version__ == verl_tokensel.__version__
+    assert f"verl-tokensel=={verl_tokensel.__version__}" in cpu["options"]["install_requires"].split()
     eps = [ep for ep in entry_points(group="verl.plugins") if ep.name == "tokensel"]
     assert eps, "package not installed with its entry point (pip install -e .)"
     import verl  # noqa: F401  (loads the plugin)

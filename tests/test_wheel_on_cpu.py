@@ -1,16 +1,18 @@
 """The release wheel is the product: built as a release builds it, installed non-editable into its own
-environment, and used from a directory outside the checkout.
+environment, alone (without the CPU distribution), and used from a directory outside the checkout.
 
 - ``python -m build`` makes the sdist and, from it, the wheel (so the sdist is complete too);
 - the wheel's file list equals the package tree (every tracked file under ``verl_tokensel/`` that the
-  package needs at run time: modules, Hydra configs, recipes);
-- a fresh venv gets the wheel with ``pip install --no-deps``; its third-party dependencies are the pinned
-  stack of this test run, shared through a path entry (not a site dir, so the checkout's editable install
-  is invisible there) to save a second 4 GB install;
+  package needs at run time: modules, Hydra configs, recipes), with one ``verl.plugins`` entry point and no
+  file of the CPU distribution; the CPU distribution's wheel holds ``verl_tokensel_cpu/`` and its entry points;
+- a fresh venv gets the product wheel with ``pip install --no-deps``; its third-party dependencies are the
+  pinned stack of this test run, shared through a path entry (not a site dir, without this repository's two
+  distributions) to save a second 4 GB install;
 - from a temp dir: ``verl-tokensel env``, ``python -m verl_tokensel.main_ppo --cfg job`` for the FSDP and
   Megatron configs, verl's stock ``main_ppo`` with ``--config-path=pkg://verl_tokensel.config``, a
-  recipe through ``recipes/run.sh`` and through ``pkg://verl_tokensel.recipes``, ``verl-tokensel
-  cpu-step`` (a real FSDP2 update per preset), and ``recipes/submit_ray_job.sh``'s wheel route.
+  recipe through ``recipes/run.sh`` and through ``pkg://verl_tokensel.recipes``, ``recipes/submit_ray_job.sh``'s
+  wheel route; ``trainer.device=cpu`` and ``verl-tokensel demo`` name the CPU distribution they need;
+- a second venv with both wheels: ``verl-tokensel cpu-step`` (a real FSDP2 update per preset).
 """
 
 from __future__ import annotations
@@ -24,19 +26,25 @@ from pathlib import Path
 
 import pytest
 
-from helpers.wheel import ROOT, WHEEL_NAME, make_venv
+from helpers.wheel import CPU_ROOT, CPU_WHEEL_NAME, ROOT, WHEEL_NAME, make_venv
 RUNTIME_SUFFIXES = {".py", ".yaml"}  # what the package reads at run time
 
 
-def _package_files() -> list[str]:
-    """Tracked files of the package (a clean clone's tree; untracked scratch files do not count)."""
-    res = subprocess.run(["git", "ls-files", "verl_tokensel"], cwd=ROOT, capture_output=True, text=True)
+def _package_files(root: Path = ROOT, package: str = "verl_tokensel") -> list[str]:
+    """Tracked files of the package (a clean clone's tree; untracked scratch files do not count), relative to
+    ``root``, the folder of its distribution."""
+    res = subprocess.run(["git", "ls-files", package], cwd=root, capture_output=True, text=True)
     if res.returncode == 0 and res.stdout.strip():
         files = res.stdout.split()
     else:  # not a git checkout (e.g. an unpacked sdist)
-        files = [p.relative_to(ROOT).as_posix() for p in (ROOT / "verl_tokensel").rglob("*") if p.is_file()
+        files = [p.relative_to(root).as_posix() for p in (root / package).rglob("*") if p.is_file()
                  and "__pycache__" not in p.parts]
     return sorted(f for f in files if Path(f).suffix in RUNTIME_SUFFIXES)
+
+
+def _entry_points(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as zf:
+        return zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +75,10 @@ def test_wheel_holds_the_whole_package(built):
     assert in_wheel == _package_files(), (
         f"missing from the wheel: {sorted(set(_package_files()) - set(in_wheel))}; "
         f"not in the package tree: {sorted(set(in_wheel) - set(_package_files()))}")
-    meta = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    with zipfile.ZipFile(wheel) as zf:
-        eps = zf.read(meta).decode()
-    assert "[verl.plugins]\ntokensel = verl_tokensel.plugin" in eps
-    assert "tokensel_cpu = verl_tokensel_cpu.plugin" in eps
+    assert not [n for n in names if n.startswith("verl_tokensel_cpu")], "the product wheel holds the CPU port"
+    eps = _entry_points(wheel)
+    assert "[verl.plugins]\ntokensel = verl_tokensel.plugin\n\n" in eps, eps  # one verl.plugins entry point
+    assert "verl_tokensel_cpu" not in eps and "device_ports" not in eps, eps
     assert "verl-tokensel = verl_tokensel.cli.main:main" in eps
     import tarfile
 
@@ -79,6 +86,25 @@ def test_wheel_holds_the_whole_package(built):
         top = tf.getnames()[0].split("/")[0]
         in_sdist = {n[len(top) + 1:] for n in tf.getnames()}
     assert set(_package_files()) <= in_sdist, sorted(set(_package_files()) - in_sdist)
+
+
+def test_the_cpu_wheel_holds_the_cpu_distribution(built_cpu_wheel):
+    assert built_cpu_wheel.name == CPU_WHEEL_NAME
+    with zipfile.ZipFile(built_cpu_wheel) as zf:
+        names = zf.namelist()
+        meta = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    in_wheel = sorted(n for n in names if n.startswith("verl_tokensel_cpu/"))
+    assert in_wheel == _package_files(CPU_ROOT, "verl_tokensel_cpu"), in_wheel
+    assert not [n for n in names if n.startswith("verl_tokensel/")], "the CPU wheel holds the product"
+    import verl_tokensel
+
+    assert f"Requires-Dist: verl-tokensel=={verl_tokensel.__version__}" in meta, meta[:2000]
+    eps = _entry_points(built_cpu_wheel)
+    for line in ("[verl.plugins]\ntokensel_cpu = verl_tokensel_cpu.plugin",
+                 "[verl_tokensel.device_ports]\ncpu = verl_tokensel_cpu.pipeline:apply_cpu_pipeline",
+                 "demo = verl_tokensel_cpu.cli.demo", "cpu-step = verl_tokensel_cpu.cli.cpu_step",
+                 "tiny-model = verl_tokensel_cpu.cli.tiny_model"):
+        assert line in eps, eps
 
 
 def test_wheel_env_imports_the_wheel_not_the_checkout(wheel_env):
@@ -90,6 +116,22 @@ def test_wheel_env_imports_the_wheel_not_the_checkout(wheel_env):
     info = json.loads(_run(wheel_env, [str(py), "-c", code]).stdout)
     assert Path(info["file"]).is_relative_to(site), info
     assert Path(info["dist"]).is_relative_to(site) and info["plugin"] == ["verl_tokensel.plugin"], info
+    code = ("import json, importlib.util as u, importlib.metadata as m; print(json.dumps({"
+            "'cpu': u.find_spec('verl_tokensel_cpu') is not None, "
+            "'ours': sorted(e.name for e in m.entry_points(group='verl.plugins') if e.name.startswith('tokensel')), "
+            "'ports': [e.name for e in m.entry_points(group='verl_tokensel.device_ports')]}))")
+    info = json.loads(_run(wheel_env, [str(py), "-c", code]).stdout)
+    assert info == {"cpu": False, "ours": ["tokensel"], "ports": []}, info  # the product alone
+
+
+def test_the_product_alone_names_the_cpu_distribution_it_lacks(wheel_env):
+    py, env, cwd, _ = wheel_env
+    for argv in ([str(py), "-m", "verl_tokensel.main_ppo", "trainer.device=cpu",
+                  "actor_rollout_ref.actor.token_selector=gmts"], ["verl-tokensel", "demo"]):
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=str(cwd))
+        assert res.returncode == 2, (argv, res.returncode, res.stderr[-3000:])
+        assert "verl-tokensel-cpu" in res.stderr and "scripts/install_cpu.sh" in res.stderr, res.stderr[-3000:]
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 def test_env_from_the_wheel(wheel_env):
@@ -136,8 +178,14 @@ def test_recipe_from_the_wheel(wheel_env):
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
 
 
-def test_cpu_step_from_the_wheel(wheel_env):
-    res = _run(wheel_env, ["verl-tokensel", "cpu-step", "--workdir", str(wheel_env[2] / "cache")], timeout=600)
+@pytest.fixture(scope="module")
+def cpu_env(built, built_cpu_wheel, tmp_path_factory):
+    """A venv with both wheels installed non-editable (the product and the CPU distribution)."""
+    return make_venv(tmp_path_factory.mktemp("cpu_wheel_venv"), built[0], built_cpu_wheel)
+
+
+def test_cpu_step_from_the_two_wheels(cpu_env):
+    res = _run(cpu_env, ["verl-tokensel", "cpu-step", "--workdir", str(cpu_env[2] / "cache")], timeout=600)
     rows = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) +([0-9.]+) ", res.stdout, flags=re.M)}
     assert rows.get("none") == 1.0, res.stdout
     for preset in ("forking", "random", "gmts", "grad_norm"):

@@ -1,9 +1,11 @@
 """The release wheel and venvs that use it, shared by the wheel and multi-node tests (helper, not a test).
 
-* :func:`build_wheel`: ``python -m build`` (sdist, then the wheel from it) into a folder.
+* :func:`build_wheel`: ``python -m build`` of the product (sdist, then the wheel from it) into a folder;
+  :func:`build_cpu_wheel`: the CPU distribution's wheel (``verl-tokensel-cpu/``).
 * :func:`make_venv`: a venv with no pip and no packages of its own, whose third-party dependencies are
   this test run's pinned stack through a plain path entry (not a site dir, so the checkout's editable
-  install is invisible there: ``import verl_tokensel`` fails unless ``wheel`` is installed into it), with
+  installs are invisible there), without either distribution of this repository (their metadata and entry
+  points are left out too: ``import verl_tokensel`` fails unless the product wheel is installed into it), with
   a ``ray`` command run by the venv's python.
 """
 
@@ -18,7 +20,11 @@ from pathlib import Path
 import verl_tokensel
 
 ROOT = Path(__file__).resolve().parents[2]
+CPU_ROOT = ROOT / "verl-tokensel-cpu"
 WHEEL_NAME = f"verl_tokensel-{verl_tokensel.__version__}-py3-none-any.whl"
+CPU_WHEEL_NAME = f"verl_tokensel_cpu-{verl_tokensel.__version__}-py3-none-any.whl"
+#: what the shared dependencies leave out: the two distributions of this repository (and their editable hooks)
+OUR_DISTRIBUTIONS = ("verl_tokensel", "__editable__.verl_tokensel", "__editable___verl_tokensel")
 
 
 def build_wheel(out: Path) -> tuple[Path, Path]:
@@ -32,19 +38,40 @@ def build_wheel(out: Path) -> tuple[Path, Path]:
     return wheel, sdists[0]
 
 
-def make_venv(base: Path, wheel: Path | None = None) -> tuple[Path, dict, Path, Path]:
-    """A venv under ``base`` (see module doc), with ``wheel`` installed non-editable if given; returns
-    (python, env vars for processes using it, a work dir outside the checkout, the venv's site-packages)."""
+def build_cpu_wheel(out: Path) -> Path:
+    """Build the CPU distribution's wheel into ``out``."""
+    res = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(CPU_ROOT)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    wheel = out / CPU_WHEEL_NAME
+    assert wheel.is_file(), sorted(p.name for p in out.iterdir())
+    return wheel
+
+
+def shared_deps(base: Path) -> Path:
+    """A folder of links to every entry of this run's site-packages but this repository's distributions."""
+    deps = base / "shared_deps"
+    deps.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(OUR_DISTRIBUTIONS):
+            (deps / entry.name).symlink_to(entry)
+    return deps
+
+
+def make_venv(base: Path, wheel: Path | None = None, *more_wheels: Path) -> tuple[Path, dict, Path, Path]:
+    """A venv under ``base`` (see module doc), with ``wheel`` (and ``more_wheels``) installed non-editable if
+    given; returns (python, env vars for processes using it, a work dir outside the checkout, the venv's
+    site-packages)."""
     venv = base / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                capture_output=True, text=True, check=True).stdout.strip())
     # the pinned dependencies of this run, as a plain path entry after the venv's own site-packages
-    (site / "_tokensel_shared_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    (site / "_tokensel_shared_deps.pth").write_text(f"{shared_deps(base)}\n")
     if wheel is not None:
         res = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps",
-                              str(wheel)], capture_output=True, text=True, timeout=300)
+                              str(wheel), *map(str, more_wheels)], capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
     # the `ray` command of the shared dependencies, run by this venv's python (console scripts are not shared)
     ray_cli = venv / "bin" / "ray"

@@ -130,12 +130,14 @@ _COMPOSE_CACHE: dict[tuple, Any] = {}
 
 
 ENGINES = ("fsdp", "megatron")
-_CONFIG_NAMES = {"fsdp": "ppo_trainer", "megatron": "ppo_megatron_trainer"}
+#: verl's config, and the engine choice: ``ppo_trainer`` with ``model_engine=megatron`` is what verl 0.9.1's
+#: deprecated ``ppo_megatron_trainer`` is
+_ENGINE_OVERRIDES = {"fsdp": [], "megatron": ["model_engine=megatron"]}
 
 
 def compose_ppo_config(overrides: Sequence[str] = (), engine: str = "fsdp") -> Any:
-    """verl's ``ppo_trainer`` (``engine="megatron"``: ``ppo_megatron_trainer``) config (OmegaConf) composed with
-    Hydra, plus ``overrides``. Cached."""
+    """verl's ``ppo_trainer`` config (``engine="megatron"``: with ``model_engine=megatron``) composed with Hydra,
+    plus ``overrides`` (OmegaConf). Cached."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -144,7 +146,8 @@ def compose_ppo_config(overrides: Sequence[str] = (), engine: str = "fsdp") -> A
         if GlobalHydra.instance().is_initialized():
             GlobalHydra.instance().clear()
         with initialize_config_module(config_module="verl.trainer.config", version_base=None):
-            _COMPOSE_CACHE[key] = compose(config_name=_CONFIG_NAMES[engine], overrides=list(overrides))
+            _COMPOSE_CACHE[key] = compose(config_name="ppo_trainer",
+                                          overrides=[*_ENGINE_OVERRIDES[engine], *overrides])
     return copy.deepcopy(_COMPOSE_CACHE[key])
 
 
@@ -170,7 +173,7 @@ def cpu_actor_overrides(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
 ) -> list[str]:
-    """Hydra overrides of ``ppo_trainer`` (``engine="megatron"``: ``ppo_megatron_trainer``) that make the actor
+    """Hydra overrides of ``ppo_trainer`` (``engine="megatron"``: with ``model_engine=megatron``) that make the actor
     run on CPU with the tiny model.
 
     ``dtype`` is FSDP's compute (``mixed_precision.param_dtype``): ``fp32`` for CPU, ``bf16`` as verl
