@@ -40,7 +40,8 @@
 #    and Python wheels go there too and its torch extension is compiled from the source archive (MAX_JOBS =
 #    the machine's cores, at most TE_BUILD_TIMEOUT s, default 300); if that fails or does not import, the
 #    TransformerEngine files are removed again and the check runs the local layers (exit code unaffected).
-# 3. runs benchmarks/gpu_check.py with the repository's own verl_tokensel (PYTHONPATH=repo root)
+# 3. runs benchmarks/gpu_check.py with the repository's own verl_tokensel and its worker harness
+#    (verl_tokensel_cpu, the CPU distribution's; PYTHONPATH=repo root and verl-tokensel-cpu/, nothing installed)
 #    under `timeout` (GPU_CHECK_TIMEOUT s, default 510; the check's own deadline is 480 s).
 #
 # Through a transfer that carries at most 64 MiB at a time (ray's wheel alone is 75.6 MiB): pack with
@@ -229,7 +230,7 @@ fi
 mkdir -p "$OUT_DIR"
 say "running benchmarks/gpu_check.py (timeout ${TIMEOUT_S}s)"
 set +e
-PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout --kill-after=15 "$TIMEOUT_S" \
+PYTHONPATH="$ROOT:$ROOT/verl-tokensel-cpu${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout --kill-after=15 "$TIMEOUT_S" \
     "$PY" benchmarks/gpu_check.py --out "$OUT_DIR/gpu_check.json" ${GPU_CHECK_ARGS:-}
 rc=$?
 set -e

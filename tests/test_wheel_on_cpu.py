@@ -42,9 +42,16 @@ def _package_files(root: Path = ROOT, package: str = "verl_tokensel") -> list[st
     return sorted(f for f in files if Path(f).suffix in RUNTIME_SUFFIXES)
 
 
-def _entry_points(wheel: Path) -> str:
+def _entry_points(wheel: Path) -> dict[str, dict[str, str]]:
+    """``{group: {name: value}}`` of the wheel's entry points."""
+    import configparser
+
     with zipfile.ZipFile(wheel) as zf:
-        return zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
+        text = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt"))).decode()
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str
+    parser.read_string(text)
+    return {group: dict(parser[group]) for group in parser.sections()}
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +83,9 @@ def test_wheel_holds_the_whole_package(built):
         f"missing from the wheel: {sorted(set(_package_files()) - set(in_wheel))}; "
         f"not in the package tree: {sorted(set(in_wheel) - set(_package_files()))}")
     assert not [n for n in names if n.startswith("verl_tokensel_cpu")], "the product wheel holds the CPU port"
-    eps = _entry_points(wheel)
-    assert "[verl.plugins]\ntokensel = verl_tokensel.plugin\n\n" in eps, eps  # one verl.plugins entry point
-    assert "verl_tokensel_cpu" not in eps and "device_ports" not in eps, eps
-    assert "verl-tokensel = verl_tokensel.cli.main:main" in eps
+    # one verl.plugins entry point, the command, nothing of the CPU distribution
+    assert _entry_points(wheel) == {"verl.plugins": {"tokensel": "verl_tokensel.plugin"},
+                                    "console_scripts": {"verl-tokensel": "verl_tokensel.cli.main:main"}}
     import tarfile
 
     with tarfile.open(sdist) as tf:
@@ -99,12 +105,11 @@ def test_the_cpu_wheel_holds_the_cpu_distribution(built_cpu_wheel):
     import verl_tokensel
 
     assert f"Requires-Dist: verl-tokensel=={verl_tokensel.__version__}" in meta, meta[:2000]
-    eps = _entry_points(built_cpu_wheel)
-    for line in ("[verl.plugins]\ntokensel_cpu = verl_tokensel_cpu.plugin",
-                 "[verl_tokensel.device_ports]\ncpu = verl_tokensel_cpu.pipeline:apply_cpu_pipeline",
-                 "demo = verl_tokensel_cpu.cli.demo", "cpu-step = verl_tokensel_cpu.cli.cpu_step",
-                 "tiny-model = verl_tokensel_cpu.cli.tiny_model"):
-        assert line in eps, eps
+    assert _entry_points(built_cpu_wheel) == {
+        "verl.plugins": {"tokensel_cpu": "verl_tokensel_cpu.plugin"},
+        "verl_tokensel.device_ports": {"cpu": "verl_tokensel_cpu.pipeline:apply_cpu_pipeline"},
+        "verl_tokensel.commands": {"cpu-step": "verl_tokensel_cpu.cli.cpu_step", "demo": "verl_tokensel_cpu.cli.demo",
+                                   "tiny-model": "verl_tokensel_cpu.cli.tiny_model"}}
 
 
 def test_wheel_env_imports_the_wheel_not_the_checkout(wheel_env):
