@@ -16,6 +16,6 @@ if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${CONDA_PREFIX:-}" ]; then
     echo "warning: no virtual environment is active; installing into $(python -c 'import sys; print(sys.prefix)')" >&2
 fi
 python -m pip install -q -U pip
-python -m pip install -q -r requirements/cpu-test.txt -e '.[test]' -e ./verl-tokensel-cpu
+python -m pip install -q -r requirements/cpu-test.txt -e '.[test]' -e './verl-tokensel-cpu[vllm]'
 python -m pip uninstall -q -y torchvision torchaudio torchcodec
 verl-tokensel env
