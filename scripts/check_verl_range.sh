@@ -3,7 +3,9 @@
 #   bash scripts/check_verl_range.sh [VERL_VERSION] [VENV_DIR]      # default 0.9.0, /tmp/tokensel-verl-<version>
 # 1. a fresh venv with the pinned CPU stack of requirements/cpu-test.txt, verl replaced by VERL_VERSION (pip's
 #    global constraint file, if any, is used without its verl line);
-# 2. this checkout's two distributions, editable, with --no-deps (setup.cfg's range would refuse a verl outside it);
+# 2. a copy of this checkout's committed tree (git archive HEAD) in $VENV_DIR/src with the supported range widened
+#    to VERL_VERSION (setup.cfg and verl_tokensel.SUPPORTED_VERL: the question is whether the seams hold, not
+#    whether the range check refuses), its two distributions installed editable, --no-deps;
 # 3. torchvision / torchaudio / torchcodec removed (their CUDA builds break transformers against a CPU torch);
 # 4. every test file the seams table of ARCHITECTURE.md names (its last column), default suite only
 #    (-m "not gpu and not slow"), one pytest run per file, then one line per file and a summary line:
@@ -11,12 +13,18 @@
 # About 40 minutes on 2 cores (the install ~4 min, the tests the rest). Logs: $VENV_DIR/logs/<file>.log.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-ROOT="$PWD"
 VERSION="${1:-0.9.0}"
 VENV="${2:-/tmp/tokensel-verl-$VERSION}"
 PY="${PYTHON:-python3}"
 
 "$PY" -m venv "$VENV"
+SRC="$VENV/src"
+rm -rf "$SRC" && mkdir -p "$SRC"
+git archive --format=tar HEAD | tar -x -C "$SRC"
+sed -i "s/verl>=[0-9.]*,<0.10/verl>=$VERSION,<0.10/" "$SRC/setup.cfg"
+sed -i "s/^SUPPORTED_VERL = \">=[0-9.]*,<0.10\"/SUPPORTED_VERL = \">=$VERSION,<0.10\"/" "$SRC/verl_tokensel/__init__.py"
+cd "$SRC"
+ROOT="$PWD"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 python -m pip install -q -U pip

@@ -25,8 +25,8 @@ WHEEL_NAME = f"verl_tokensel-{verl_tokensel.__version__}-py3-none-any.whl"
 CPU_WHEEL_NAME = f"verl_tokensel_cpu-{verl_tokensel.__version__}-py3-none-any.whl"
 #: what the shared dependencies leave out: the two distributions of this repository (and their editable hooks)
 OUR_DISTRIBUTIONS = ("verl_tokensel", "__editable__.verl_tokensel", "__editable___verl_tokensel")
-#: env vars a venv's processes do not inherit from the test process
-CHECKOUT_ENV = ("PYTHONPATH", "VIRTUAL_ENV", "VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")
+#: verl's env vars that a venv's processes do not inherit from the test process
+CHECKOUT_VERL_ENV = ("VERL_USE_EXTERNAL_MODULES", "VERL_PLATFORM", "VERL_ENGINE_DEVICE")
 
 
 def build_wheel(out: Path) -> tuple[Path, Path]:
@@ -80,8 +80,10 @@ def make_venv(base: Path, wheel: Path | None = None, *more_wheels: Path) -> tupl
     ray_cli.write_text(f"#!{py}\nimport sys\nfrom ray.scripts.scripts import main\nsys.exit(main())\n")
     ray_cli.chmod(0o755)
     # nothing of this test process's set-up: the CPU harness, once imported, puts its platform module (the
-    # checkout's) into VERL_USE_EXTERNAL_MODULES, which a venv without it cannot import
-    env = {k: v for k, v in os.environ.items() if k not in CHECKOUT_ENV}
+    # checkout's) into VERL_USE_EXTERNAL_MODULES, which a venv without it cannot import. Emptied, not removed:
+    # a Ray head started with this env lays it over the test process's (verl reads "" as unset)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update(dict.fromkeys(CHECKOUT_VERL_ENV, ""))
     env.update(VIRTUAL_ENV=str(venv), PATH=f"{venv / 'bin'}:{env.get('PATH', '')}", PYTHONNOUSERSITE="1")
     cwd = base / "work"
     cwd.mkdir()
