@@ -88,3 +88,38 @@ def test_broken_plugin_import_is_loud():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "verl_tokensel: the verl plugin failed to load, token selection is NOT active" in res.stderr
+
+
+def _default_suite_tests(path: Path) -> set[str]:
+    """The test functions of a test file that the default suite runs (not marked ``slow``, itself or its module)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+
+    def slow(decorators) -> bool:
+        return any("slow" in ast.unparse(d) for d in decorators)
+
+    if any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+           and "slow" in ast.unparse(n.value) for n in tree.body):
+        return set()
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+            and not slow(n.decorator_list)}
+
+
+def test_every_seam_has_a_default_suite_test():
+    """Each row of ARCHITECTURE.md's seams table names, in its last column, at least one test file (``test_x`` for
+    ``tests/test_x_on_cpu.py``, or ``test_x::test_y`` for one test) that exists and that the default suite runs."""
+    table = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8").split("\n## Seams\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| verl symbol")]
+    assert len(rows) >= 20, f"the seams table has {len(rows)} rows"
+    without = []
+    for row in rows:
+        found = False
+        for name, test in re.findall(r"`(test_[a-z0-9_]+)(?:::(test_[a-z0-9_]+))?`", row.rsplit("|", 2)[-2]):
+            path = ROOT / "tests" / f"{name}_on_cpu.py"
+            if path.exists():
+                runs = _default_suite_tests(path)
+                found = found or (test in runs if test else bool(runs))
+        if not found:
+            without.append(row.split("|")[1].strip()[:80])
+    assert not without, f"seams without a default-suite test that names them: {without}"
