@@ -10,7 +10,8 @@
 # 4. every test file the seams table of ARCHITECTURE.md names (its last column), default suite only
 #    (-m "not gpu and not slow"), one pytest run per file, then one line per file and a summary line:
 #    "verl <version>: <k> of <n> seam test files pass". Exit status 0 when all pass.
-# About 40 minutes on 2 cores (the install ~4 min, the tests the rest). Logs: $VENV_DIR/logs/<file>.log.
+#    SEAM_TESTS="test_loss test_plugin" runs only those files.
+# About 20-40 minutes on 2 cores (the install ~2-4 min, the tests the rest). Logs: $VENV_DIR/logs/<file>.log.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VERSION="${1:-0.9.0}"
@@ -45,7 +46,7 @@ if [ "$got" != "$VERSION" ]; then
 fi
 verl-tokensel env || true  # reports a plugin that does not load; the tests below say where
 
-mapfile -t FILES < <(python - "$ROOT/ARCHITECTURE.md" <<'PY'
+mapfile -t FILES < <(python - "$ROOT/ARCHITECTURE.md" "${SEAM_TESTS:-}" <<'PY'
 import re, sys
 from pathlib import Path
 text = Path(sys.argv[1]).read_text()
@@ -56,8 +57,11 @@ for line in table.splitlines():
         for name in re.findall(r"`(test_[a-z0-9_]+)(?:::[a-z0-9_]+)?`", line.rsplit("|", 2)[-2]):
             if name not in names:
                 names.append(name)
+only = sys.argv[2].split()
 for name in names:
     path = Path("tests") / f"{name}_on_cpu.py"
+    if only and name not in only:
+        continue
     if path.exists():
         print(path.name)
 PY
