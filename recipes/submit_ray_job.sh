@@ -11,7 +11,7 @@
 #   the wheel travels in the job's working dir and the runtime env pip-installs that same wheel on every node
 #   (`"pip": ["${RAY_RUNTIME_ENV_CREATE_WORKING_DIR}/<wheel>"]`; Ray's pip env inherits the node's packages,
 #   so verl and torch come from the image); several wheels separated by spaces are all installed (a CPU
-#   cluster: the product's and verl-tokensel-cpu's, `python -m build --wheel verl-tokensel-cpu`);
+#   cluster: the product's and verl-tokensel-cpu's, `python -m build verl-tokensel-cpu`);
 # - index route: TOKENSEL_PIP=<requirement> makes the runtime env pip-install it on every node (an index of your
 #   own that serves the wheel; no public index serves verl-tokensel).
 # The working dir uploaded to the cluster holds only run.sh (and the wheel), never a checkout's verl_tokensel/

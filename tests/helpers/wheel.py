@@ -41,8 +41,8 @@ def build_wheel(out: Path) -> tuple[Path, Path]:
 
 
 def build_cpu_wheel(out: Path) -> Path:
-    """Build the CPU distribution's wheel into ``out``."""
-    res = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(CPU_ROOT)],
+    """Build the CPU distribution's wheel into ``out`` (from its sdist, as the product's: no stale ``build/``)."""
+    res = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(CPU_ROOT)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     wheel = out / CPU_WHEEL_NAME
