@@ -1,4 +1,5 @@
-"""The per-token policy losses a rule's transform may name, in verl's conventions (:data:`RULE_POLICY_LOSSES`).
+"""The per-token policy losses a rule's transform may name, in verl's conventions (:data:`RULE_POLICY_LOSSES`), and
+the adapter of a rule's own one (``LossTransform.token_loss``, :func:`rule_token_loss`).
 
 A rule whose selected tokens get more than a gradient mask names one of these in its
 :class:`~verl_tokensel.core.rules.base.LossTransform` (``policy_loss``, with its per-token ``policy_loss_args``);
@@ -141,6 +142,23 @@ def zeroed_tokens_loss(old_log_prob, log_prob, advantages, response_mask, loss_a
     return pg_loss, {"actor/pg_clipfrac": pg_clipfrac.detach().item(), "actor/ppo_kl": ppo_kl.detach().item()}
 
 
+def rule_token_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+                    rollout_is_weights=None, *, token_loss: Callable):
+    """A rule's own policy loss (``LossTransform.token_loss``, pure torch, per token) in verl's registry signature:
+    the actor's clip bounds and dual-clip constant in, verl's ``agg_loss`` over the rule's per-token losses (times the
+    rollout importance weights) out."""
+    if config is None:
+        raise ValueError("a rule's token_loss needs the actor config (clip_ratio, clip_ratio_c)")
+    low, high = _bounds(config)
+    pg_losses, metrics = token_loss(old_log_prob, log_prob, advantages, response_mask, clip_low=low, clip_high=high,
+                                    clip_ratio_c=config.get("clip_ratio_c", 3.0))
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights
+    pg_loss = agg_loss(loss_mat=pg_losses, loss_mask=response_mask, loss_agg_mode=loss_agg_mode,
+                       **config.global_batch_info)
+    return pg_loss, metrics
+
+
 #: the per-token policy losses a rule's transform names (``LossTransform.policy_loss``)
 RULE_POLICY_LOSSES: dict[str, Callable] = {
     "abs_log_ratio_penalty": abs_log_ratio_penalty_loss,
@@ -152,6 +170,8 @@ RULE_POLICY_LOSSES: dict[str, Callable] = {
 def transform_policy_loss(transform: LossTransform) -> Optional[Callable]:
     """The policy loss ``transform`` names, bound to its per-token arguments (verl's registry signature), or None
     when it names none (the configured ``loss_mode`` runs)."""
+    if transform.token_loss is not None:
+        return partial(rule_token_loss, token_loss=transform.token_loss)
     if transform.policy_loss is None:
         return None
     try:
@@ -175,4 +195,4 @@ def register_policy_losses() -> None:
 
 
 __all__ = ["PPO_CLIP_PER_TOKEN", "RULE_POLICY_LOSSES", "abs_log_ratio_penalty_loss", "ppo_clip_per_token",
-           "register_policy_losses", "transform_policy_loss", "zeroed_tokens_loss"]
+           "register_policy_losses", "rule_token_loss", "transform_policy_loss", "zeroed_tokens_loss"]

@@ -95,6 +95,11 @@ class LossTransform:
         policy_loss: the name of a per-token policy loss the rule needs
             (:data:`verl_tokensel.verl_glue.policy_loss.RULE_POLICY_LOSSES`) and ``policy_loss_args``, its
             per-token keyword arguments; None: verl's configured ``loss_mode``.
+        token_loss: a policy loss of the rule's own, in its module (pure torch): ``token_loss(old_log_prob,
+            log_prob, advantages, response_mask, *, clip_low, clip_high, clip_ratio_c) -> (pg_losses, metrics)``,
+            the per-token losses ``(batch, response_len)`` and float metrics (verl's names, ``actor/pg_clipfrac``
+            ..., or ``tokensel/<rule>/...``); the loss aggregates them with verl's ``agg_loss`` and the rollout
+            importance weights. The clip bounds are the actor's. At most one of ``policy_loss`` / ``token_loss``.
     """
 
     gate: Optional[torch.Tensor] = None
@@ -104,6 +109,11 @@ class LossTransform:
     entropy_weight: Optional[torch.Tensor] = None
     policy_loss: Optional[str] = None
     policy_loss_args: dict[str, Any] = field(default_factory=dict)
+    token_loss: Optional[Callable[..., tuple[torch.Tensor, dict[str, float]]]] = None
+
+    def __post_init__(self) -> None:
+        if self.policy_loss is not None and self.token_loss is not None:
+            raise ValueError("a LossTransform names a policy loss or carries its own token_loss, not both")
 
     def after(self, first: Optional["LossTransform"]) -> "LossTransform":
         """This transform applied after ``first`` (a shaping): the affine maps of A composed (``w (w1 A + s1) +
