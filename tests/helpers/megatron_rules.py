@@ -123,7 +123,8 @@ REWEIGHT_RUNS = {"ar": ("ar", {}, None), "entropy_adv": ("entropy_adv", {}, None
                  "lopti_1": ("lopti", {}, 1), "lopti_2": ("ar_lopti", {}, 2),
                  # the test bed's tiny model puts most probabilities near 1 / vocabulary: tau_p 0.05 gives STAPO
                  # candidates in every positive answer
-                 "stapo": ("stapo", {"stapo_prob": 0.05}, None)}
+                 "stapo": ("stapo", {"stapo_prob": 0.05}, None),
+                 "ce_gppo": ("ce_gppo", {}, None)}
 
 
 def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None, knobs: dict | None = None,

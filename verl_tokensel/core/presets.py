@@ -81,6 +81,9 @@ PRESETS: dict[str, Optional[Selection]] = {
     # the token-mean over the kept tokens of the whole mini-batch
     "stapo": preset("stapo", score="stapo", ratio=1.0, scope="mini_batch", normaliser="kept", score_source="prepass",
                     stapo_prob=0.002, stapo_entropy_quantile=0.75),
+    # CE-GPPO (arXiv 2509.20712, released code Kwai-Klear/CE-GPPO): every token keeps its gradient, the clipped ones
+    # a bounded one: beta1 (0.75) for r < 1 - eps with A < 0, beta2 (1.0) for r > 1 + eps with A > 0
+    "ce_gppo": preset("ce_gppo", **_KEEP_ALL, ce_gppo_beta1=0.75, ce_gppo_beta2=1.0),
 }
 
 
