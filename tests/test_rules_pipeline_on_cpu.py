@@ -96,6 +96,7 @@ REWEIGHT_CASES = {
     "lopti": [],
     "ar_lopti": [],
     "ce_gppo": [],
+    "aspo": [],
 }
 
 
@@ -113,7 +114,8 @@ def _run_reweight(preset, model_dir, work, engine="fsdp2", use_v1=True):
 @pytest.mark.parametrize("preset,engine,use_v1", [("ar", "fsdp2", True), ("entropy_adv", "fsdp2", True),
                                                   ("stapo", "fsdp2", True), ("stapo", "megatron", True),
                                                   ("lopti", "fsdp2", True), ("lopti", "fsdp2", False),
-                                                  ("ar_lopti", "megatron", True), ("ce_gppo", "fsdp2", True)])
+                                                  ("ar_lopti", "megatron", True), ("ce_gppo", "fsdp2", True),
+                                                  ("aspo", "fsdp2", True)])
 def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1):
     t = "actor/tokensel/"
     for s in _run_reweight(preset, model_dir, tmp_path, engine, use_v1):
@@ -125,6 +127,8 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
             p = t + "prepass/"
             assert 0 < s[p + "selected_tokens"] < s[p + "valid_tokens"], s  # some tokens dropped, most kept
             assert s[t + "stapo/spurious_tokens"] > 0, s
+        if preset == "aspo":  # the tokens above each response's 0.8 entropy quantile
+            assert 0.05 < s[t + "aspo/selected_share"] <= 0.25, s
         if preset == "ce_gppo":  # every token treated; the clipped shares reported (the tiny run is near on-policy)
             assert s[t + "selected_fraction"] == 1.0, s
             assert 0.0 <= s[t + "ce_gppo/low_clipped_share"] <= 1.0 and t + "ce_gppo/high_clipped_share" in s, s
@@ -136,6 +140,6 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
               + " ".join(f"{k}={v:.4g}" for k, v in sorted(s.items())
                          if isinstance(v, float) and ("tokensel/" in k and ("ar/" in k or "entropy_adv/" in k
                                                                             or "stapo/" in k or "lopti" in k
-                                                                            or "ce_gppo/" in k
+                                                                            or "ce_gppo/" in k or "aspo/" in k
                                                                             or "prepass/selected" in k)))
               + f" actor/pg_loss={s['actor/pg_loss']:.4f}")

@@ -84,6 +84,10 @@ PRESETS: dict[str, Optional[Selection]] = {
     # CE-GPPO (arXiv 2509.20712, released code Kwai-Klear/CE-GPPO): every token keeps its gradient, the clipped ones
     # a bounded one: beta1 (0.75) for r < 1 - eps with A < 0, beta2 (1.0) for r > 1 + eps with A > 0
     "ce_gppo": preset("ce_gppo", **_KEEP_ALL, ce_gppo_beta1=0.75, ce_gppo_beta2=1.0),
+    # ASPO (arXiv 2510.06062, released code wizard-III/Archer2.0): per response, the tokens above its 0.8 entropy
+    # quantile get clip 0.4 / 0.4, the others the actor's (0.2); A > 0 tokens the flipped ratio and its soft dual clip
+    "aspo": preset("aspo", score="entropy", ratio=0.2, scope="sequence", normaliser="all", budget="quantile",
+                   aspo_clip_ratio_low=0.4, aspo_clip_ratio_high=0.4),
 }
 
 
