@@ -24,7 +24,7 @@ from functools import partial
 import torch
 
 from verl_tokensel.core.errors import check_number
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, masked_mean, register_rule, share
 
 NAME = "aspo"
 
@@ -44,10 +44,6 @@ class AspoKnobs(Ranking):
             check_number(f"token_selection.{key}", getattr(self, key), 0.0, 1.0, "a number in [0, 1)",
                          open_high=True)
 
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's ``masked_mean`` (``sum(values * mask) / (sum(mask) + 1e-8)``)."""
-    return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
 def aspo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -74,11 +70,11 @@ def aspo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     mask = response_mask.to(ratio.dtype)
     clip_ratio = torch.where(advantages < 0, neg_ratio, pos_ratio)
     metrics = {
-        "actor/pg_clipfrac": _masked_mean(torch.gt(ratio, clip_ratio).to(ratio.dtype), mask).item(),
-        "actor/pg_clipfrac_lower": _masked_mean(torch.lt(ratio, clip_ratio).to(ratio.dtype), mask).item(),
-        f"tokensel/{NAME}/negative_dual_clipfrac": _masked_mean(
+        "actor/pg_clipfrac": masked_mean(torch.gt(ratio, clip_ratio).to(ratio.dtype), mask).item(),
+        "actor/pg_clipfrac_lower": masked_mean(torch.lt(ratio, clip_ratio).to(ratio.dtype), mask).item(),
+        f"tokensel/{NAME}/negative_dual_clipfrac": masked_mean(
             neg_dual.to(ratio.dtype), mask * (advantages < 0)).item(),
-        f"tokensel/{NAME}/positive_dual_clipfrac": _masked_mean(
+        f"tokensel/{NAME}/positive_dual_clipfrac": masked_mean(
             pos_dual.to(ratio.dtype), mask * (advantages > 0)).item(),
     }
     return pg_losses, metrics

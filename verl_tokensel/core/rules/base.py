@@ -337,6 +337,11 @@ def share(n: int, of: int) -> float:
     return n / of if of else 0.0
 
 
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``masked_mean`` (``sum(values * mask) / (sum(mask) + 1e-8)``), for the metrics of a rule's own loss."""
+    return (values * mask).sum() / (mask.sum() + 1e-8)
+
+
 __all__ = ["ActorSettings", "BUDGETS", "LossContext", "LossTransform", "OWN_LOSS_MODES",
-           "RULE_REGISTRY", "Ranking", "Rule", "SHAPING_REGISTRY", "Shaping", "knob", "knob_fields", "register_rule",
-           "register_shaping", "share"]
+           "RULE_REGISTRY", "Ranking", "Rule", "SHAPING_REGISTRY", "Shaping", "knob", "knob_fields", "masked_mean",
+           "register_rule", "register_shaping", "share"]

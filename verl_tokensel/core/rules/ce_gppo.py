@@ -22,7 +22,7 @@ from functools import partial
 import torch
 
 from verl_tokensel.core.errors import check_number
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, masked_mean, register_rule, share
 
 NAME = "ce_gppo"
 
@@ -41,10 +41,6 @@ class CeGppoKnobs(Ranking):
         for key in ("ce_gppo_beta1", "ce_gppo_beta2"):
             check_number(f"token_selection.{key}", getattr(self, key), 0.0, None, "a number >= 0")
 
-
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's ``masked_mean`` (``sum(values * mask) / (sum(mask) + 1e-8)``)."""
-    return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
 def clipped_classes(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -71,9 +67,9 @@ def gppo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses3, pg_losses1), pg_losses1)
     mask = response_mask.to(ratio.dtype)
     metrics = {
-        "actor/pg_clipfrac": _masked_mean((low | high).to(ratio.dtype), mask).item(),
-        "actor/ppo_kl": _masked_mean(-negative_approx_kl.detach(), mask).item(),
-        "actor/pg_clipfrac_lower": _masked_mean(
+        "actor/pg_clipfrac": masked_mean((low | high).to(ratio.dtype), mask).item(),
+        "actor/ppo_kl": masked_mean(-negative_approx_kl.detach(), mask).item(),
+        "actor/pg_clipfrac_lower": masked_mean(
             (torch.gt(pg_losses1, pg_losses3) & (advantages < 0)).to(ratio.dtype), mask).item(),
     }
     return pg_losses, metrics
