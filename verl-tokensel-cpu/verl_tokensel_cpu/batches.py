@@ -214,10 +214,12 @@ def add_driver_meta(
     return batch
 
 
-def add_driver_selection(config, batch):
+def add_driver_selection(config, batch, eos_token_id=None):
     """What verl's driver adds for ``score_source=rollout`` (``forking_paper``), in place: the mask and scores
     that :func:`~verl_tokensel.verl_glue.driver_select.select_on_driver` computes from the batch's
-    old-log-prob values (``old_log_probs``, ``advantages``, ``entropy``, ``uid``), as nested fields.
+    old-log-prob values (``old_log_probs``, ``advantages``, ``entropy``, ``uid``), as nested fields; for a score
+    that reads the responses (token ids, rewards, EOS: ``ktae``, ``gtpo``), the fields the driver fills from
+    ``responses``, ``token_level_rewards`` and ``eos_token_id`` (the tokenizer's).
 
     ``config`` is the actor's :class:`~verl_tokensel.core.config.TokenSelectConfig`. Returns the driver's
     selection output.
@@ -227,10 +229,17 @@ def add_driver_selection(config, batch):
     from verl_tokensel.core import fields
     from verl_tokensel.core.batch import group_ids
     from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
+    from verl_tokensel.verl_glue.rollout_source import response_fields
 
     padded = batch.select(*fields.LOSS_INPUTS, fields.ENTROPY).to_padded_tensor()
+    external = {}
+    if any(f in fields.RESPONSE_EXTERNAL for f in config.selection.needs_external):
+        width = padded[fields.RESPONSE_MASK].shape[1]
+        ids = batch[fields.RESPONSES].to_padded_tensor(0)[:, :width]
+        rewards = batch[fields.TOKEN_LEVEL_REWARDS].to_padded_tensor(0.0)[:, :width]
+        external = response_fields(config.selection, ids, rewards, padded[fields.RESPONSE_MASK], eos_token_id)
     out = select_on_driver(config.selection, dict(padded.items()), group_ids=group_ids(batch.get(fields.UID).tolist()),
-                           params=score_params(config))
+                           params=score_params(config), external=external)
     rm = batch[fields.RESPONSE_MASK]
     batch[fields.MASK] = response_to_nested(out.mask.to(rm.dtype), rm)
     batch[fields.SCORE] = response_to_nested(out.scores, rm)

@@ -20,6 +20,18 @@ REF_LOG_PROB = "ref_log_prob"
 LOGIT_GRAD_NORM = "logit_grad_norm"
 #: verl's prompt id of each response (non-tensor)
 UID = "uid"
+#: verl's response token ids and per-token rewards (the reward manager's scores, less any KL-in-reward penalty)
+RESPONSES = "responses"
+TOKEN_LEVEL_REWARDS = "token_level_rewards"
+
+#: per-token fields the driver fills for a score that names them in ``needs_external`` (a rule computed where the
+#: whole prompt group is): the response's token ids (int64), its outcome reward (``token_level_rewards`` summed over
+#: the response) on each of its tokens, and whether the token is the tokenizer's ``eos_token_id``
+RESPONSE_IDS = "response_ids"
+SEQUENCE_REWARD = "sequence_reward"
+EOS_TOKEN = "eos_token"
+#: the external fields read from the batch's token ids and rewards (the reference model's ``ref_entropy`` aside)
+RESPONSE_EXTERNAL = (RESPONSE_IDS, SEQUENCE_REWARD, EOS_TOKEN)
 
 #: the selection's own per-token fields, laid out like ``response_mask``: the bool mask the loss applies and the
 #: float32 scores it was ranked by (NaN on dropped tokens), written by the driver (score_source=rollout) or the

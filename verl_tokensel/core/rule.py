@@ -9,6 +9,7 @@ orders them. Its result, :class:`Selected`, carries the mask, the tokens the los
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -75,7 +76,8 @@ def apply_rule(
        tokens, never selected, its score NaN (counted in ``nan_scores``);
     3. select: the rule's :meth:`~verl_tokensel.core.rules.base.Rule.select` over ``sel.scope`` (exact over
        ``dp_group`` for the pooled scopes);
-    4. transform: the shaping's, then the rule's (``context``: the loss's update pass and denominators);
+    4. transform: the shaping's, then the rule's (``context``: the loss's update pass and denominators, and the
+       scores of step 1);
     5. stats (one host synchronisation), unless ``stats=False``.
 
     ``ratio`` / ``scope`` replace the rule's own for this call (the analysis tools rank one tensor as one pool).
@@ -100,7 +102,7 @@ def apply_rule(
     if dropped:
         scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
     shaping = None if sel.shaper is None else sel.shaper.transform(batch, sel.shaping_knobs, tokens)
-    transform = rule.transform(sel, batch, mask, tokens, context).after(shaping)
+    transform = rule.transform(sel, batch, mask, tokens, dataclasses.replace(context, scores=scores)).after(shaping)
     out = Selected(mask=mask, scores=scores, loss_tokens=tokens, dropped=dropped, transform=transform)
     if stats:
         entropy = batch.inputs.entropy

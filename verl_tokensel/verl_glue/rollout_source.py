@@ -7,7 +7,9 @@ and sends the mask and scores as per-token fields keyed by row (:data:`~verl_tok
 batching) carry the mask with its row. V1 driver: :meth:`DriverSelector.select_v1` through TransferQueue (the
 field names are added to ``KVBatchMeta.fields``: workers fetch only listed fields). v0 driver:
 :mod:`~verl_tokensel.verl_glue.v0`.
-The ``ref_entropy`` score's field comes from a :class:`~verl_tokensel.analysis.ray_scorer.RayScorerGroup`.
+The ``ref_entropy`` score's field comes from a :class:`~verl_tokensel.analysis.ray_scorer.RayScorerGroup`; the
+response fields (:data:`~verl_tokensel.core.fields.RESPONSE_EXTERNAL`: token ids, outcome reward, EOS) from the
+batch's ``responses`` and ``token_level_rewards`` and the trainer's tokenizer (:meth:`DriverSelector.response_fields`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from verl_tokensel.verl_glue.driver_select import (
 logger = logging.getLogger(__name__)
 
 # external per-token fields this module knows how to fill (see ScoreSpec.needs_external)
-DRIVER_EXTERNAL_FIELDS = ("ref_entropy",)
+DRIVER_EXTERNAL_FIELDS = ("ref_entropy", *fields.RESPONSE_EXTERNAL)
 
 
 def rollout_selection(config: DictConfig) -> Optional[Selection]:
@@ -149,6 +151,37 @@ def _actor_placement_groups(trainer: Any) -> list:
         return []
 
 
+def _width(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A padded ``(batch, n)`` tensor cut or zero-padded to ``width`` columns (the response mask's)."""
+    if t.shape[1] >= width:
+        return t[:, :width]
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def response_fields(sel: Selection, responses: torch.Tensor, rewards: Optional[torch.Tensor],
+                    response_mask: torch.Tensor, eos_token_id: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The response fields (:data:`~verl_tokensel.core.fields.RESPONSE_EXTERNAL`) the selection's score names,
+    from padded ``(batch, response_len)`` token ids and per-token rewards (``token_level_rewards``, summed over each
+    response's valid tokens, as verl's outcome estimators do); ``eos_token_id``: the tokenizer's."""
+    need = sel.needs_external
+    out: dict[str, torch.Tensor] = {}
+    ids = responses.to(torch.int64)
+    valid = response_mask.to(torch.bool)
+    if fields.RESPONSE_IDS in need:
+        out[fields.RESPONSE_IDS] = ids
+    if fields.EOS_TOKEN in need:
+        if eos_token_id is None:
+            raise ValueError(f"token_selection.score={sel.knobs.score} reads the tokenizer's eos_token_id; none given")
+        out[fields.EOS_TOKEN] = (ids == int(eos_token_id)) & valid
+    if fields.SEQUENCE_REWARD in need:
+        if rewards is None:
+            raise RuntimeError(f"token_selection.score={sel.knobs.score} reads the responses' rewards, but the update "
+                               f"batch has no '{fields.TOKEN_LEVEL_REWARDS}' field")
+        total = (rewards.float() * valid).sum(-1, keepdim=True)
+        out[fields.SEQUENCE_REWARD] = total.expand_as(ids).contiguous()
+    return out
+
+
 class DriverSelector:
     """Per-trainer state of the driver-side selection (the rule, clip/KL parameters, the ref scorer)."""
 
@@ -159,6 +192,7 @@ class DriverSelector:
         self.trainer = trainer
         self._ref_scorer: Optional[RefEntropyScorer] = None
         self._warned_sp2 = False
+        self._eos_token_id: Optional[int] = None
 
     @classmethod
     def from_config(cls, config: DictConfig, trainer: Any = None) -> Optional["DriverSelector"]:
@@ -169,6 +203,34 @@ class DriverSelector:
     def old_pass_extra_info(self) -> dict[str, Any]:
         """Extra flags for the old-log-prob pass (V1 driver)."""
         return {"calculate_sum_pi_squared": True} if self.sel.uses_sum_pi_squared else {}
+
+    @property
+    def needs_responses(self) -> bool:
+        """The score reads the batch's token ids or rewards (:data:`~verl_tokensel.core.fields.RESPONSE_EXTERNAL`)."""
+        return any(f in fields.RESPONSE_EXTERNAL for f in self.sel.needs_external)
+
+    def eos_token_id(self) -> int:
+        """The trainer's tokenizer's ``eos_token_id`` (verl's trainers hold it; else the model path's tokenizer)."""
+        if self._eos_token_id is None:
+            tokenizer = getattr(self.trainer, "tokenizer", None)
+            if tokenizer is None:
+                from verl.utils import hf_tokenizer
+
+                tokenizer = hf_tokenizer(self.config.actor_rollout_ref.model.path)
+            eos = tokenizer.eos_token_id
+            if eos is None:
+                raise TokenSelectionConfigError(
+                    f"actor_rollout_ref.model.path={self.config.actor_rollout_ref.model.path!r}: its tokenizer has no "
+                    f"eos_token_id, which token_selection.score={self.sel.knobs.score} reads (the EOS token's "
+                    "exclusion). Fix: set the tokenizer's eos_token, or switch the exclusion off in the rule's knobs.")
+            self._eos_token_id = int(eos)
+        return self._eos_token_id
+
+    def response_fields(self, responses: torch.Tensor, rewards: Optional[torch.Tensor],
+                        response_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:func:`response_fields` of this selection (the EOS id: the trainer's tokenizer's)."""
+        eos = self.eos_token_id() if fields.EOS_TOKEN in self.sel.needs_external else None
+        return response_fields(self.sel, responses, rewards, response_mask, eos)
 
     def external_fields(self, prompts, responses, width: int) -> dict[str, torch.Tensor]:
         if "ref_entropy" not in self.sel.needs_external:
@@ -209,7 +271,9 @@ class DriverSelector:
         if self.sel.needs_row_keys:
             names.append("input_ids")
         if self.sel.needs_external:
-            names += ["prompts", "responses"]
+            names += ["prompts", "responses"]  # the reference model's input, or the response fields
+        if fields.SEQUENCE_REWARD in self.sel.needs_external:
+            names.append(fields.TOKEN_LEVEL_REWARDS)
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
         nested_rm = data[fields.RESPONSE_MASK]
         uids = column_as_list(data[fields.UID])
@@ -221,8 +285,14 @@ class DriverSelector:
         width = padded[fields.RESPONSE_MASK].shape[1]
         keys = row_keys(data["input_ids"]) if "input_ids" in data.keys() else None
         external = {}
-        if self.sel.needs_external:
+        if "ref_entropy" in self.sel.needs_external:
             external = self.external_fields(data["prompts"].unbind(), data["responses"].unbind(), width)
+        if self.needs_responses:
+            rewards = (data[fields.TOKEN_LEVEL_REWARDS].to_padded_tensor(0.0)
+                       if fields.TOKEN_LEVEL_REWARDS in data.keys() else None)
+            external.update(self.response_fields(_width(data["responses"].to_padded_tensor(0), width),
+                                                 None if rewards is None else _width(rewards, width),
+                                                 padded[fields.RESPONSE_MASK]))
         row_valid = torch.tensor([not t.get("is_padding", False) for t in batch.tags], dtype=torch.bool)
         result = self.select_rows(padded, uids, keys, row_valid, external)
 
@@ -249,6 +319,7 @@ __all__ = [
     "DriverSelector",
     "RefEntropyScorer",
     "prepare_rollout_config",
+    "response_fields",
     "rollout_selection",
     "validate_rollout_config",
 ]

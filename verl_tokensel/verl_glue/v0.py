@@ -72,12 +72,15 @@ def select_v0(driver: DriverSelector, batch, metrics: Optional[dict] = None) -> 
     width = padded[fields.RESPONSE_MASK].shape[1]
     keys = row_keys(td["input_ids"], td["attention_mask"]) if driver.sel.needs_row_keys else None
     external = {}
-    if driver.sel.needs_external:
+    if "ref_entropy" in driver.sel.needs_external:
         resp_attn = td["attention_mask"][:, -width:].bool()
         prompt_attn = td["attention_mask"][:, : td["prompts"].shape[1]].bool()
         prompts = [td["prompts"][i][prompt_attn[i]] for i in range(len(batch))]
         responses = [td["responses"][i][resp_attn[i]] for i in range(len(batch))]
         external = driver.external_fields(prompts, responses, width)
+    if driver.needs_responses:
+        rewards = td[fields.TOKEN_LEVEL_REWARDS] if fields.TOKEN_LEVEL_REWARDS in td.keys() else None
+        external.update(driver.response_fields(td[fields.RESPONSES][:, -width:], rewards, padded[fields.RESPONSE_MASK]))
     uids = (column_as_list(batch.non_tensor_batch[fields.UID]) if fields.UID in batch.non_tensor_batch
             else list(range(len(batch))))
     result = driver.select_rows(padded, uids, keys, None, external)

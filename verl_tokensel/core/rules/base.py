@@ -144,12 +144,17 @@ class LossContext:
             outside the loss (the micro-batch alone then is the whole).
         global_rows: the mini-batch's responses over all ranks (``global_batch_size``); None as above.
         loss_agg_mode: the actor's ``loss_agg_mode`` (verl's aggregation of every term).
+        scores: ``(batch, response_len)`` float32, the scores the rule step ranked by (for a selection measured
+            before the update, the driver's or the pre-pass's, as they arrive with the micro-batch; NaN on dropped
+            tokens): a rule that computes a per-token quantity where the whole group is (the driver) carries it
+            in its score and reads it back here. Set by :func:`~verl_tokensel.core.rule.apply_rule`.
     """
 
     update_pass: Optional[int] = None
     denominator: Optional[float] = None
     global_rows: Optional[int] = None
     loss_agg_mode: str = "token-mean"
+    scores: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

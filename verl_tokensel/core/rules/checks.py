@@ -70,6 +70,11 @@ def check_scope_fits_source(sel: Selection, rule: Rule) -> None:
     allowed = rule.source_scopes.get(sel.score_source, ())
     if sel.scope in allowed:
         return
+    if not allowed:  # the rule cannot run at this source at all
+        sources = ", ".join(rule.source_scopes)
+        raise config_error("token_selection.score_source", sel.score_source, f"{sources} (with token_selector's rule "
+                           f"{rule.name})", f"rule {rule.name} measures its scores only there. Fix: set "
+                           f"token_selection.score_source={next(iter(rule.source_scopes))}.")
     fitting = [src for src, scopes in rule.source_scopes.items() if sel.scope in scopes]
     if not fitting:
         every = sorted({s for scopes in rule.source_scopes.values() for s in scopes})
