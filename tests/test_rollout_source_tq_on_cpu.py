@@ -187,3 +187,51 @@ def test_grad_norm_reads_the_old_pass_sum_p2(tq_ray):
         expect = adv.abs() * logit_grad_norm(lp, resp_sp2[i])
         torch.testing.assert_close(got[SCORE_FIELD][i], expect)
         assert not torch.allclose(expect, adv.abs() * logit_grad_norm(lp, None))  # not the lower bound
+
+
+@pytest.mark.timeout(240)
+def test_response_fields_reach_a_group_rule_through_transfer_queue(tq_ray):
+    """``ktae`` on the V1 layout: the driver reads the responses' token ids and their rewards from TransferQueue as
+    verl's V1 driver leaves them (``rm_scores`` only: ``token_level_rewards`` is written back only with a KL in the
+    reward), and the tokenizer's EOS; its scores are those of the rule on the padded batch."""
+    from types import SimpleNamespace
+
+    from verl_tokensel.core.rules.ktae import key_token_bonus
+    from verl_tokensel.verl_glue.rollout_source import DriverSelector
+
+    tq = tq_ray
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(3, 9, (N,), generator=g).tolist()
+    responses = [torch.randint(10, 16, (n,), generator=g) for n in lens]  # few ids: they repeat across answers
+    for i in (0, 1, 4, 6):  # some answers end on EOS (id 2)
+        responses[i][-1] = 2
+    scores = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0]
+    rm = [torch.zeros(n) for n in lens]
+    for r, s in zip(rm, scores):
+        r[-1] = s
+    fields = TensorDict({
+        "responses": _nt(responses), "prompts": _nt(torch.randint(10, 16, (4,), generator=g) for _ in range(N)),
+        "response_mask": _nt(torch.ones(n, dtype=torch.int64) for n in lens),
+        "old_log_probs": _nt(-torch.rand(n, generator=g) for n in lens),
+        "advantages": _nt(torch.full((n,), 0.5) for n in lens), "entropy": _nt(torch.rand(n) for n in lens),
+        "rm_scores": _nt(rm),
+    }, batch_size=N)
+    fields["uid"] = NonTensorStack(*[NonTensorData(f"u{i // GROUP}") for i in range(N)])
+    keys = [f"t9-{i}" for i in range(N)]
+    meta = tq.kv_batch_put(keys=keys, partition_id="t9", fields=fields, tags=[{} for _ in range(N)])
+    sel = resolve_selection("ktae", TokenSelectionConfig())
+    cfg = OmegaConf.create({"actor_rollout_ref": {"actor": {}, "model": {"path": "unused"},
+                                                  "rollout": {"temperature": 1.0}}})
+    driver = DriverSelector(cfg, sel, trainer=SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=2)))
+    metrics = {}
+    out = driver.select_v1(meta, metrics)
+    data = _worker_view(out)
+    width = max(lens)
+    ids = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in responses])
+    valid = torch.stack([torch.arange(width) < n for n in lens])
+    want = key_token_bonus(ids, valid, torch.tensor(scores), torch.tensor([i // GROUP for i in range(N)]),
+                           sel.knobs, eos=(ids == 2) & valid)
+    got = data[SCORE_FIELD].to_padded_tensor(0.0)
+    torch.testing.assert_close(got, want * valid)
+    assert (want.abs() > 0).sum() >= 5 and metrics["tokensel/driver_ktae/bonus_abs_max"] > 0
+    assert torch.equal(got[(ids == 2) & valid], torch.zeros(int(((ids == 2) & valid).sum())))

@@ -97,6 +97,9 @@ REWEIGHT_CASES = {
     "ar_lopti": [],
     "ce_gppo": [],
     "aspo": [],
+    "ktae": [],
+    # the tiny random model's entropy is near log(vocabulary), above GTPO's 0.7: every answer would be filtered
+    "gtpo": [f"{A}.token_selection.gtpo_entropy_threshold=100.0"],
 }
 
 
@@ -115,7 +118,8 @@ def _run_reweight(preset, model_dir, work, engine="fsdp2", use_v1=True):
                                                   ("stapo", "fsdp2", True), ("stapo", "megatron", True),
                                                   ("lopti", "fsdp2", True), ("lopti", "fsdp2", False),
                                                   ("ar_lopti", "megatron", True), ("ce_gppo", "fsdp2", True),
-                                                  ("aspo", "fsdp2", True)])
+                                                  ("aspo", "fsdp2", True), ("ktae", "fsdp2", True),
+                                                  ("gtpo", "fsdp2", False)])
 def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1):
     t = "actor/tokensel/"
     for s in _run_reweight(preset, model_dir, tmp_path, engine, use_v1):
@@ -132,6 +136,13 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
         if preset == "ce_gppo":  # every token treated; the clipped shares reported (the tiny run is near on-policy)
             assert s[t + "selected_fraction"] == 1.0, s
             assert 0.0 <= s[t + "ce_gppo/low_clipped_share"] <= 1.0 and t + "ce_gppo/high_clipped_share" in s, s
+        if preset in ("ktae", "gtpo"):  # the driver's rules: every token trained, the driver's metrics reported
+            assert s[t + "selected_fraction"] == 1.0, s
+            driver = {k.rsplit("driver_", 1)[1]: v for k, v in s.items() if f"driver_{preset}/" in k}
+            if preset == "ktae":
+                assert driver["ktae/bonus_abs_max"] > 0 and s[t + "ktae/bonus_abs_max"] > 0, sorted(s)
+            else:
+                assert 0.0 <= driver["gtpo/conflict_share"] <= 1.0 and t + "gtpo/mean_shift" in s, sorted(s)
         if preset in ("lopti", "ar_lopti"):  # two whole update passes, each reported
             assert 0.0 < s[t + "lopti/low_share"] <= 1.0, s
             for phase in (1, 2):
@@ -141,5 +152,6 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
                          if isinstance(v, float) and ("tokensel/" in k and ("ar/" in k or "entropy_adv/" in k
                                                                             or "stapo/" in k or "lopti" in k
                                                                             or "ce_gppo/" in k or "aspo/" in k
+                                                                            or "ktae/" in k or "gtpo/" in k
                                                                             or "prepass/selected" in k)))
               + f" actor/pg_loss={s['actor/pg_loss']:.4f}")

@@ -124,7 +124,10 @@ REWEIGHT_RUNS = {"ar": ("ar", {}, None), "entropy_adv": ("entropy_adv", {}, None
                  # the test bed's tiny model puts most probabilities near 1 / vocabulary: tau_p 0.05 gives STAPO
                  # candidates in every positive answer
                  "stapo": ("stapo", {"stapo_prob": 0.05}, None),
-                 "ce_gppo": ("ce_gppo", {}, None), "aspo": ("aspo", {}, None)}
+                 "ce_gppo": ("ce_gppo", {}, None), "aspo": ("aspo", {}, None),
+                 # the driver's rules: the tiny model's entropy is near log(vocabulary), above GTPO's 0.7 on every
+                 # answer, so the threshold is raised for the conflict weights to act
+                 "ktae": ("ktae", {}, None), "gtpo": ("gtpo", {"gtpo_entropy_threshold": 100.0}, None)}
 
 
 def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None, knobs: dict | None = None,
@@ -155,6 +158,10 @@ def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None,
     data = batch.copy()
     if phase is not None:
         tu.assign_non_tensor(data, **{UPDATE_PASS: phase})
+    if preset and sel_cfg.selection.score_source == "rollout":  # what the driver adds: from this engine's old pass
+        if "entropy" not in data.keys():
+            data["entropy"] = H.compute_old_log_probs(actor, data, write=False)[1]
+        B.add_driver_selection(sel_cfg, data, eos_token_id=actor.tokenizer.eos_token_id)
     loss_fn = SelectingLoss(sel_cfg, observer=observe) if preset else SelectingLoss(sel_cfg)
     r = H.run_train_step(actor, data, loss_fn=loss_fn, capture_grads=True, capture_params=False)
     grads = {k: v for k, v in r.grads.items() if k in SAME_PARAMS or k in SAME_PARAMS.values()}

@@ -41,7 +41,7 @@ FACTORS: dict[str, list] = {
 DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
 SEED = 20261202
 PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm", "kl_cov_global",
-           "clip_cov_global", "archer", "ar", "entropy_adv", "ar_lopti", "stapo", "ce_gppo", "aspo"]
+           "clip_cov_global", "archer", "ar", "entropy_adv", "ar_lopti", "stapo", "ce_gppo", "aspo", "ktae", "gtpo"]
 #: the Lopti pass each row's ``ar_lopti`` update runs as (the driver's second call differs only in the pass number)
 LOPTI_PHASE = 1
 #: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
@@ -291,7 +291,7 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
 
             tu.assign_non_tensor(batch, **{UPDATE_PASS: LOPTI_PHASE})
         if cfg.selection.score_source == "rollout":
-            driver = B.add_driver_selection(cfg, batch)
+            driver = B.add_driver_selection(cfg, batch, eos_token_id=view.tokenizer.eos_token_id)
             out["driver"] = {k: float(v) for k, v in driver.metrics.items()}
             out["driver_valid"] = int(batch[fields.RESPONSE_MASK].values().sum())
         stage = "dispatch"

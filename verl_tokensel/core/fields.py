@@ -23,6 +23,8 @@ UID = "uid"
 #: verl's response token ids and per-token rewards (the reward manager's scores, less any KL-in-reward penalty)
 RESPONSES = "responses"
 TOKEN_LEVEL_REWARDS = "token_level_rewards"
+#: the V1 driver's reward scores in TransferQueue (its token_level_rewards unless use_kl_in_reward writes those)
+RM_SCORES = "rm_scores"
 
 #: per-token fields the driver fills for a score that names them in ``needs_external`` (a rule computed where the
 #: whole prompt group is): the response's token ids (int64), its outcome reward (``token_level_rewards`` summed over

@@ -88,6 +88,17 @@ PRESETS: dict[str, Optional[Selection]] = {
     # quantile get clip 0.4 / 0.4, the others the actor's (0.2); A > 0 tokens the flipped ratio and its soft dual clip
     "aspo": preset("aspo", score="entropy", ratio=0.2, scope="sequence", normaliser="all", budget="quantile",
                    aspo_clip_ratio_low=0.4, aspo_clip_ratio_high=0.4),
+    # KTAE (arXiv 2505.16826, released code xiaolizh1/KTAE): per prompt group, each token id's bounded key-token
+    # score (Fisher exact test, information gain, Cohen's h and BM25 term frequencies of correct vs wrong responses)
+    # added to every token's advantage; computed on the driver, where the whole group is; the release's constants
+    "ktae": preset("ktae", score="ktae", ratio=1.0, scope="group", normaliser="all", score_source="rollout",
+                   ktae_alpha=1.0, ktae_beta=1.0, ktae_tf=True, ktae_top=1.0),
+    # GTPO (arXiv 2508.03772, released code winstonsmith1897/GTPO): within each prompt group, the conflict tokens (same
+    # id at the same position, from the start or from the end, in a positive and a negative response) skip the
+    # negative update and get the positive one doubled; responses above 0.7 mean entropy get no update, the others
+    # A - 0.1 H; each response divided by its conflict count; computed on the driver
+    "gtpo": preset("gtpo", score="gtpo", ratio=1.0, scope="group", normaliser="all", score_source="rollout",
+                   gtpo_conflict_weight=2.0, gtpo_entropy_threshold=0.7, gtpo_entropy_scale=0.1),
 }
 
 

@@ -272,8 +272,8 @@ class DriverSelector:
             names.append("input_ids")
         if self.sel.needs_external:
             names += ["prompts", "responses"]  # the reference model's input, or the response fields
-        if fields.SEQUENCE_REWARD in self.sel.needs_external:
-            names.append(fields.TOKEN_LEVEL_REWARDS)
+        if fields.SEQUENCE_REWARD in self.sel.needs_external:  # as verl's V1 driver: rm_scores, less any KL in reward
+            names += [fields.TOKEN_LEVEL_REWARDS, fields.RM_SCORES]
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=names)
         nested_rm = data[fields.RESPONSE_MASK]
         uids = column_as_list(data[fields.UID])
@@ -288,8 +288,8 @@ class DriverSelector:
         if "ref_entropy" in self.sel.needs_external:
             external = self.external_fields(data["prompts"].unbind(), data["responses"].unbind(), width)
         if self.needs_responses:
-            rewards = (data[fields.TOKEN_LEVEL_REWARDS].to_padded_tensor(0.0)
-                       if fields.TOKEN_LEVEL_REWARDS in data.keys() else None)
+            reward_key = next((k for k in (fields.TOKEN_LEVEL_REWARDS, fields.RM_SCORES) if k in data.keys()), None)
+            rewards = None if reward_key is None else data[reward_key].to_padded_tensor(0.0)
             external.update(self.response_fields(_width(data["responses"].to_padded_tensor(0), width),
                                                  None if rewards is None else _width(rewards, width),
                                                  padded[fields.RESPONSE_MASK]))
