@@ -88,6 +88,11 @@ PRESETS: dict[str, Optional[Selection]] = {
     # quantile get clip 0.4 / 0.4, the others the actor's (0.2); A > 0 tokens the flipped ratio and its soft dual clip
     "aspo": preset("aspo", score="entropy", ratio=0.2, scope="sequence", normaliser="all", budget="quantile",
                    aspo_clip_ratio_low=0.4, aspo_clip_ratio_high=0.4),
+    # FIPO (arXiv 2603.19835, released in ms-swift as loss_type=fipo): every token's advantage times
+    # clip(exp(FutureKL), 1, 1.2), FutureKL the response's 2^(-1/32)-discounted sum of log pi - log pi_old from the
+    # token on (current log-probs); A < 0 tokens with r > 4 keep a weight in [0.8, 1]
+    "fipo": preset("fipo", **_KEEP_ALL, fipo_decay_rate=32.0, fipo_clip_range=0.2, fipo_clip_high_only=True,
+                   fipo_safety_threshold=4.0),
 }
 
 
