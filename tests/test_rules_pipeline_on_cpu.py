@@ -97,6 +97,7 @@ REWEIGHT_CASES = {
     "ar_lopti": [],
     "ce_gppo": [],
     "aspo": [],
+    "fipo": [],
 }
 
 
@@ -115,7 +116,7 @@ def _run_reweight(preset, model_dir, work, engine="fsdp2", use_v1=True):
                                                   ("stapo", "fsdp2", True), ("stapo", "megatron", True),
                                                   ("lopti", "fsdp2", True), ("lopti", "fsdp2", False),
                                                   ("ar_lopti", "megatron", True), ("ce_gppo", "fsdp2", True),
-                                                  ("aspo", "fsdp2", True)])
+                                                  ("aspo", "fsdp2", True), ("fipo", "fsdp2", True)])
 def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1):
     t = "actor/tokensel/"
     for s in _run_reweight(preset, model_dir, tmp_path, engine, use_v1):
@@ -132,6 +133,11 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
         if preset == "ce_gppo":  # every token treated; the clipped shares reported (the tiny run is near on-policy)
             assert s[t + "selected_fraction"] == 1.0, s
             assert 0.0 <= s[t + "ce_gppo/low_clipped_share"] <= 1.0 and t + "ce_gppo/high_clipped_share" in s, s
+        if preset == "fipo":  # every token weighted, in the one-sided clip [1, 1.2] (or the safety cap's [0.8, 1])
+            assert s[t + "selected_fraction"] == 1.0, s
+            assert 0.8 <= s[t + "fipo/influence_weight_mean"] <= 1.2, s
+            assert 0.0 <= s[t + "fipo/safety_keep_ratio"] <= 1.0, s
+            assert s[t + "fipo/low_clipped_share"] == 0.0 and t + "fipo/high_clipped_share" in s, s
         if preset in ("lopti", "ar_lopti"):  # two whole update passes, each reported
             assert 0.0 < s[t + "lopti/low_share"] <= 1.0, s
             for phase in (1, 2):
@@ -141,5 +147,6 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
                          if isinstance(v, float) and ("tokensel/" in k and ("ar/" in k or "entropy_adv/" in k
                                                                             or "stapo/" in k or "lopti" in k
                                                                             or "ce_gppo/" in k or "aspo/" in k
+                                                                            or "fipo/" in k
                                                                             or "prepass/selected" in k)))
               + f" actor/pg_loss={s['actor/pg_loss']:.4f}")

@@ -124,7 +124,7 @@ REWEIGHT_RUNS = {"ar": ("ar", {}, None), "entropy_adv": ("entropy_adv", {}, None
                  # the test bed's tiny model puts most probabilities near 1 / vocabulary: tau_p 0.05 gives STAPO
                  # candidates in every positive answer
                  "stapo": ("stapo", {"stapo_prob": 0.05}, None),
-                 "ce_gppo": ("ce_gppo", {}, None), "aspo": ("aspo", {}, None)}
+                 "ce_gppo": ("ce_gppo", {}, None), "aspo": ("aspo", {}, None), "fipo": ("fipo", {}, None)}
 
 
 def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None, knobs: dict | None = None,
