@@ -128,6 +128,9 @@ def test_fipo_is_the_released_loss(case):
         if clip_range:
             assert float(metrics["tokensel/fipo/high_clipped_share"]) == pytest.approx(
                 float((torch.exp(future_kl)[mask] > 1 + clip_range).sum() / n), rel=1e-6)
+            low = 1.0 if high_only else 1 - clip_range  # the one-sided clip lifts exp(FutureKL) < 1 to 1
+            assert float(metrics["tokensel/fipo/low_clipped_share"]) == pytest.approx(
+                float((torch.exp(future_kl)[mask] < low).sum() / n), rel=1e-6)
     assert filtered_total >= 3, "some tokens must leave the Future-KL sum (r > clip_ratio_c)"
     if 0 < safety < 4.0:
         assert capped_total >= 1, "the safety cap must change some weights"

@@ -137,7 +137,7 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
             assert s[t + "selected_fraction"] == 1.0, s
             assert 0.8 <= s[t + "fipo/influence_weight_mean"] <= 1.2, s
             assert 0.0 <= s[t + "fipo/safety_keep_ratio"] <= 1.0, s
-            assert s[t + "fipo/low_clipped_share"] == 0.0 and t + "fipo/high_clipped_share" in s, s
+            assert 0.0 <= s[t + "fipo/low_clipped_share"] <= 1.0 and t + "fipo/high_clipped_share" in s, s
         if preset in ("lopti", "ar_lopti"):  # two whole update passes, each reported
             assert 0.0 < s[t + "lopti/low_share"] <= 1.0, s
             for phase in (1, 2):
