@@ -100,6 +100,7 @@ REWEIGHT_CASES = {
     "ktae": [],
     # the tiny random model's entropy is near log(vocabulary), above GTPO's 0.7: every answer would be filtered
     "gtpo": [f"{A}.token_selection.gtpo_entropy_threshold=100.0"],
+    "fipo": [],
 }
 
 
@@ -119,7 +120,7 @@ def _run_reweight(preset, model_dir, work, engine="fsdp2", use_v1=True):
                                                   ("lopti", "fsdp2", True), ("lopti", "fsdp2", False),
                                                   ("ar_lopti", "megatron", True), ("ce_gppo", "fsdp2", True),
                                                   ("aspo", "fsdp2", True), ("ktae", "fsdp2", True),
-                                                  ("gtpo", "fsdp2", False)])
+                                                  ("gtpo", "fsdp2", False), ("fipo", "fsdp2", True)])
 def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1):
     t = "actor/tokensel/"
     for s in _run_reweight(preset, model_dir, tmp_path, engine, use_v1):
@@ -143,6 +144,11 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
                 assert driver["ktae/bonus_abs_max"] > 0 and s[t + "ktae/bonus_abs_max"] > 0, sorted(s)
             else:
                 assert 0.0 <= driver["gtpo/conflict_share"] <= 1.0 and t + "gtpo/mean_shift" in s, sorted(s)
+        if preset == "fipo":  # every token weighted, in the one-sided clip [1, 1.2] (or the safety cap's [0.8, 1])
+            assert s[t + "selected_fraction"] == 1.0, s
+            assert 0.8 <= s[t + "fipo/influence_weight_mean"] <= 1.2, s
+            assert 0.0 <= s[t + "fipo/safety_keep_ratio"] <= 1.0, s
+            assert 0.0 <= s[t + "fipo/low_clipped_share"] <= 1.0 and t + "fipo/high_clipped_share" in s, s
         if preset in ("lopti", "ar_lopti"):  # two whole update passes, each reported
             assert 0.0 < s[t + "lopti/low_share"] <= 1.0, s
             for phase in (1, 2):
@@ -153,5 +159,6 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
                                                                             or "stapo/" in k or "lopti" in k
                                                                             or "ce_gppo/" in k or "aspo/" in k
                                                                             or "ktae/" in k or "gtpo/" in k
+                                                                            or "fipo/" in k
                                                                             or "prepass/selected" in k)))
               + f" actor/pg_loss={s['actor/pg_loss']:.4f}")

@@ -127,7 +127,8 @@ REWEIGHT_RUNS = {"ar": ("ar", {}, None), "entropy_adv": ("entropy_adv", {}, None
                  "ce_gppo": ("ce_gppo", {}, None), "aspo": ("aspo", {}, None),
                  # the driver's rules: the tiny model's entropy is near log(vocabulary), above GTPO's 0.7 on every
                  # answer, so the threshold is raised for the conflict weights to act
-                 "ktae": ("ktae", {}, None), "gtpo": ("gtpo", {"gtpo_entropy_threshold": 100.0}, None)}
+                 "ktae": ("ktae", {}, None), "gtpo": ("gtpo", {"gtpo_entropy_threshold": 100.0}, None),
+                 "fipo": ("fipo", {}, None)}
 
 
 def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None, knobs: dict | None = None,

@@ -99,6 +99,11 @@ PRESETS: dict[str, Optional[Selection]] = {
     # A - 0.1 H; each response divided by its conflict count; computed on the driver
     "gtpo": preset("gtpo", score="gtpo", ratio=1.0, scope="group", normaliser="all", score_source="rollout",
                    gtpo_conflict_weight=2.0, gtpo_entropy_threshold=0.7, gtpo_entropy_scale=0.1),
+    # FIPO (arXiv 2603.19835, released in ms-swift as loss_type=fipo): every token's advantage times
+    # clip(exp(FutureKL), 1, 1.2), FutureKL the response's 2^(-1/32)-discounted sum of log pi - log pi_old from the
+    # token on (current log-probs); A < 0 tokens with r > 4 keep a weight in [0.8, 1]
+    "fipo": preset("fipo", **_KEEP_ALL, fipo_decay_rate=32.0, fipo_clip_range=0.2, fipo_clip_high_only=True,
+                   fipo_safety_threshold=4.0),
 }
 
 
