@@ -46,7 +46,8 @@ from pathlib import Path
 
 PRESETS = ("none", "forking", "forking_bottom", "random", "gmts")
 #: the multi task's default: the controls and every rule of the toolbox (those the preset registry has)
-MULTI_PRESETS = PRESETS + ("kl_cov_global", "clip_cov_global", "archer", "ar", "entropy_adv", "stapo")
+MULTI_PRESETS = PRESETS + ("kl_cov_global", "clip_cov_global", "archer", "ar", "entropy_adv", "stapo", "ce_gppo",
+                           "aspo", "fipo", "ktae", "gtpo", "m2po_global")
 
 #: what "selected" means per rule on the multi task's table (the tokens the rule's mask marks)
 SELECTED_MEANING = {
@@ -65,6 +66,14 @@ SELECTED_MEANING = {
     "entropy_adv": "every token (advantage shaping, no mask)",
     "stapo": "every token but STAPO's spurious ones (A > 0, pi < 0.002, entropy under the candidates' 0.75 quantile), "
              "which leave the loss",
+    "ce_gppo": "every token (the clipped ones keep a bounded gradient)",
+    "aspo": "the tokens above their response's 0.8 entropy quantile, which get clip 0.4 / 0.4 (every token keeps its "
+            "gradient; A > 0 the flipped ratio)",
+    "fipo": "every token (its advantage weighted by clip(exp(FutureKL)))",
+    "ktae": "every token (its advantage plus its token id's key-token score)",
+    "gtpo": "every token (conflict tokens: no negative update, a doubled positive one; the entropy filter)",
+    "m2po_global": "every token but those M2PO masks (the largest (log pi_old - log pi_rollout)^2 until the rest's "
+                   "mean is under the threshold)",
 }
 
 

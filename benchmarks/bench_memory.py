@@ -59,7 +59,12 @@ Variants (as a recipe would run them):
 - ``forking``, ``grad_norm`` (``score_source=current``; forking turns on ``calculate_entropy``),
   ``gmts`` (``score_source=prepass``: the step includes its no-grad pre-pass), ``forking_paper``
   (``score_source=rollout``: the mask comes from the driver, whose selection time is added);
-- ``forking(graph)`` (reference, opt-in): ``forking`` with ``token_selection.no_grad_scores=false``.
+- ``forking(graph)`` (reference, opt-in): ``forking`` with ``token_selection.no_grad_scores=false``;
+- the toolbox presets ``ce_gppo``, ``aspo``, ``fipo`` (``score_source=current``), ``ktae``, ``gtpo`` (the driver's,
+  its time added) (opt-in, ``--variants``), with the selectors' targets and matched baselines::
+
+    python benchmarks/bench_memory.py --hidden 128 --shapes 2304x1 \
+        --variants "none,none(no-graph entropy),none(same kernel),ce_gppo,aspo,fipo,ktae,gtpo"
 
 Targets: every selector <= 1.05x in peak memory (update and process); step time <= 1.10x at hidden 128 and
 <= 1.03x at hidden 1024, ``gmts`` <= 1.25x. After the tables, one ``summary:`` line per target and baseline:
@@ -81,11 +86,13 @@ import time
 from pathlib import Path
 
 VOCAB = 151_936
-SELECTORS = ["forking", "gmts", "grad_norm", "forking_paper"]
+#: the toolbox's presets of one rule each (opt-in: --variants), measured like the selectors
+TOOLBOX = ["ce_gppo", "aspo", "fipo", "ktae", "gtpo"]
+SELECTORS = ["forking", "gmts", "grad_norm", "forking_paper", *TOOLBOX]
 BASELINES = ["none", "none(no-graph entropy)", "none(same kernel)"]
 REFERENCES = ["none+entropy", "forking(graph)"]
 VARIANTS = ["none", "none(no-graph entropy)", "none(same kernel)", "none+entropy", "forking", "forking(graph)", "gmts",
-            "grad_norm", "forking_paper"]
+            "grad_norm", "forking_paper", *TOOLBOX]
 DEFAULT_VARIANTS = ["none", "none(no-graph entropy)", "none(same kernel)", "forking", "gmts", "grad_norm",
                     "forking_paper"]
 _MODES = {"none(no-graph entropy)": "entropy", "none(same kernel)": "full"}  # see _install_kernel_probes
@@ -311,7 +318,7 @@ class _Variant:
             _KERNEL["seconds"], _KERNEL["calls"] = 0.0, []
             cpu0 = time.process_time()  # every thread of this process: what the step costs, whatever else runs
             if self.config is not None and self.config.selection.score_source == "rollout":
-                extra = _driver_select(self.config, batch)
+                extra = _driver_select(self.config, batch, self.actor.tokenizer.eos_token_id)
             r = H.run_train_step(self.actor, batch, loss_fn=self.loss_fn, capture_params=False)
             cpu = time.process_time() - cpu0
         finally:
@@ -365,12 +372,12 @@ def child_time(variants: list[str], model_dir: str, tokens: int, mini_batches: i
             for k, rs in runs.items()}
 
 
-def _driver_select(config, batch) -> float:
+def _driver_select(config, batch, eos_token_id=None) -> float:
     """What the driver does for ``score_source=rollout``; adds the mask fields to ``batch``; returns seconds."""
     from verl_tokensel_cpu.batches import add_driver_selection
 
     t0 = time.perf_counter()
-    add_driver_selection(config, batch)
+    add_driver_selection(config, batch, eos_token_id=eos_token_id)
     return time.perf_counter() - t0
 
 
