@@ -115,6 +115,7 @@ def archer_batch(actor):
     olp = olp.unbind(0)
     batch["old_log_probs"] = _renest(x + OLD_SHIFT * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
     batch["ref_log_prob"] = _renest(x + 0.4 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
+    batch["rollout_log_probs"] = _renest(x + 1.0 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
     return batch
 
 
@@ -124,7 +125,8 @@ REWEIGHT_RUNS = {"ar": ("ar", {}, None), "entropy_adv": ("entropy_adv", {}, None
                  # the test bed's tiny model puts most probabilities near 1 / vocabulary: tau_p 0.05 gives STAPO
                  # candidates in every positive answer
                  "stapo": ("stapo", {"stapo_prob": 0.05}, None),
-                 "ce_gppo": ("ce_gppo", {}, None), "aspo": ("aspo", {}, None)}
+                 "ce_gppo": ("ce_gppo", {}, None), "aspo": ("aspo", {}, None),
+                 "m2po_global": ("m2po_global", {}, None)}
 
 
 def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None, knobs: dict | None = None,

@@ -88,6 +88,11 @@ PRESETS: dict[str, Optional[Selection]] = {
     # quantile get clip 0.4 / 0.4, the others the actor's (0.2); A > 0 tokens the flipped ratio and its soft dual clip
     "aspo": preset("aspo", score="entropy", ratio=0.2, scope="sequence", normaliser="all", budget="quantile",
                    aspo_clip_ratio_low=0.4, aspo_clip_ratio_high=0.4),
+    # M2PO (arXiv 2510.01161, released as AReaL's m2_threshold): the tokens of largest (log pi_rollout -
+    # log pi_old)^2 leave the loss until the mean of the rest is under 0.04, the pool the whole mini-batch over all
+    # data-parallel ranks (AReaL: each rank's micro-batch); the loss is the token-mean over the kept tokens
+    "m2po_global": preset("m2po", score="m2po", ratio=1.0, scope="mini_batch", normaliser="kept",
+                          score_source="prepass", m2po_threshold=0.04),
 }
 
 
