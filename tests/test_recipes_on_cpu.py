@@ -189,7 +189,7 @@ def _expected_refusal(cfg, preset):
     a, sel, knobs = cfg.actor_rollout_ref.actor, PRESETS[preset], _knobs(cfg)
     if sel is None:  # knobs with no selector would be ignored
         return f"token_selection.{sorted(knobs)[0]}" if knobs else None
-    if sel.knobs.score in ("all", "stapo") and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule has no budget to set
+    if sel.knobs.score in ("all", "stapo", "m2po") and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule: no budget
         return "token_selection.ratio"
     reads = {"kl_penalty_coef": sel.rule == "kl_cov", "cov_lb": sel.rule == "clip_cov",
              "cov_ub": sel.rule == "clip_cov"}  # knobs one rule reads: ignored by the others, so refused
