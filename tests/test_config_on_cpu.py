@@ -73,7 +73,8 @@ def test_the_megatron_config_is_ppo_trainer_with_the_megatron_engine():
 
 
 @pytest.mark.parametrize("preset", ["kl_cov_global", "clip_cov_global", "archer", "ar", "lopti", "ar_lopti",
-                                    "entropy_adv", "stapo", "ce_gppo", "aspo", "ktae", "gtpo", "fipo"])
+                                    "entropy_adv", "stapo", "ce_gppo", "aspo", "ktae", "gtpo", "fipo",
+                                    "m2po_global"])
 def test_toolbox_presets_compose_for_megatron(preset):
     extra = ["actor_rollout_ref.actor.use_kl_loss=true"] if preset == "archer" else []
     cfg = _compose("tokensel_megatron_trainer", [f"actor_rollout_ref.actor.token_selector={preset}", *extra])

@@ -163,7 +163,8 @@ def test_reweighting_rules_agree_with_fsdp(one, name):
     group = {"ar": "ar/mean_weight", "entropy_adv": "entropy_adv/mean_shift", "lopti_1": "lopti/low_share",
              "lopti_2": "lopti/active_share", "stapo": "stapo/spurious_tokens",
              "ce_gppo": "ce_gppo/high_clipped_share", "aspo": "aspo/selected_share", "ktae": "ktae/bonus_abs_max",
-             "gtpo": "gtpo/mean_shift", "fipo": "fipo/influence_weight_mean"}.get(name)
+             "gtpo": "gtpo/mean_shift", "fipo": "fipo/influence_weight_mean",
+             "m2po_global": "m2po/masked_tokens"}.get(name)
     if group is not None:
         assert f"tokensel/{group}" in m["metrics"], sorted(k for k in m["metrics"] if k.startswith("tokensel/"))
 

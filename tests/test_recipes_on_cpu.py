@@ -36,6 +36,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from verl_tokensel.core.config import ENGINE_SWITCHES, PRESETS, override
+from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, TokenselMcoreActorConfig
 from verl_tokensel.verl_glue.install import validate_driver_config
 
@@ -189,7 +190,8 @@ def _expected_refusal(cfg, preset):
     a, sel, knobs = cfg.actor_rollout_ref.actor, PRESETS[preset], _knobs(cfg)
     if sel is None:  # knobs with no selector would be ignored
         return f"token_selection.{sorted(knobs)[0]}" if knobs else None
-    if sel.knobs.score in ("all", "stapo") and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule has no budget to set
+    unranked = not SCORE_REGISTRY[sel.knobs.score].ranks or sel.knobs.score in ("stapo", "m2po")
+    if unranked and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule: no budget
         return "token_selection.ratio"
     reads = {"kl_penalty_coef": sel.rule == "kl_cov", "cov_lb": sel.rule == "clip_cov",
              "cov_ub": sel.rule == "clip_cov"}  # knobs one rule reads: ignored by the others, so refused

@@ -101,6 +101,9 @@ REWEIGHT_CASES = {
     # the tiny random model's entropy is near log(vocabulary), above GTPO's 0.7: every answer would be filtered
     "gtpo": [f"{A}.token_selection.gtpo_entropy_threshold=100.0"],
     "fipo": [],
+    # the tiny run's rollout and trainer share the weights: their log-probs differ by rounding only, so a tiny
+    # threshold makes M2PO mask; verl's rollout.yaml computes the rollout log-probs (said explicitly here)
+    "m2po_global": [f"{A}.token_selection.m2po_threshold=1e-12", "actor_rollout_ref.rollout.calculate_log_probs=true"],
 }
 
 
@@ -120,7 +123,8 @@ def _run_reweight(preset, model_dir, work, engine="fsdp2", use_v1=True):
                                                   ("lopti", "fsdp2", True), ("lopti", "fsdp2", False),
                                                   ("ar_lopti", "megatron", True), ("ce_gppo", "fsdp2", True),
                                                   ("aspo", "fsdp2", True), ("ktae", "fsdp2", True),
-                                                  ("gtpo", "fsdp2", False), ("fipo", "fsdp2", True)])
+                                                  ("gtpo", "fsdp2", False), ("fipo", "fsdp2", True),
+                                                  ("m2po_global", "fsdp2", True)])
 def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1):
     t = "actor/tokensel/"
     for s in _run_reweight(preset, model_dir, tmp_path, engine, use_v1):
@@ -149,6 +153,10 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
             assert 0.8 <= s[t + "fipo/influence_weight_mean"] <= 1.2, s
             assert 0.0 <= s[t + "fipo/safety_keep_ratio"] <= 1.0, s
             assert 0.0 <= s[t + "fipo/low_clipped_share"] <= 1.0 and t + "fipo/high_clipped_share" in s, s
+        if preset == "m2po_global":  # the pre-pass runs no forward; the masked tokens are the largest second moments
+            p = t + "prepass/"
+            assert s[p + "reused_old_pass"] == 1.0 and 0 < s[p + "selected_tokens"] <= s[p + "valid_tokens"], s
+            assert s[t + "m2po/masked_tokens"] >= 0 and s[t + "m2po/kept_m2_mean"] <= s[t + "m2po/m2_mean"], s
         if preset in ("lopti", "ar_lopti"):  # two whole update passes, each reported
             assert 0.0 < s[t + "lopti/low_share"] <= 1.0, s
             for phase in (1, 2):
@@ -159,6 +167,6 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
                                                                             or "stapo/" in k or "lopti" in k
                                                                             or "ce_gppo/" in k or "aspo/" in k
                                                                             or "ktae/" in k or "gtpo/" in k
-                                                                            or "fipo/" in k
+                                                                            or "fipo/" in k or "m2po/" in k
                                                                             or "prepass/selected" in k)))
               + f" actor/pg_loss={s['actor/pg_loss']:.4f}")

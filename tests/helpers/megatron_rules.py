@@ -115,6 +115,7 @@ def archer_batch(actor):
     olp = olp.unbind(0)
     batch["old_log_probs"] = _renest(x + OLD_SHIFT * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
     batch["ref_log_prob"] = _renest(x + 0.4 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
+    batch["rollout_log_probs"] = _renest(x + 1.0 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
     return batch
 
 
@@ -128,7 +129,8 @@ REWEIGHT_RUNS = {"ar": ("ar", {}, None), "entropy_adv": ("entropy_adv", {}, None
                  # the driver's rules: the tiny model's entropy is near log(vocabulary), above GTPO's 0.7 on every
                  # answer, so the threshold is raised for the conflict weights to act
                  "ktae": ("ktae", {}, None), "gtpo": ("gtpo", {"gtpo_entropy_threshold": 100.0}, None),
-                 "fipo": ("fipo", {}, None)}
+                 "fipo": ("fipo", {}, None),
+                 "m2po_global": ("m2po_global", {}, None)}
 
 
 def rule_run(actor, batch, preset: str = "archer", actor_kw: dict | None = None, knobs: dict | None = None,

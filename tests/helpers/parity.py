@@ -42,7 +42,7 @@ DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
 SEED = 20261202
 PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm", "kl_cov_global",
            "clip_cov_global", "archer", "ar", "entropy_adv", "ar_lopti", "stapo", "ce_gppo", "aspo", "ktae", "gtpo",
-           "fipo"]
+           "fipo", "m2po_global"]
 #: the Lopti pass each row's ``ar_lopti`` update runs as (the driver's second call differs only in the pass number)
 LOPTI_PHASE = 1
 #: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
@@ -217,6 +217,8 @@ def _full_batch(view, row: dict, seed: int):
     batch["old_log_probs"] = _renest(x + 0.6 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
     if row["kl_loss"]:
         batch["ref_log_prob"] = _renest(x + 0.4 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
+    roll = torch.Generator().manual_seed(seed + 1)  # the rollout engine's log-probs (M2PO's behaviour policy)
+    batch["rollout_log_probs"] = _renest(x + 1.0 * (torch.rand(x.shape, generator=roll) - 0.5) for x in olp)
     return batch
 
 
@@ -411,7 +413,7 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
             problems.append(f"the loss applied {applied} tokens, the pre-pass selected {sum(want)}")
     elif scope == "group":
         problems.append("gmts ran without tokensel/prepass/* metrics")
-    elif scope == "mini_batch" and first["score"] == "stapo":
+    elif scope == "mini_batch" and first["score"] in ("stapo", "m2po"):
         problems += _stapo_problems(per_rank)
     elif scope == "mini_batch":
         problems += _cov_problems(per_rank)

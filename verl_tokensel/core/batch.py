@@ -118,8 +118,9 @@ def score_batch(
         tensors: padded per-token tensors keyed by :mod:`~verl_tokensel.core.fields` names: ``response_mask``
             (required), ``log_probs`` (the policy scored; default ``old_log_probs``: on-policy) and/or
             ``old_log_probs``, and optionally ``advantages`` (default 0), ``entropy``, ``sum_pi_squared``,
-            ``ref_log_prob``, ``rollout_is_weights`` (multiplied into the advantages: the weight multiplies the
-            token loss, hence omega), ``logit_grad_norm``. A None value counts as absent.
+            ``ref_log_prob``, ``rollout_log_probs`` (the rollout engine's), ``rollout_is_weights`` (multiplied into
+            the advantages: the weight multiplies the token loss, hence omega), ``logit_grad_norm``. A None value
+            counts as absent.
         row_valid: ``(batch,)`` bool, False on synthetic padding rows.
         input_ids / attention_mask: the rows' full token ids, for :func:`row_keys`; ``keys`` gives them directly.
         uids: verl's ``uid`` of each row, for :func:`group_ids` (``scope=group`` only); ``groups`` gives the ids.
@@ -148,6 +149,7 @@ def score_batch(
         response_mask=valid,
         entropy=entropy.detach() if entropy is not None else None,
         old_log_prob=t.get(fields.OLD_LOG_PROBS, log_prob),
+        rollout_log_prob=t.get(fields.ROLLOUT_LOG_PROBS),
         advantages=adv,
         sum_pi_squared=t.get(fields.SUM_PI_SQUARED),
         logit_grad_norm=t.get(fields.LOGIT_GRAD_NORM),

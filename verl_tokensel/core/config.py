@@ -61,7 +61,8 @@ def _engine_switches() -> list[tuple[str, type, Any]]:
             True, "score_source=prepass: where the pre-pass would measure the weights verl's old-log-prob pass "
             "measured (the first mini-batch of the first PPO epoch of a step; every mini-batch with one mini-batch "
             "per step), use that pass's log-probs and entropy instead of a second forward; false always runs the "
-            "forward.", "n/a (the GMTS code always runs its forward)")),
+            "forward, except for a score that reads no policy value (only fields fixed before the update), which "
+            "never needs it.", "n/a (the GMTS code always runs its forward)")),
     ]
 
 

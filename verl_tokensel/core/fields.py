@@ -15,6 +15,9 @@ ADVANTAGES = "advantages"
 ENTROPY = "entropy"
 SUM_PI_SQUARED = "sum_pi_squared"
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"
+#: the rollout engine's log-probs of the sampled tokens (the behaviour policy; present with
+#: ``rollout.calculate_log_probs=True``; in bypass mode verl's ``old_log_probs`` are these)
+ROLLOUT_LOG_PROBS = "rollout_log_probs"
 REF_LOG_PROB = "ref_log_prob"
 #: an exact ``||e_a - p||`` (the analysis scorer measures it), not a verl field
 LOGIT_GRAD_NORM = "logit_grad_norm"

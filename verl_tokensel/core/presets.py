@@ -104,6 +104,11 @@ PRESETS: dict[str, Optional[Selection]] = {
     # token on (current log-probs); A < 0 tokens with r > 4 keep a weight in [0.8, 1]
     "fipo": preset("fipo", **_KEEP_ALL, fipo_decay_rate=32.0, fipo_clip_range=0.2, fipo_clip_high_only=True,
                    fipo_safety_threshold=4.0),
+    # M2PO (arXiv 2510.01161, released as AReaL's m2_threshold): the tokens of largest (log pi_rollout -
+    # log pi_old)^2 leave the loss until the mean of the rest is under 0.04, the pool the whole mini-batch over all
+    # data-parallel ranks (AReaL: each rank's micro-batch); the loss is the token-mean over the kept tokens
+    "m2po_global": preset("m2po", score="m2po", ratio=1.0, scope="mini_batch", normaliser="kept",
+                          score_source="prepass", m2po_threshold=0.04),
 }
 
 

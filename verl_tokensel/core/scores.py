@@ -35,6 +35,8 @@ class ScoreInputs:
         response_mask: bool, True on valid response tokens.
         entropy: current (or old) policy entropy, or None when the engine did not compute it.
         old_log_prob: behaviour/old-policy log p(a_t).
+        rollout_log_prob: the rollout engine's log p(a_t) (the behaviour policy when verl recomputes
+            ``old_log_prob``), or None when the batch has none; read by a score with ``needs_rollout_log_probs``.
         advantages: per-token advantages.
         sum_pi_squared: sum_j p_j^2 of the same distribution, or None.
         logit_grad_norm: ``||e_a - p||`` when the caller measured it exactly (the analysis scorer does, from
@@ -52,6 +54,7 @@ class ScoreInputs:
     response_mask: torch.Tensor
     entropy: Optional[torch.Tensor] = None
     old_log_prob: Optional[torch.Tensor] = None
+    rollout_log_prob: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     sum_pi_squared: Optional[torch.Tensor] = None
     logit_grad_norm: Optional[torch.Tensor] = None
@@ -224,6 +227,8 @@ class ScoreSpec:
     uses_sum_pi_squared: bool = False
     ranks: bool = True
     rule: Optional[str] = None
+    needs_rollout_log_probs: bool = False
+    reads_policy: bool = True
 
 
 SCORE_REGISTRY: dict[str, ScoreSpec] = {}
@@ -240,6 +245,8 @@ def register_score(
     uses_sum_pi_squared: bool = False,
     ranks: bool = True,
     rule: Optional[str] = None,
+    needs_rollout_log_probs: bool = False,
+    reads_policy: bool = True,
 ):
     """Decorator registering a score; refuses to overwrite an existing name.
 
@@ -251,13 +258,20 @@ def register_score(
     ``ranks=False``: the score ranks nothing; a rule ranking by it keeps every token of the pool (``all``).
     ``rule``: the registered rule whose own selection reads the score (the covariance rules', STAPO's); any
     other rule refuses it.
+    ``needs_rollout_log_probs``: the score reads :attr:`ScoreInputs.rollout_log_prob` (the rollout engine's
+    log-probs, a per-token field of the update batch only when the rollout computes them); the driver refuses a
+    configuration where they cannot reach the actor.
+    ``reads_policy=False``: the score reads nothing of the scored policy (``log_prob``, ``entropy``, sum p^2), only
+    fields fixed before the update (``old_log_prob``, ``rollout_log_prob``, the advantages), so the pre-pass takes
+    the old-log-prob pass's values instead of running a forward, at any weights.
     """
 
     def deco(fn: ScoreFn) -> ScoreFn:
         if name in SCORE_REGISTRY:
             raise ValueError(f"score {name!r} is already registered; pick another name")
         SCORE_REGISTRY[name] = ScoreSpec(name, fn, needs_entropy, needs_omega, help, needs_row_keys,
-                                         tuple(needs_external), uses_sum_pi_squared, ranks, rule)
+                                         tuple(needs_external), uses_sum_pi_squared, ranks, rule,
+                                         needs_rollout_log_probs, reads_policy)
         return fn
 
     return deco

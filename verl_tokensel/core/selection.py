@@ -149,6 +149,17 @@ class Selection:
         return any(s.uses_sum_pi_squared for s in self.score_specs)
 
     @property
+    def needs_rollout_log_probs(self) -> bool:
+        """A score reads the rollout engine's log-probs (``rollout_log_probs`` of the update batch)."""
+        return any(s.needs_rollout_log_probs for s in self.score_specs)
+
+    @property
+    def score_reads_policy(self) -> bool:
+        """A score reads the scored policy's values; False: only fields fixed before the update (the pre-pass
+        then needs no forward)."""
+        return any(s.reads_policy for s in self.score_specs)
+
+    @property
     def needs_external(self) -> tuple[str, ...]:
         """The external per-token fields a score reads (only the driver fills them)."""
         return tuple(dict.fromkeys(name for s in self.score_specs for name in s.needs_external))

@@ -44,6 +44,7 @@ def validate_driver_config(config: DictConfig) -> None:
         return
     validate_rollout_config(config)
     _check_fused_kernels(config, selector)
+    _check_rollout_log_probs(config, selector)
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
         return
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
@@ -76,6 +77,31 @@ def _check_fused_kernels(config: DictConfig, selector: str) -> None:
         "token_selection.score_source=current (the score then uses its (1 - p_a) lower bound), or a score "
         "without sum p^2 (entropy, gmts)."
     )
+
+
+def _check_rollout_log_probs(config: DictConfig, selector: str) -> None:
+    """A score that reads the rollout engine's log-probs (``ScoreSpec.needs_rollout_log_probs``) needs them in the
+    actor's update batch, next to verl's recomputed ``old_log_probs``: the rollout must compute them
+    (``rollout.calculate_log_probs``), and bypass mode must be off (it makes ``old_log_probs`` the rollout's, so the
+    two would be one policy). Refused here, on the driver, rather than a score of nothing on the workers."""
+    from verl_tokensel.verl_glue.actor_config import actor_selection
+
+    sel = actor_selection(config)
+    if sel is None or not sel.needs_rollout_log_probs:
+        return
+    what = (f"actor_rollout_ref.actor.token_selector={selector} (score {sel.knobs.score}) compares the rollout "
+            "engine's log-probs (rollout_log_probs, the behaviour policy) with verl's recomputed old_log_probs (the "
+            "proximal policy)")
+    if not OmegaConf.select(config, "actor_rollout_ref.rollout.calculate_log_probs", default=False):
+        raise ValueError(
+            f"actor_rollout_ref.rollout.calculate_log_probs=False is invalid with {what}; valid values: True. Without "
+            "it the rollout returns no log-probs and the update batch carries no rollout_log_probs. Fix: "
+            "actor_rollout_ref.rollout.calculate_log_probs=True.")
+    if OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False):
+        raise ValueError(
+            f"algorithm.rollout_correction.bypass_mode=True is invalid with {what}; valid values: False. Bypass mode "
+            "skips the recomputation and sets old_log_probs = rollout_log_probs, so the two policies coincide and the "
+            "score would be 0 on every token. Fix: algorithm.rollout_correction.bypass_mode=False.")
 
 
 def prepare_driver_config(config: DictConfig) -> None:

@@ -66,6 +66,8 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     ``extra_fields``: more per-token fields of ``data`` to pad (the pre-measured mask and scores).
     """
     names = [*fields.LOSS_INPUTS, *fields.OPTIONAL_LOSS_INPUTS, *extra_fields]
+    if sel.needs_rollout_log_probs:
+        names.append(fields.ROLLOUT_LOG_PROBS)
     if model_output is None:
         names.append(fields.ENTROPY)
     padded = data.select(*[k for k in names if k in data.keys()]).to_padded_tensor()
@@ -78,7 +80,8 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
             attn = data["attention_mask"]  # padded rows: hash only the real tokens
         if sel.scope == "group":
             uids = batch_uids(data)
-    tensors = {k: padded.get(k, None) for k in (fields.OLD_LOG_PROBS, fields.ADVANTAGES, fields.ROLLOUT_IS_WEIGHTS)}
+    tensors = {k: padded.get(k, None) for k in (fields.OLD_LOG_PROBS, fields.ADVANTAGES, fields.ROLLOUT_IS_WEIGHTS,
+                                                 fields.ROLLOUT_LOG_PROBS)}
     tensors.update({fields.RESPONSE_MASK: response_mask, fields.LOG_PROBS: log_prob, fields.ENTROPY: entropy,
                     fields.SUM_PI_SQUARED: sum_pi_squared})
     if config.use_kl_loss:  # read by the KL part of omega, and a finite input of the loss

@@ -5,12 +5,14 @@ weights are those verl's old-log-prob pass measured, that pass's values) feeds t
 one micro-batch: ``mini_batch`` (every data-parallel rank's mini-batch, exact), ``group`` (the responses of one
 prompt, wherever they sit) or ``sequence``. The mask and the scores travel as per-token fields of the mini-batch
 (:data:`~verl_tokensel.core.fields.MASK`, :data:`~verl_tokensel.core.fields.SCORE`), so the engine's micro-batching
-keeps them on their rows; the selecting loss applies them.
+keeps them on their rows; the selecting loss applies them. A score that reads no policy value (only fields fixed
+before the update) never needs the forward.
 
 Installed without editing verl: :func:`install_prepass` wraps ``train_batch`` of one ``TrainingWorker`` (reading the
 rule from the worker's current :class:`~verl_tokensel.verl_glue.loss.SelectingLoss`), and
 :func:`tokensel_worker_class` sets verl's ``actor_worker_cls`` on a subclass of the actor worker class so the wrap is
-there in every Ray worker. Cost: one no-grad forward per mini-batch (none when the old pass is reused).
+there in every Ray worker. Cost: one no-grad forward per mini-batch (none when the old pass is reused, or when the
+score reads no policy value).
 """
 
 from __future__ import annotations
@@ -58,13 +60,19 @@ def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, co
     when a step has one), and ``data`` carries that pass's ``old_log_probs`` and, for a score that needs it,
     its ``entropy``. A score that reads ``sum_pi_squared`` always gets the forward (the old pass's is not
     in the update batch). The decision is the same on every rank (same calls on each).
+
+    A score that reads nothing of the policy (``ScoreSpec.reads_policy=False``: only fields fixed before the
+    update, such as ``old_log_probs`` and ``rollout_log_probs``) takes these values at any weights, whatever
+    ``prepass_reuse``: a forward would measure values it does not read.
     """
+    sel = config.selection
+    if not sel.score_reads_policy:
+        return fields.OLD_LOG_PROBS in data.keys()
     if not getattr(config.token_selection, "prepass_reuse", True):
         return False
     version = getattr(worker, _WEIGHTS_VERSION, None)
     if version is None or getattr(worker, _INFER_AT, None) != version:
         return False
-    sel = config.selection
     if sel.uses_sum_pi_squared or "old_log_probs" not in data.keys():
         return False
     return not sel.score_needs_entropy or fields.ENTROPY in data.keys()

@@ -1,0 +1,177 @@
+"""M2PO (Zheng et al., "Prosperity before Collapse: How Far Can Off-Policy RL Reach with Stale Data on LLMs?", arXiv
+2510.01161; released as AReaL's ``actor.m2_threshold``, ``_apply_m2po_masking`` / ``_get_m2po_loss_mask`` of
+``areal/trainer/ppo/actor.py``): the tokens with the largest second moment leave the loss. Pure torch, no verl import.
+
+Each valid token has ``m2 = (log pi_behav - log pi_prox)^2``: ``pi_behav`` the policy that sampled it (the rollout
+engine's log-probs, verl's ``rollout_log_probs``; AReaL's ``logprobs``) and ``pi_prox`` the recomputed proximal
+policy (verl's ``old_log_probs``; AReaL's ``prox_logp``). Sorted from the largest down, the first ``k`` are masked,
+``k`` the smallest count for which the mean ``m2`` of the rest is strictly under ``m2po_threshold``; when no count
+gets there every token but one (the smallest) is masked. The masked tokens leave the loss and its denominator
+(AReaL rewrites ``loss_mask``; here ``normaliser=kept``).
+
+AReaL takes the pool per rank and per micro-batch; here it is the whole mini-batch over every data-parallel rank,
+exact, with nothing of size N leaving a rank: the kept count is found by a radix descent over the float32 order of
+``m2`` (4 passes, each one all-reduce of a 256-bin histogram of counts and sums of ``m2 - threshold``: the rest's
+mean is under the threshold while its sum of ``m2 - threshold`` is negative), and the masked tokens are then the
+exact distributed top-k (:mod:`~verl_tokensel.core.dist_topk`): ties at the boundary are masked earliest first
+(lower rank, then row-major position), as a stable descending sort of the concatenated pool would order them. Both
+log-probs are fixed before the update, so the score reads no policy value and the pre-pass runs no forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from verl_tokensel.core import fields
+from verl_tokensel.core.dist_topk import ordered_keys32, topk_mask_distributed
+from verl_tokensel.core.errors import check_number, config_error
+from verl_tokensel.core.rules.base import Ranking, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.checks import check_no_budget, check_ranking
+from verl_tokensel.core.scopes import world_size
+from verl_tokensel.core.scores import ScoreInputs, register_score
+from verl_tokensel.core.select import keep_first_k
+
+NAME = "m2po"
+_BITS, _PASSES, _BINS = 8, 4, 256
+_INT32_MIN = -(2**31)
+
+
+@register_score(NAME, needs_entropy=False, needs_omega=False, rule=NAME, needs_rollout_log_probs=True,
+                reads_policy=False,
+                help="(log pi_rollout - log pi_old)^2, the second moment of the rollout-vs-recomputed log-ratio; "
+                     "M2PO masks the largest until the mean of the rest is under m2po_threshold")
+def m2po_score(inp: ScoreInputs) -> torch.Tensor:
+    if inp.rollout_log_prob is None or inp.old_log_prob is None:
+        raise ValueError(
+            f"score {NAME!r} needs the rollout engine's log-probs ({fields.ROLLOUT_LOG_PROBS}) and verl's recomputed "
+            f"{fields.OLD_LOG_PROBS} in the update batch, and this batch has no {fields.ROLLOUT_LOG_PROBS}. Fix: set "
+            "actor_rollout_ref.rollout.calculate_log_probs=True and algorithm.rollout_correction.bypass_mode=False "
+            "(a custom trainer must keep the field in the batch it sends to update_actor).")
+    delta = inp.rollout_log_prob.detach().float() - inp.old_log_prob.detach().float()
+    return delta * delta
+
+
+def _all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _key_value(ukey: int) -> float:
+    """The float32 value whose unsigned order key (:func:`~verl_tokensel.core.dist_topk.ordered_keys32` shifted to
+    ``[0, 2^32)``) is ``ukey``: the key map is its own inverse on the signed int32 bits."""
+    key = torch.tensor([ukey + _INT32_MIN], dtype=torch.int32)
+    bits = key ^ ((key >> 31) & 0x7FFFFFFF)
+    return float(bits.view(torch.float32).item())
+
+
+def kept_count(values: torch.Tensor, threshold: float, group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
+    """``(kept, n)``: how many of the ``n`` values of the pool (this rank's 1-D ``values`` over the ranks of
+    ``group``, compared as float32) M2PO keeps: the largest ``m`` such that the ``m`` smallest have a mean under
+    ``threshold`` (at least 1; 0 for an empty pool). Every rank gets the same pair.
+
+    The mean of the ``m`` smallest never decreases with ``m``, so the kept counts form a prefix: a radix descent
+    over the float32 order finds the value at which the running sum of ``value - threshold`` (float64, ascending)
+    stops being negative, and how many of its ties still fit.
+    """
+    world = world_size(group) if group is not None else 1
+    ukey = ordered_keys32(values.flatten()).to(torch.int64) - _INT32_MIN
+    excess = values.detach().flatten().double() - float(threshold)
+    n = int(_all_reduce(torch.tensor([ukey.numel()], dtype=torch.int64, device=ukey.device), group, world).item())
+    if n == 0:
+        return 0, 0
+    base, below, prefix, ties = 0.0, 0, 0, 0
+    for p in range(_PASSES):
+        shift = 32 - _BITS * (p + 1)
+        digit = (ukey >> shift) & (_BINS - 1)
+        hist = torch.zeros(2, _BINS, dtype=torch.float64, device=ukey.device)
+        hist[0].index_add_(0, digit, torch.ones_like(excess))
+        hist[1].index_add_(0, digit, excess)
+        hist = _all_reduce(hist, group, world).cpu()
+        counts, sums = hist[0], hist[1]
+        running = base + torch.cumsum(sums, 0)  # sum of value - threshold up to the end of each bin
+        crossing = ((counts > 0) & (running >= 0)).nonzero()
+        if crossing.numel() == 0:  # the whole bucket fits under the threshold
+            return min(n, below + int(counts.sum().item())), n
+        b = int(crossing[0])
+        base = base + float(sums[:b].sum())
+        below += int(counts[:b].sum().item())
+        ties = int(counts[b].item())
+        prefix |= b << shift
+        keep = digit == b
+        ukey, excess = ukey[keep], excess[keep]
+    step = _key_value(prefix) - float(threshold)  # every tie adds this; base + ties * step >= 0 > base (or base 0)
+    fit = 0
+    if base < 0 and step > 0:
+        fit = min(ties - 1, max(0, math.ceil(-base / step) - 1)) if math.isfinite(step) else 0
+        while fit + 1 <= ties - 1 and base + (fit + 1) * step < 0:
+            fit += 1
+        while fit > 0 and base + fit * step >= 0:
+            fit -= 1
+    return max(1, below + fit), n
+
+
+def m2po_kept_tokens(m2: torch.Tensor, pool: torch.Tensor, threshold: float,
+                     group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """Bool mask over this rank's ``(batch, response_len)`` tokens: the pool tokens M2PO keeps, the pool taken over
+    the ranks of ``group`` (None: this tensor alone). The masked tokens are the ``n - kept`` largest ``m2``
+    (:func:`kept_count`), ties earliest first (lower rank, then row-major position)."""
+    pool = pool.to(torch.bool)
+    values = m2.detach().float()
+    pooled = group is not None and world_size(group) > 1
+    kept, n = kept_count(values[pool], threshold, group if pooled else None)
+    if n - kept <= 0:
+        return pool.clone()
+    if not pooled:
+        return pool & ~keep_first_k(values, pool, n - kept, "top")
+    masked = torch.zeros_like(pool)
+    masked[pool] = topk_mask_distributed(values[pool], n - kept, group, largest=True)
+    return pool & ~masked
+
+
+@dataclass(frozen=True)
+class M2poKnobs(Ranking):
+    m2po_threshold: float = knob(
+        0.04, "tau_M2: the largest (log pi_rollout - log pi_old)^2 tokens of the mini-batch (over all data-parallel "
+        "ranks) are masked until the mean of the rest is under tau; a number > 0.",
+        "0.04 (M2PO paper, every experiment; AReaL examples/math/gsm8k_m2po.yaml; AReaL's default None = off)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_number("token_selection.m2po_threshold", self.m2po_threshold, 0.0, None, "a number > 0",
+                     open_low=True)
+
+
+@register_rule(NAME)
+class M2po(Rule):
+    """Every token but those of the largest second moment keeps the gradient; the masked ones leave the loss."""
+
+    Knobs = M2poKnobs
+    source_scopes = {"prepass": ("mini_batch",)}
+    normalisers = ("kept", "all")
+
+    def check(self, sel) -> None:
+        check_ranking(sel, self)
+        if sel.knobs.score != NAME:
+            raise config_error("token_selection.score", sel.knobs.score, f"{NAME} (with token_selector's rule {NAME})",
+                               f"rule {NAME} masks by its own second moment. Fix: remove token_selection.score.")
+        check_no_budget(sel, "every token but M2PO's masked ones")
+
+    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
+        return m2po_kept_tokens(scores, pool, sel.knobs.m2po_threshold, group=dp_group), scores
+
+    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
+        n_masked, n_pool = int((tokens & ~mask).sum()), int(tokens.sum())
+        m2 = torch.where(tokens, scores.float(), 0.0)
+        kept = tokens & mask
+        return {f"{NAME}/masked_tokens": float(n_masked), f"{NAME}/masked_share": share(n_masked, n_pool),
+                f"{NAME}/m2_mean": share(float(m2.sum()), n_pool),
+                f"{NAME}/kept_m2_mean": share(float(torch.where(kept, m2, 0.0).sum()), int(kept.sum()))}
+
+
+__all__ = ["M2po", "M2poKnobs", "kept_count", "m2po_kept_tokens", "m2po_score"]
