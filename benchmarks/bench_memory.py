@@ -61,7 +61,8 @@ Variants (as a recipe would run them):
   (``score_source=rollout``: the mask comes from the driver, whose selection time is added);
 - ``forking(graph)`` (reference, opt-in): ``forking`` with ``token_selection.no_grad_scores=false``;
 - the toolbox presets ``ce_gppo``, ``aspo``, ``fipo`` (``score_source=current``), ``ktae``, ``gtpo`` (the driver's,
-  its time added) (opt-in, ``--variants``), with the selectors' targets and matched baselines::
+  its time added), ``m2po_global`` (its pre-pass, no forward; the batch carries rollout log-probs, the old pass's
+  moved by ``ROLLOUT_SHIFT``) (opt-in, ``--variants``), with the selectors' targets and matched baselines::
 
     python benchmarks/bench_memory.py --hidden 128 --shapes 2304x1 \
         --variants "none,none(no-graph entropy),none(same kernel),ce_gppo,aspo,fipo,ktae,gtpo"
@@ -87,7 +88,9 @@ from pathlib import Path
 
 VOCAB = 151_936
 #: the toolbox's presets of one rule each (opt-in: --variants), measured like the selectors
-TOOLBOX = ["ce_gppo", "aspo", "fipo", "ktae", "gtpo"]
+TOOLBOX = ["ce_gppo", "aspo", "fipo", "ktae", "gtpo", "m2po_global"]
+#: the rollout engine's log-probs of a score that reads them (m2po_global): the old pass's, moved by this much
+ROLLOUT_SHIFT = 0.3
 SELECTORS = ["forking", "gmts", "grad_norm", "forking_paper", *TOOLBOX]
 BASELINES = ["none", "none(no-graph entropy)", "none(same kernel)"]
 REFERENCES = ["none+entropy", "forking(graph)"]
@@ -312,6 +315,8 @@ class _Variant:
             # function follows the loss (no-graph under a selecting loss)
             self.actor.set_loss_fn(self.loss_fn)
             H.compute_old_log_probs(self.actor, batch)  # the real old-log-prob pass (keeps `entropy` for the driver)
+            if self.config is not None and self.config.selection.needs_rollout_log_probs:
+                _add_rollout_log_probs(batch)
             tu.assign_non_tensor(batch, calculate_entropy=self.entropy_in_update)
             extra = 0.0
             _reset_hwm()  # the update's own peak from here (the old-log-prob pass is another call in verl)
@@ -329,6 +334,17 @@ class _Variant:
         return {"seconds": r.seconds + extra, "cpu_seconds": cpu, "update_peak_kb": _hwm_kb(),
                 "kernel_seconds": _KERNEL["seconds"], "kernel": ",".join(sorted(set(_KERNEL["calls"]))) or "-",
                 "prepass_reused_share": share}
+
+
+def _add_rollout_log_probs(batch) -> None:
+    """The rollout engine's log-probs as a recipe with ``rollout.calculate_log_probs`` sends them: the old pass's
+    moved by a keyed uniform(-ROLLOUT_SHIFT / 2, ROLLOUT_SHIFT / 2) (what M2PO's second moment measures)."""
+    import torch
+
+    olp = batch["old_log_probs"]
+    gen = torch.Generator().manual_seed(0)
+    rows = [x + ROLLOUT_SHIFT * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp.unbind(0)]
+    batch["rollout_log_probs"] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
 
 
 def _actor(model_dir: str, tokens: int, mini_batches: int):
