@@ -259,6 +259,33 @@ class Rule:
         return {}
 
 
+class GroupShiftRule(Rule):
+    """A rule that changes each token's advantage by a quantity only the whole prompt group determines (KTAE's
+    key-token score, GTPO's conflict weights): its own score computes the change on the driver (``score_source
+    =rollout``, ``scope=group``), every token is kept, and the loss adds the measured score back to verl's
+    advantages (``LossContext.scores``). Subclasses set ``Knobs`` and override :meth:`score` (and ``stats``)."""
+
+    source_scopes = {"rollout": ("group",)}
+    normalisers = ("all",)
+    legacy = {"action": "gradient", "phases": "one"}
+
+    def check(self, sel: "Selection") -> None:
+        check_ranking(sel, self)
+        if sel.knobs.score != self.name:
+            raise config_error("token_selection.score", sel.knobs.score, f"{self.name} (with token_selector's rule "
+                               f"{self.name})", f"rule {self.name} sets each token's advantage itself; it ranks "
+                               "nothing.")
+
+    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
+        return pool.clone(), scores
+
+    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
+        if ctx.scores is None:
+            raise RuntimeError(f"rule {self.name} adds the advantage change the driver measured to the loss's "
+                               "advantages; none reached the loss")
+        return LossTransform(advantage_shift=torch.where(tokens, ctx.scores, 0.0))
+
+
 class Shaping:
     """An advantage shaping: ``A' = weight * A + shift`` on every token, nothing ranked. Runs before the rule
     (``token_selection.shaping``), so a score that reads the advantage (omega) ranks by the shaped one.
@@ -347,6 +374,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
-__all__ = ["ActorSettings", "BUDGETS", "LossContext", "LossTransform", "OWN_LOSS_MODES",
+__all__ = ["ActorSettings", "BUDGETS", "GroupShiftRule", "LossContext", "LossTransform", "OWN_LOSS_MODES",
            "RULE_REGISTRY", "Ranking", "Rule", "SHAPING_REGISTRY", "Shaping", "knob", "knob_fields", "masked_mean",
            "register_rule", "register_shaping", "share"]

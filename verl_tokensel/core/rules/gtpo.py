@@ -28,9 +28,8 @@ from typing import Optional
 import torch
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.errors import check_bool, check_number, config_error
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
-from verl_tokensel.core.rules.checks import check_ranking
+from verl_tokensel.core.errors import check_bool, check_number
+from verl_tokensel.core.rules.base import GroupShiftRule, Ranking, knob, register_rule, share
 from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
 
 NAME = "gtpo"
@@ -138,19 +137,10 @@ def gtpo_score(inp: ScoreInputs) -> torch.Tensor:
 
 
 @register_rule(NAME)
-class Gtpo(Rule):
+class Gtpo(GroupShiftRule):
     """Every token is trained; its advantage is GTPO's (conflict tokens protected or amplified, entropy filter)."""
 
     Knobs = GtpoKnobs
-    source_scopes = {"rollout": ("group",)}
-    normalisers = ("all",)
-    legacy = {"action": "gradient", "phases": "one"}
-
-    def check(self, sel) -> None:
-        check_ranking(sel, self)
-        if sel.knobs.score != NAME:
-            raise config_error("token_selection.score", sel.knobs.score, f"{NAME} (with token_selector's rule {NAME})",
-                               f"rule {NAME} sets each token's advantage itself; it ranks nothing.")
 
     def _parts(self, sel, batch):
         adv = batch.advantages if batch.advantages is not None else torch.zeros_like(batch.inputs.log_prob)
@@ -160,14 +150,6 @@ class Gtpo(Rule):
 
     def score(self, sel, batch) -> torch.Tensor:
         return self._parts(sel, batch)[0]
-
-    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
-        return pool.clone(), scores
-
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        if ctx.scores is None:
-            raise RuntimeError(f"rule {NAME} reads the advantages the driver measured; none reached the loss")
-        return LossTransform(advantage_shift=torch.where(tokens, ctx.scores, 0.0))
 
     def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
         n = int(tokens.sum())

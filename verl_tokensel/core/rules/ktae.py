@@ -30,8 +30,7 @@ import torch
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.errors import check_bool, check_number, config_error
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
-from verl_tokensel.core.rules.checks import check_ranking
+from verl_tokensel.core.rules.base import GroupShiftRule, Ranking, knob, register_rule, share
 from verl_tokensel.core.scores import ScoreInputs, register_score
 
 NAME = "ktae"
@@ -178,19 +177,10 @@ def ktae_score(inp: ScoreInputs) -> torch.Tensor:
 
 
 @register_rule(NAME)
-class Ktae(Rule):
+class Ktae(GroupShiftRule):
     """Every token keeps its gradient; its advantage gets the key-token score of its id in its prompt group."""
 
     Knobs = KtaeKnobs
-    source_scopes = {"rollout": ("group",)}
-    normalisers = ("all",)
-    legacy = {"action": "gradient", "phases": "one"}
-
-    def check(self, sel) -> None:
-        check_ranking(sel, self)
-        if sel.knobs.score != NAME:
-            raise config_error("token_selection.score", sel.knobs.score, f"{NAME} (with token_selector's rule {NAME})",
-                               f"rule {NAME} adds its own per-token score to the advantage; it ranks nothing.")
 
     def score(self, sel, batch) -> torch.Tensor:
         ext = batch.inputs.external
@@ -199,14 +189,6 @@ class Ktae(Rule):
         first = batch.valid.float().argmax(1)  # the reward is the same on every token of a response
         return key_token_bonus(ext[fields.RESPONSE_IDS], batch.valid, reward[rows, first], batch.group_ids, sel.knobs,
                                ext.get(fields.EOS_TOKEN))
-
-    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
-        return pool.clone(), scores
-
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        if ctx.scores is None:
-            raise RuntimeError(f"rule {NAME} reads the key-token scores the driver measured; none reached the loss")
-        return LossTransform(advantage_shift=torch.where(tokens, ctx.scores, 0.0))
 
     def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
         bonus = transform.advantage_shift
