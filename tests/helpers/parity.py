@@ -411,6 +411,15 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
         applied = [sum(mb["selected"] for mb in res["micro"]) for res in per_rank]
         if sum(applied) != sum(want):
             problems.append(f"the loss applied {applied} tokens, the pre-pass selected {sum(want)}")
+    elif scope == "group" and first.get("driver") is not None:  # the driver's group rules (ktae, gtpo): every token
+        d = first["driver"]
+        if d.get("tokensel/driver_selected_tokens") != first["driver_valid"]:
+            problems.append(f"driver metrics {d}: every one of the {first['driver_valid']} valid tokens")
+        for r, res in enumerate(per_rank):
+            applied = sum(mb["selected"] for mb in res["micro"])
+            if applied != row["epochs"] * res["driver_rank_selected"]:
+                problems.append(f"rank {r}: the loss applied {applied} tokens, the driver's mask has "
+                                f"{res['driver_rank_selected']} per epoch")
     elif scope == "group":
         problems.append("gmts ran without tokensel/prepass/* metrics")
     elif scope == "mini_batch" and first["score"] in ("stapo", "m2po"):
