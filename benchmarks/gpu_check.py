@@ -1,13 +1,15 @@
-"""GPU check: verl's actor update on a Qwen3-0.6B-shaped model, token_selector none/forking/gmts, FSDP2 and Megatron.
+"""GPU check: verl's actor update on a Qwen3-0.6B-shaped model, every token_selector preset, FSDP2 and Megatron.
 
 Run on the GPU machine from the repository root (``scripts/gpu_check.sh`` installs the carried wheels
 offline first, then runs this under ``timeout``)::
 
-    python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"     # both phases; deadline 8 min
+    python benchmarks/gpu_check.py --out "$OUT/gpu_check.json"     # every preset; deadline 8 min
+    python benchmarks/gpu_check.py --variants none forking gmts --steps 3 --out "$OUT/gpu_check.json"  # the comparison
     python benchmarks/gpu_check.py --no-fsdp --variants none forking gmts --steps 3 \
         --budget-megatron 330 --deadline 420 --out "$OUT/gpu_check.json"   # the Megatron phase alone
 
-Here, on a CPU (tiny model, fp32; the Megatron phase on the CPU test bed; the test suite runs this; ~25 s)::
+Here, on a CPU (tiny model, fp32; the Megatron phase on the CPU test bed; the test suite runs this; ~25 s, every
+preset on FSDP2 in ~15 of them)::
 
     python benchmarks/gpu_check.py --tiny --device cpu --out /tmp/gpu_check.json
 
@@ -21,33 +23,54 @@ What it does, in one process, through verl's own ``TrainingWorker`` built by the
    Both phases train the same folder.
 2. fsdp: FSDP2 engine, bf16 compute (fp32 master weights), ``flash_attention_2`` if ``flash_attn``
    imports, else ``sdpa``; ``use_remove_padding`` and ``use_dynamic_bsz``, gradient checkpointing
-   (verl's defaults); one mini-batch of 16 responses of 3584..4096 tokens (4 GRPO groups of 4)
-   split into micro-batches of <= 16384 tokens; ``lr=0`` so every step sees the same weights and
-   the old log-probs (the real log-prob pass, once) stay on-policy.
-   Per variant (``none``, ``none+entropy``, ``forking``, ``forking:no_grad_scores=false``, ``gmts``,
-   ``grad_norm``, ``forking_paper``, as ``benchmarks/bench_memory.py`` on CPU; ``none+entropy`` is stock
-   verl with the entropy pass on, and ``forking:no_grad_scores=false`` is ``forking`` with verl's entropy
-   graph kept, two references for what the no-graph entropy saves; a preset scored outside the loss, like
-   ``gmts`` with its pre-pass at group scope or ``forking_paper`` on the driver, is run here with
-   ``score_source=current, scope=micro_batch``: same score and ratio, computed in the loss, see
-   ``parse_variant``): a sanity step, warm-up steps, then timed steps interleaved across the
-   variants (none, none+entropy, forking, ..., none, ...). Targets: ``forking`` peak memory <= 1.05x
-   ``none``, step time <= 1.01x. Reported: median step time and its
-   ratio vs ``none``, peak ``torch.cuda.max_memory_allocated`` over the timed steps and its ratio.
-   Sanity (the step with hooks, not timed): per micro-batch the selected count is exactly
-   ``ceil(0.2 N)`` of its ``N`` valid response tokens (micro_batch scope), the logits' gradient is
-   exactly zero at every unselected response token and non-zero at the selected ones, the loss and
-   gradient norm are finite, and the ``tokensel/*`` metrics reached the step's metrics.
+   (verl's defaults); one mini-batch split into micro-batches of <= 16384 tokens; ``lr=0`` so every step sees
+   the same weights and the old log-probs (the real log-prob pass, once) stay on-policy. The batch
+   (``--workload``): ``compare``, 16 responses of 3584..4096 tokens (4 GRPO groups of 4, ~66k tokens), for up
+   to 8 variants; ``sweep``, 8 responses of 2048..2560 (2 groups of 4, ~21k tokens), for more.
+   Variants: by default every preset of ``verl_tokensel.core.presets.PRESETS``, read at run time (``none``
+   first, the baseline), plus ``none+entropy`` (stock verl with the entropy pass on) and
+   ``forking:no_grad_scores=false`` (``forking`` with verl's entropy graph kept), two references for what the
+   no-graph entropy saves: ``default_variants()``; ``--variants`` narrows the list (the presets it leaves out
+   are printed and recorded as ``config.presets_not_in_variants``). Each preset runs as it is configured:
+   a ``score_source=prepass`` preset (``gmts``, ``kl_cov_global``, ``clip_cov_global``, ``stapo``) with the
+   worker's real pre-pass (one no-grad forward before its update, installed on the worker by the harness as
+   the tokensel actor workers install it; the step never follows an old-log-prob pass, so it includes that
+   forward); a ``score_source=rollout`` preset (``forking_paper``, ``ktae``, ``gtpo``) with the driver's
+   selection over the batch before each step (``verl_tokensel_cpu.batches.add_driver_selection``, timed with
+   the step); a rule with several update passes (``lopti``, ``ar_lopti``) with one whole update per pass, the
+   pass number set as the drivers set it, the metrics merged by the rule; a rule that weights the KL loss
+   per token (``archer``) with Archer's ``use_kl_loss=true``, ``low_var_kl``, ``kl_loss_coef=0.001`` and the
+   old log-probs as the reference's (``KL_LOSS_SETTINGS``); ``gtpo`` with its entropy threshold above
+   ln(vocab) (``RANDOM_MODEL_KNOBS``: a random model's entropy is near ln(vocab), above which GTPO gives no
+   update at all). An explicit knob converts (``gmts:score_source=current,scope=micro_batch``: its in-loss
+   twin; ``parse_variant``). A sanity step per variant, warm-up steps, then timed steps interleaved across the
+   variants (none, none+entropy, forking, ..., none, ...); defaults: 1 warm-up and 5 timed rounds up to 8
+   variants, none and 1 with more. Targets: ``forking`` peak memory <= 1.05x ``none``, step time <= 1.01x.
+   Reported: median step time and its ratio vs ``none``, peak ``torch.cuda.max_memory_allocated`` over the
+   timed steps and its ratio.
+   Sanity (the step with hooks, not timed), per variant: the loss (each pass's) and the gradient norm are
+   finite, the norm positive; for a selecting preset the ``tokensel/*`` metrics reached the step's metrics,
+   their ``tokensel/selected_fraction`` and the share the loss's masks selected are in (0, 1], no padding
+   position is selected; the counts the rule promises: exactly ``ceil(ratio N)`` of the ``N`` valid response
+   tokens per micro-batch (micro_batch scope, a count budget), the tokens strictly above each response's
+   ``1 - ratio`` quantile (sequence scope, quantile budget: ``archer``, ``aspo``), the sum over the pools of
+   ``ceil(ratio n)`` over the step (group, batch scopes), KL-Cov's ``max(1, int(ratio N))``, and for a pre-pass
+   preset that the loss applied the tokens its ``tokensel/prepass/*`` metrics report; where the rule's mask is
+   a gradient gate (``gates_gradient``: ``gradient_mask``, ``stapo``, ``lopti``, ``fipo``) the logits'
+   gradient is exactly zero at every unselected response token and non-zero at the selected ones (with
+   several passes the unselected ones only: each pass zeroes the advantages of the tokens it does not
+   update); ``archer`` also has its ``kl_loss``. A variant that cannot run (its config refused, an exception
+   in its step, the phase budget spent before its sanity step) gets a row saying why, is left out of the
+   timed rounds and counts as a failure.
 3. megatron: verl's Megatron engine (``MegatronEngineWithLMHead``) built by the same harness
    (``make_training_worker(engine="megatron")``, TP=PP=1, one data-parallel rank), same model folder, batch
    and measurements; variants ``--megatron-variants`` (default: ``--variants`` if given, else ``none``,
    ``forking``, ``gmts``; the table's ratios are vs the first). ``gmts`` runs with its
    real pre-pass here (``score_source=prepass``, group scope): one no-grad forward over the mini-batch
-   before its update, installed on the worker by the harness as the tokensel actor workers install it;
-   the timed steps never follow an old-log-prob pass, so each includes that forward (in training, the
-   first mini-batch of a step reuses the old-log-prob pass instead: ``prepass_reuse``). ``forking_paper``
-   (scored on the driver) is measured in the loss as in the FSDP phase. The stack it ran on is recorded
-   under ``megatron.stack`` and printed under its table:
+   before its update, as in the FSDP phase; the timed steps never follow an old-log-prob pass, so each
+   includes that forward (in training, the first mini-batch of a step reuses the old-log-prob pass instead:
+   ``prepass_reuse``). A preset scored on the driver, or with several update passes or the KL loss, runs as
+   in the FSDP phase. The stack it ran on is recorded under ``megatron.stack`` and printed under its table:
 
    * GPU, production: megatron-core + mbridge (``vanilla_mbridge=True``; carried by
      ``scripts/pack_megatron_wheels.sh``: megatron-core 0.16.1, mbridge 0.15.1, which fails on
@@ -64,9 +87,9 @@ What it does, in one process, through verl's own ``TrainingWorker`` built by the
    * CPU (``--device cpu``, the dry run): the CPU test bed of ``verl_tokensel_cpu.megatron`` (gloo, local
      layers and attention, fp32). ``--megatron-attention sdpa`` runs the GPU fallback's attention there.
 
-   Sanity as for FSDP, plus for a pre-pass variant the group-scope count: the masks the loss applied
-   hold exactly the sum over the GRPO groups of ``ceil(0.2 n_g)`` tokens, as the pre-pass's
-   ``tokensel/prepass/*`` metrics report. The logit-gradient check hooks the last stage's
+   Sanity as for FSDP (a pre-pass variant ``gmts``: the masks the loss applied hold exactly the sum over
+   the GRPO groups of ``ceil(0.2 n_g)`` tokens, as the pre-pass's ``tokensel/prepass/*`` metrics report;
+   both phases run it so, and ``fsdp_vs_megatron`` compares them). The logit-gradient check hooks the last stage's
    ``output_layer`` (logits ``[tokens, 1, vocab]`` in the packed layout; at TP=1 no sequence is padded,
    so the positions map as in FSDP). Recompute: ``--megatron-recompute`` (default ``none``, verl's
    Megatron default; FSDP's gradient checkpointing does not apply to this engine).
@@ -78,7 +101,8 @@ What it does, in one process, through verl's own ``TrainingWorker`` built by the
 
 Output: a table per phase on stdout and a JSON (``--out``, default ``$OUT/gpu_check.json`` when ``$OUT``
 is set). Time: every phase has a budget (timed rounds stop early when theirs is spent, recorded as
-``rounds_done``); the whole run has a deadline (``--deadline``), past which a watchdog writes the
+``rounds_done``; the FSDP steps' budget is cut to what the deadline leaves after the Megatron phase's when
+that phase runs); the whole run has a deadline (``--deadline``), past which a watchdog writes the
 partial JSON and exits 3. Exit codes: 0 ok, 1 a sanity check failed, 2 usage or environment error,
 3 deadline exceeded.
 """
@@ -110,8 +134,11 @@ TINY_QWEN3 = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, nu
 # batches draw ids from the whole model vocabulary. The tiny shape takes its KV heads from
 # verl_tokensel_cpu.tiny_model.MEGATRON_TINY_CONFIG (see build_model_dir): one folder serves both engines.
 
-DEFAULT_VARIANTS = ("none", "none+entropy", "forking", "forking:no_grad_scores=false", "gmts", "grad_norm",
-                    "forking_paper")
+#: the two references run beside the presets: stock verl with the entropy pass on, and ``forking`` with verl's
+#: entropy graph kept (what the no-graph entropy saves); each follows its preset in the default list
+EXTRA_VARIANTS = ("none+entropy", "forking:no_grad_scores=false")
+#: up to this many variants the default run is the comparison (GPU_WORKLOAD, 5 timed rounds); more: the sweep
+MANY_VARIANTS = 8
 # the Megatron phase's default when --variants is not given either: the comparison the phase is for, in a
 # budget that leaves the FSDP phase its own (every preset on Megatron: tests/test_megatron_engine_on_cpu.py)
 DEFAULT_MEGATRON_VARIANTS = ("none", "forking", "gmts")
@@ -130,7 +157,28 @@ class Workload:
 
 
 GPU_WORKLOAD = Workload(n=16, group_size=4, prompt_len=(128, 512), resp_len=(3584, 4096), max_token_len=16384)
+# every preset in one run: half the responses, shorter (~21k tokens per step, two micro-batches), so that a sanity
+# step and one timed step of each fit the phase budget (one step of GPU_WORKLOAD took 17 s on an H200)
+SWEEP_WORKLOAD = Workload(n=8, group_size=4, prompt_len=(128, 512), resp_len=(2048, 2560), max_token_len=16384)
 TINY_WORKLOAD = Workload(n=8, group_size=4, prompt_len=(8, 16), resp_len=(24, 48), max_token_len=128)
+
+
+def variant_preset(spec: str) -> str:
+    """The preset a variant spec (``PRESET[+entropy][:knob=value,...]``) runs."""
+    return spec.partition(":")[0].partition("+")[0]
+
+
+def default_variants() -> list[str]:
+    """Every preset of ``verl_tokensel.core.presets.PRESETS`` (read now: presets registered later are included),
+    ``none`` first (the baseline), each of :data:`EXTRA_VARIANTS` right after its preset."""
+    from verl_tokensel.core.config import PRESETS
+
+    names = ["none", *(p for p in PRESETS if p != "none")]
+    out = []
+    for name in names:
+        out.append(name)
+        out += [x for x in EXTRA_VARIANTS if variant_preset(x) == name]
+    return out
 
 
 def log(msg: str) -> None:
@@ -177,8 +225,11 @@ class Clock:
 
     def left(self) -> float:
         """Seconds left in the current phase (and before the deadline, less a margin for writing out)."""
-        now = time.monotonic()
-        return min(self.phase_end, self.t0 + self.deadline_s - 5.0) - now
+        return min(self.phase_end - time.monotonic(), self.total_left())
+
+    def total_left(self) -> float:
+        """Seconds left before the deadline, less a margin for writing out."""
+        return self.t0 + self.deadline_s - 5.0 - time.monotonic()
 
     def run_phase(self, name: str, budget_s: float, fn, *args, **kwargs):
         """Run ``fn`` as phase ``name``; record budget, seconds and status under results["phases"]."""
@@ -303,6 +354,25 @@ def lm_head_module(actor):
     return (head, None) if head is not None else (None, "the model has no lm_head module")
 
 
+def gates_gradient(sel) -> bool:
+    """Whether the rule keeps the policy gradient on its mask only, so that the logit-gradient check applies: the
+    base rule's transform (``gate=mask``: ``gradient_mask``, ``stapo``) and the two that add per-token weights to
+    that gate (``lopti``, ``fipo``). The other rules give the unselected tokens a gradient of their own (the
+    actor's clip bounds, a penalty, an advantage shift, a policy loss per token): their mask is no gradient gate."""
+    from verl_tokensel.core.rules.base import Rule
+
+    return sel is None or type(sel.impl).transform is Rule.transform or sel.rule in ("lopti", "fipo")
+
+
+def counts_by_budget(sel) -> bool:
+    """Whether the rule selects with the base ranking (``ceil(ratio n)`` of a pool, or the quantile budget), so the
+    selected counts can be checked against ``ratio``; rules with a selection of their own (the covariance rules,
+    STAPO, KTAE, GTPO) are checked by what they report."""
+    from verl_tokensel.core.rules.base import Rule
+
+    return sel is not None and type(sel.impl).select is Rule.select
+
+
 class SanityRecorder:
     """Per micro-batch: the mask the loss used, the response/prompt lengths, and which logit rows got gradient.
 
@@ -370,12 +440,16 @@ class SanityRecorder:
         if self.handle is not None:
             self.handle.remove()
 
-    def check(self, selection, rmpad: bool, expected_selected: int | None = None) -> dict:
+    def check(self, selection, rmpad: bool, expected_selected: int | None = None, passes: int = 1) -> dict:
         """Counts per micro-batch and the gradient-zero checks; ``failures`` lists what did not hold.
 
         ``expected_selected``: the number of tokens the whole step must select, for a selection made over
         a pool wider than one micro-batch (the pre-pass's group scope: the sum over the groups of
         ``ceil(ratio n_g)``); checked against the masks the loss applied over all micro-batches.
+        ``passes``: the step's update passes (Lopti: 2, the micro-batches of both recorded); a pass zeroes the
+        advantages of the tokens it does not update, so with several the selected tokens' gradient is not checked,
+        only that no unselected token got one. A rule whose mask is no gradient gate (:func:`gates_gradient`) gets
+        no logit-gradient check; the reason is recorded under ``grad_check_skipped``.
         """
         import torch
 
@@ -385,7 +459,8 @@ class SanityRecorder:
         if not self.calls:
             out["failures"].append("the loss was never called")
             return out
-        grad_check = rmpad and self.handle is not None
+        gate = gates_gradient(selection)
+        grad_check = rmpad and self.handle is not None and gate
         if grad_check and (len(self.grad_rows) != len(self.calls) or any(g is None for g in self.grad_rows)):
             out["failures"].append(f"{len(self.calls)} loss calls but {len(self.grad_rows)} LM-head gradients")
             return out
@@ -404,12 +479,23 @@ class SanityRecorder:
             fractions.append(n_sel / max(n_valid, 1))
             if bool((mask & ~valid).any()):
                 out["failures"].append("a padding position was selected")
-            if selection is not None and selection.scope == "micro_batch":
+            by_budget = counts_by_budget(selection)
+            if by_budget and selection.scope == "micro_batch" and selection.knobs.budget == "count":
                 want = budget(selection.knobs.ratio, n_valid)
                 out["count_checked"] += 1
                 if n_sel != want:
                     out["failures"].append(f"micro-batch with {n_valid} valid tokens: {n_sel} selected, "
                                            f"ceil({selection.knobs.ratio} N) = {want}")
+            elif by_budget and selection.scope == "sequence" and selection.knobs.budget == "quantile":
+                # strictly above the response's (1 - ratio) quantile (linear interpolation): with distinct scores
+                # the top n - 1 - floor((1 - ratio)(n - 1)) of its n valid tokens
+                q = 1.0 - selection.knobs.ratio
+                rows_valid, rows_sel = valid.sum(-1).tolist(), mask.sum(-1).tolist()
+                want_rows = [n - 1 - math.floor(q * (n - 1)) if n else 0 for n in rows_valid]
+                out["count_checked"] += 1
+                if rows_sel != want_rows:
+                    out["failures"].append(f"micro-batch {k}: {rows_sel} selected per response of {rows_valid}, "
+                                           f"above the {q:g} quantile {want_rows}")
             if not grad_check:
                 continue
             rows = self.grad_rows[k]
@@ -424,7 +510,8 @@ class SanityRecorder:
                 got[i, :r] = flat[start : start + r]
             out["grad_checked"] += 1
             leaked += int((got & valid & ~mask).sum())
-            starved += int((~got & mask).sum())
+            if passes == 1:
+                starved += int((~got & mask).sum())
         if expected_selected is not None:
             out["expected_selected_tokens"] = expected_selected
             if sel_total != expected_selected:
@@ -444,6 +531,12 @@ class SanityRecorder:
                                          "packed layout")
         elif self.handle is None:
             out["grad_check_skipped"] = f"{self.no_head_reason}: selected counts and metrics only"
+        elif not gate:
+            out["grad_check_skipped"] = (f"rule {selection.rule}: its mask is no gradient gate (the other tokens get "
+                                         "a gradient of their own): selected counts and metrics only")
+        elif passes > 1:
+            out["selected_grad_check_skipped"] = (f"{passes} update passes, each zeroes the advantages of the tokens "
+                                                  "it does not update: only the unselected tokens are checked")
         return out
 
 
@@ -472,22 +565,38 @@ class Variant:
     config: object = None  # the actor config the loss is bound to
     selection: object = None  # verl_tokensel.core.config.Selection or None
     knobs: dict = dataclasses.field(default_factory=dict)  # token_selection.* overrides of the preset
+    settings: dict = dataclasses.field(default_factory=dict)  # actor settings the preset needs (use_kl_loss, ...)
+    error: str | None = None  # its config could not be built: the reason (the variant does not run)
 
     def loss_fn(self, observer=None):
         from verl_tokensel.verl_glue.loss import SelectingLoss
 
         return SelectingLoss(self.config, observer=observer)
 
+    @property
+    def passes(self) -> tuple:
+        """The update passes of one step (``(None,)``: verl's one; Lopti: ``(1, 2)``, each a whole update)."""
+        return self.selection.update_passes if self.selection is not None else (None,)
 
-def parse_variant(spec: str, run_prepass: bool = False) -> tuple[str, bool, dict]:
+    @property
+    def driver(self) -> bool:
+        """The selection runs on the driver before the update (``score_source=rollout``)."""
+        return self.selection is not None and self.selection.score_source == "rollout"
+
+    @property
+    def kl(self) -> bool:
+        return bool(self.settings.get("use_kl_loss"))
+
+
+def parse_variant(spec: str, run_prepass: bool = False, run_driver: bool = False) -> tuple[str, bool, dict]:
     """``PRESET[+entropy][:knob=value,...]`` -> (preset, entropy forced on, token_selection knobs).
 
     A preset whose scores come from outside the loss (``score_source`` prepass / rollout: a pre-pass
-    or the driver fills ``token_select_mask``) is measured with ``score_source=current`` and
-    ``scope=micro_batch``: the same score and ratio, computed inside the loss. With ``run_prepass``
-    (the Megatron phase) a ``prepass`` preset keeps its own source and scope: the harness's worker runs
-    the real pre-pass (``verl_tokensel.verl_glue.prepass``); the driver's ``rollout`` selection still
-    has no place in one process and is converted. An explicit knob overrides either.
+    or the driver fills ``token_select_mask``) that the caller cannot run there is measured with
+    ``score_source=current`` and ``scope=micro_batch``: the same score and ratio, computed inside the loss.
+    Both engine phases run the worker's real pre-pass (``run_prepass``, ``verl_tokensel.verl_glue.prepass``) and
+    the driver's selection before the step (``run_driver``), so there every preset keeps its own source and scope.
+    An explicit knob overrides either (``gmts:score_source=current,scope=micro_batch``: its in-loss twin).
     """
     from verl_tokensel.core.config import PRESETS
 
@@ -499,7 +608,7 @@ def parse_variant(spec: str, run_prepass: bool = False) -> tuple[str, bool, dict
     knobs = {}
     sel = PRESETS[preset]
     source = getattr(sel, "score_source", "current") if sel is not None else "current"
-    if source != "current" and not (run_prepass and source == "prepass"):
+    if source != "current" and not ((run_prepass and source == "prepass") or (run_driver and source == "rollout")):
         knobs.update(score_source="current", scope="micro_batch")
     for item in filter(None, knob_text.split(",")):
         k, _, v = item.partition("=")
@@ -511,30 +620,76 @@ def parse_variant(spec: str, run_prepass: bool = False) -> tuple[str, bool, dict
     return preset, extra == "entropy", knobs
 
 
-def make_variants(H, actor, names, run_prepass: bool = False) -> list[Variant]:
+#: knobs a preset gets on this random-init model (an explicit knob of the variant spec wins). GTPO's entropy filter
+#: (0.7 nats, for a trained policy) gives no update to a response above it, and a random model's entropy is about
+#: ln(vocab) (6.9 tiny, 11.9 at Qwen3's vocabulary): every response would be filtered, the gradient exactly zero.
+#: Lifted above any ln(vocab), the same computation runs and the update has a gradient to check.
+RANDOM_MODEL_KNOBS = {"gtpo": {"gtpo_entropy_threshold": 100.0}}
+
+#: what a rule that weights the KL loss per token (``needs_kl_loss``: archer) gets on the actor: Archer's settings
+KL_LOSS_SETTINGS = {"use_kl_loss": True, "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001}
+
+
+def actor_view(actor, settings: dict):
+    """``actor`` with ``settings`` on its actor node (``actor_rollout_ref.actor``), for the config the loss binds;
+    the worker (the engine) is shared."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    if not settings:
+        return actor
+    cfg = copy.deepcopy(actor.cfg)
+    OmegaConf.set_struct(cfg, False)
+    for k, v in settings.items():
+        cfg.actor_rollout_ref.actor[k] = v
+    return dataclasses.replace(actor, cfg=cfg)
+
+
+def make_variants(H, actor, names) -> list[Variant]:
     """The actor configs (``H.selecting_actor_config``: ``TokenselFSDPActorConfig`` or, for a Megatron
-    worker, ``TokenselMcoreActorConfig``) of the variants, with ``calculate_entropy`` as the tokensel
-    trainers set it: on when the loss scores by entropy itself (``score_source=current``), off when a
-    pre-pass scored before the update, unless forced with ``+entropy``."""
+    worker, ``TokenselMcoreActorConfig``) of the variants, each preset as it is configured (its pre-pass, its
+    driver selection, its update passes) and with the actor settings it needs (a rule that weights the KL loss
+    per token: :data:`KL_LOSS_SETTINGS`), with ``calculate_entropy`` as the tokensel trainers set it: on when the
+    update pass needs the entropy (``needs_entropy``: the loss scores by entropy itself, or an entropy shaping),
+    off otherwise, unless forced with ``+entropy``. A config that cannot be built is kept with its ``error``."""
+    from verl_tokensel.core.config import PRESETS
 
     out = []
     for name in names:
-        preset, force_entropy, knobs = parse_variant(name, run_prepass=run_prepass)
-        probe = H.selecting_actor_config(actor, preset, calculate_entropy=force_entropy, **knobs)
-        sel = getattr(probe, "selection", None)
-        entropy = force_entropy or (sel is not None and sel.score_source == "current" and sel.score_needs_entropy)
-        cfg = (H.selecting_actor_config(actor, preset, calculate_entropy=entropy, **knobs)
-               if entropy != force_entropy else probe)
-        out.append(Variant(name, preset, entropy, cfg, sel, knobs))
+        preset, force_entropy, knobs = parse_variant(name, run_prepass=True, run_driver=True)
+        knobs = {**RANDOM_MODEL_KNOBS.get(preset, {}), **knobs}
+        base = PRESETS[preset]
+        settings = dict(KL_LOSS_SETTINGS) if base is not None and base.impl.needs_kl_loss(base.knobs) else {}
+        try:
+            view = actor_view(actor, settings)
+            probe = H.selecting_actor_config(view, preset, calculate_entropy=force_entropy, **knobs)
+            sel = getattr(probe, "selection", None)
+            entropy = force_entropy or bool(getattr(probe, "needs_entropy", False))
+            cfg = (H.selecting_actor_config(view, preset, calculate_entropy=entropy, **knobs)
+                   if entropy != force_entropy else probe)
+        except Exception as e:  # a preset this worker cannot configure: reported, the others still run
+            out.append(Variant(name, preset, force_entropy, knobs=knobs, settings=settings,
+                               error=f"config: {type(e).__name__}: {e}"[:1500]))
+            continue
+        out.append(Variant(name, preset, entropy, cfg, sel, knobs, settings))
     return out
 
 
 def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     """Tokens a selection over a pool wider than one micro-batch keeps in the whole (single) mini-batch,
-    or None when the pool is the micro-batch (checked per micro-batch instead)."""
+    or None when the pool is the micro-batch (checked per micro-batch instead) or the rule's count is its own
+    (STAPO, Clip-Cov's draw among its candidates, KTAE, GTPO: checked by what their selection reports).
+    KL-Cov: ``max(1, int(ratio N))`` of the mini-batch (``core.cov.cov_budget``)."""
     from verl_tokensel.core.scopes import budget
 
     if sel is None or sel.scope == "micro_batch":
+        return None
+    if sel.rule == "kl_cov" and sel.scope == "mini_batch":
+        from verl_tokensel.core.cov import cov_budget
+
+        return cov_budget(sel.knobs.ratio, sum(valid_per_row))
+    if not counts_by_budget(sel) or sel.knobs.budget != "count":
         return None
     if sel.scope == "sequence":
         return sum(budget(sel.knobs.ratio, n) for n in valid_per_row)
@@ -546,16 +701,38 @@ def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     return budget(sel.knobs.ratio, sum(valid_per_row))  # mini_batch / batch: one mini-batch per step here
 
 
-def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict, names, run_prepass: bool = False,
-                     align: int = 1) -> list[str]:
-    """Sanity step, warm-up, interleaved timed rounds for every variant. Fills ``rec``; returns failures."""
+@dataclasses.dataclass
+class StepOutcome:
+    """One step of a variant: its update passes' results and their merged metrics."""
+
+    results: list
+    metrics: dict
+    seconds: float  # the update passes plus the driver's selection
+    driver_s: float = 0.0
+
+    @property
+    def losses(self) -> list:
+        return [r.loss for r in self.results]
+
+    @property
+    def grad_norms(self) -> list:
+        return [r.grad_norm for r in self.results]
+
+
+def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict, names, align: int = 1) -> list[str]:
+    """Sanity step, warm-up, interleaved timed rounds for every variant. Fills ``rec``; returns failures.
+
+    A variant that cannot run (its config refused, an exception in its sanity step, or the phase budget spent
+    before its sanity step) is recorded with ``status`` and ``reason`` under ``rec["variants"]``, counted as a
+    failure, and left out of the timed rounds; the others still run."""
     import torch
     from verl.utils import tensordict_utils as tu
 
+    from verl_tokensel.core import fields
     from verl_tokensel_cpu import batches as B
 
     failures: list[str] = []
-    variants = make_variants(H, actor, names, run_prepass=run_prepass)
+    variants = make_variants(H, actor, names)
     vocab = actor.model_config.hf_config.vocab_size
     batch = B.make_config_batch(actor.cfg, vocab, n=workload.n, seed=args.seed, calculate_entropy=False,
                                 prompt_len=workload.prompt_len, resp_len=workload.resp_len,
@@ -575,51 +752,105 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
     rmpad = actor.use_remove_padding
     valid_per_row = [int(x.sum()) for x in batch["response_mask"].unbind(0)]
     uids = list(batch["uid"])
+    eos = actor.tokenizer.eos_token_id
 
-    def step(v: Variant, recorder: SanityRecorder | None = None):
+    def step(v: Variant, recorder: SanityRecorder | None = None) -> tuple[StepOutcome, float | None, float | None]:
         b = batch.copy()
         tu.assign_non_tensor(b, calculate_entropy=v.entropy)
+        if v.kl:  # the reference model is the policy the step starts from (lr=0: the old log-probs)
+            b[fields.REF_LOG_PROB] = batch[fields.OLD_LOG_PROBS].clone()
         loss_fn = v.loss_fn() if recorder is None else recorder.wrap(v.loss_fn(observer=recorder.observe))
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             resting = torch.cuda.memory_allocated()
         _sync(args.device)
         t0 = time.perf_counter()
-        r = H.run_train_step(actor, b, loss_fn=loss_fn, capture_params=False)
+        driver_s = 0.0
+        if v.driver:  # what verl's driver adds before update_actor: the mask and scores of the whole batch
+            B.add_driver_selection(v.config, b, eos_token_id=eos)
+            driver_s = time.perf_counter() - t0
+        results = []
+        for n in v.passes:  # a rule with several update passes: one whole update per pass, as the drivers run it
+            bp = b
+            if n is not None:
+                bp = b.copy()
+                tu.assign_non_tensor(bp, **{fields.UPDATE_PASS: n})
+            results.append(H.run_train_step(actor, bp, loss_fn=loss_fn, capture_params=False))
         _sync(args.device)
         seconds = time.perf_counter() - t0
+        metrics = (results[0].metrics if len(results) == 1
+                   else v.selection.impl.merge_pass_metrics(v.selection.knobs, [r.metrics for r in results]))
         peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
-        return r, seconds, peak, (resting if args.device == "cuda" else None)
+        return (StepOutcome(results, metrics, seconds, driver_s), peak,
+                (resting if args.device == "cuda" else None))
 
     per = {v.name: {"preset": v.preset, "knobs": v.knobs, "calculate_entropy": v.entropy,
                     "selection": v.selection.as_knobs() if v.selection is not None else None,
-                    "step_s": [], "peak_mem_bytes": None, "resting_mem_bytes": None} for v in variants}
+                    "actor_settings": v.settings, "update_passes": len(v.passes), "driver_selection": v.driver,
+                    "status": "pending", "step_s": [], "peak_mem_bytes": None, "resting_mem_bytes": None}
+           for v in variants}
     rec["variants"] = per  # filled in place: a deadline's partial JSON keeps what was measured
-    rec["baseline"] = variants[0].name
     rec["rounds_done"] = rec["warmup_rounds"] = 0
+
+    def not_run(v: Variant, status: str, reason: str, **extra) -> None:
+        per[v.name].update(status=status, reason=reason, **extra)
+        failures.append(f"{v.name}: not run ({status}): {reason}")
+        log(f"{v.name}: {status}: {reason.splitlines()[0][:300]}")
+
     # 1. sanity step per variant (hooks on; not timed)
+    runnable: list[Variant] = []
     for v in variants:
+        if v.error is not None:
+            not_run(v, "error", v.error)
+            continue
+        done_s = [per[u.name]["sanity"]["seconds"] / len(u.passes) for u in runnable]
+        need = 1.1 * max(done_s, default=0.0) * len(v.passes)
+        if done_s and clock.left() < need:
+            not_run(v, "skipped", f"the phase budget was spent before its sanity step ({clock.left():.0f}s left, "
+                                  f"~{need:.0f}s needed; raise --budget-steps or pass fewer --variants)")
+            continue
         recorder = SanityRecorder(actor, align=align)
         try:
-            r, seconds, _, _ = step(v, recorder)
+            o, _, _ = step(v, recorder)
+        except Exception as e:  # this variant's step failed: reported, the others still run
+            not_run(v, "error", f"sanity step: {type(e).__name__}: {e}"[:1500],
+                    traceback=traceback.format_exc()[-4000:])
+            continue
         finally:
             recorder.close()
         want = expected_selected(v.selection, valid_per_row, uids)
-        s = recorder.check(v.selection, rmpad, expected_selected=want)
-        m = r.metrics
-        s.update(loss=r.loss, grad_norm=r.grad_norm, seconds=round(seconds, 3))
-        if not (r.loss is not None and math.isfinite(r.loss)):
-            s["failures"].append(f"loss not finite: {r.loss}")
-        if not (r.grad_norm is not None and math.isfinite(r.grad_norm) and r.grad_norm > 0):
-            s["failures"].append(f"grad norm not finite and positive: {r.grad_norm}")
+        s = recorder.check(v.selection, rmpad, expected_selected=want, passes=len(v.passes))
+        m = o.metrics
+        losses, gns = o.losses, o.grad_norms
+        s.update(loss=sum(losses) / len(losses) if None not in losses else None,
+                 grad_norm=sum(gns) / len(gns) if None not in gns else None, seconds=round(o.seconds, 3))
+        if len(o.results) > 1:
+            s.update(pass_losses=losses, pass_grad_norms=gns)
+        if not all(x is not None and math.isfinite(x) for x in losses):
+            s["failures"].append(f"loss not finite: {losses if len(losses) > 1 else losses[0]}")
+        if not all(x is not None and math.isfinite(x) for x in gns) or not any(x and x > 0 for x in gns):
+            s["failures"].append(f"grad norm not finite and positive: {gns if len(gns) > 1 else gns[0]}")
+        if v.kl:
+            s["metric_kl_loss"] = _scalar(m.get("kl_loss"))
+            if s["metric_kl_loss"] is None:
+                s["failures"].append("kl_loss missing from the step's metrics (use_kl_loss is on)")
         if v.selection is not None:
             s["metric_selected_fraction"] = _scalar(m.get("tokensel/selected_fraction"))
             s["metric_grad_mass_kept"] = _scalar(m.get("tokensel/grad_mass_kept"))
             s["metric_nan_scores"] = _scalar(m.get("tokensel/nan_scores"))
-            if s["metric_selected_fraction"] is None:
+            s["metric_keys"] = sorted(k for k in m if k.startswith("tokensel/"))
+            frac = s["metric_selected_fraction"]
+            if frac is None:
                 s["failures"].append("tokensel/selected_fraction missing from the step's metrics")
+            elif not 0.0 < frac <= 1.0:
+                s["failures"].append(f"tokensel/selected_fraction = {frac}, not in (0, 1]")
+            if not 0.0 < s.get("selected_fraction", 0.0) <= 1.0:
+                s["failures"].append(f"the masks the loss applied select {s.get('selected_fraction')} of the valid "
+                                     "tokens, not in (0, 1]")
             if s["metric_nan_scores"]:
                 s["failures"].append(f"tokensel/nan_scores = {s['metric_nan_scores']}")
+            if v.driver:  # the driver's selection: the mask the loss applied is the driver's
+                s["driver_select_s"] = round(o.driver_s, 4)
             if v.selection.score_source == "prepass":  # the worker's pre-pass ran and selected what it reports
                 pre = "tokensel/prepass/"
                 s["prepass_selected_tokens"] = _scalar(m.get(pre + "selected_tokens"))
@@ -631,19 +862,31 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
                 elif want is not None and round(s["prepass_selected_tokens"]) != want:
                     s["failures"].append(f"the pre-pass selected {s['prepass_selected_tokens']:.0f} tokens, "
                                          f"{want} expected")
+                elif round(s["prepass_selected_tokens"]) != s.get("selected_tokens"):
+                    s["failures"].append(f"the loss applied {s.get('selected_tokens')} tokens, the pre-pass "
+                                         f"selected {s['prepass_selected_tokens']:.0f}")
         per[v.name]["sanity"] = s
+        per[v.name]["status"] = "failed" if s["failures"] else "ok"
+        runnable.append(v)
         failures += [f"{v.name}: {f}" for f in s["failures"]]
         log(f"sanity {v.name}: {len(s['failures'])} failure(s), selected {s.get('selected_fraction', 0):.4f}, "
-            f"{s['micro_batches']} micro-batches, step {seconds:.2f}s")
-    # 2. warm-up and timed rounds, interleaved so drift hits every variant alike. A round is started
-    # only if the phase budget holds it (estimated from the slowest step so far, the sanity steps
-    # before any timed one); warm-up gives way first, and one timed round always runs.
-    est = max(p["sanity"]["seconds"] for p in per.values())
+            f"{s['micro_batches']} micro-batches, step {o.seconds:.2f}s")
+    rec["ran"] = [v.name for v in runnable]
+    rec["not_run"] = {v.name: per[v.name]["reason"] for v in variants if per[v.name]["status"] in ("error", "skipped")}
+    if not runnable:
+        failures.append("no variant ran")
+        return failures
+    base_name = runnable[0].name
+    rec["baseline"] = base_name
+    # 2. warm-up and timed rounds over the variants that ran, interleaved so drift hits every variant alike. A
+    # round is started only if the phase budget holds it (estimated from the sanity steps before any timed
+    # round, then from the last round); warm-up gives way first, and one timed round always runs.
+    est = sum(per[v.name]["sanity"]["seconds"] for v in runnable)
     warm = done = 0
     warm_target = args.warmup
     while done < args.steps:
         warming = warm < warm_target
-        need = est * len(variants) * (2.2 if warming else 1.1)  # a warm-up round leaves room for a timed one
+        need = est * (2.2 if warming else 1.1)  # a warm-up round leaves room for a timed one
         if clock.left() < need and (warming or done >= 1):
             if warming:
                 log(f"phase budget tight: skipping warm-up after {warm} round(s)")
@@ -651,35 +894,37 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
                 continue
             log(f"phase budget nearly spent: stopping after {done} timed round(s)")
             break
-        for v in variants:
-            r, seconds, peak, resting = step(v)
+        round_s = 0.0
+        for v in runnable:
+            o, peak, resting = step(v)
+            round_s += o.seconds
             if warming:
                 continue
             p = per[v.name]
-            p["step_s"].append(round(seconds, 4))
+            p["step_s"].append(round(o.seconds, 4))
+            if v.driver:
+                p.setdefault("driver_select_s", []).append(round(o.driver_s, 4))
             if peak is not None:
                 p["peak_mem_bytes"] = max(p["peak_mem_bytes"] or 0, peak)
                 p["resting_mem_bytes"] = resting
+        est = round_s
         if warming:
             warm += 1
         else:
             done += 1
-            est = max(max(p["step_s"]) for p in per.values())
         rec["rounds_done"], rec["warmup_rounds"] = done, warm
-    if done == 0:
-        failures.append("no timed round fitted in the phase budget")
-        return failures
-    base = per[variants[0].name]
-    for name, p in per.items():
+    base = per[base_name]
+    for v in runnable:
+        p = per[v.name]
         p["step_s_median"] = statistics.median(p["step_s"])
         if len(p["step_s"]) >= 2:  # how noisy the median is: ratios closer to 1 than this are noise
             q1, _, q3 = statistics.quantiles(p["step_s"], n=4, method="inclusive")
             p["step_iqr_over_median"] = (q3 - q1) / p["step_s_median"]
-        p["step_ratio_vs_" + variants[0].name] = p["step_s_median"] / statistics.median(base["step_s"])
+        p["step_ratio_vs_" + base_name] = p["step_s_median"] / statistics.median(base["step_s"])
         p["tokens_per_s"] = tokens / p["step_s_median"]
         if p["peak_mem_bytes"] is not None:
             p["peak_mem_gib"] = p["peak_mem_bytes"] / 2**30
-            p["mem_ratio_vs_" + variants[0].name] = p["peak_mem_bytes"] / base["peak_mem_bytes"]
+            p["mem_ratio_vs_" + base_name] = p["peak_mem_bytes"] / base["peak_mem_bytes"]
     return failures
 
 
@@ -692,12 +937,18 @@ def _common_worker_kwargs(args, workload: Workload, attn: str) -> dict:
                 num_threads=1 if args.device == "cpu" else None)
 
 
-def fsdp_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) -> list[str]:
+def fsdp_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict, reserve_s: float = 0.0) -> list[str]:
+    """``reserve_s``: seconds kept for what runs after this phase (the Megatron phase's budget): the steps' budget
+    is cut to what the deadline leaves after it."""
     kw = _common_worker_kwargs(args, workload, attn)
     actor = clock.run_phase("fsdp_init", args.budget_init, H.make_training_worker, model_dir, **kw)
     rec.update(status="running", engine="fsdp2", init_s=round(actor.init_seconds, 2),
                settings={k: v for k, v in kw.items() if k != "num_threads"})
-    failures = clock.run_phase("fsdp_steps", args.budget_steps, run_engine_steps, H, actor, args, workload, clock,
+    budget = min(args.budget_steps, max(clock.total_left() - reserve_s, 0.0))
+    if budget < args.budget_steps:
+        log(f"fsdp steps: budget cut to {budget:.0f}s ({reserve_s:.0f}s kept for the phases after it)")
+    rec["steps_budget_s"] = round(budget, 1)
+    failures = clock.run_phase("fsdp_steps", budget, run_engine_steps, H, actor, args, workload, clock,
                                rec, args.variants)
     rec["status"] = "failed" if failures else "ok"
     rec["failures"] = failures
@@ -896,7 +1147,7 @@ def megatron_phase(H, model_dir, args, workload, attn, clock: Clock, rec: dict) 
                settings={k: v for k, v in kw.items() if k not in ("num_threads", "gradient_checkpointing")})
     log(f"megatron stack: {stack}")
     try:
-        failures = run_engine_steps(H, actor, args, workload, clock, rec, names, run_prepass=True, align=1)
+        failures = run_engine_steps(H, actor, args, workload, clock, rec, names, align=1)
     except Exception as e:
         rec.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-4000:])
         return [f"megatron: {type(e).__name__}: {e}"]
@@ -924,6 +1175,10 @@ def print_table(title: str, rec: dict, base: str) -> None:
     print(f"{'variant':<{w}}{'step s':>9}{'ratio':>8}{'spread':>8}{'peak GiB':>10}{'ratio':>8}{'selected':>10}"
           f"{'mb':>4}{'unsel.grad':>11}{'sanity':>8}")
     for name, p in rec["variants"].items():
+        if "step_s_median" not in p:  # not run: the reason, in the table where its row would be
+            reason = (p.get("reason") or "not reached").splitlines()[0]
+            print(f"{name:<{w}}{p.get('status', 'pending').upper()}: {reason[:300]}")
+            continue
         s = p["sanity"]
         mem = (f"{p['peak_mem_gib']:>10.2f}{p['mem_ratio_vs_' + base]:>7.3f}x" if p.get("peak_mem_gib")
                else f"{'-':>10}{'-':>8}")
@@ -932,6 +1187,9 @@ def print_table(title: str, rec: dict, base: str) -> None:
         print(f"{name:<{w}}{p['step_s_median']:>9.3f}{p['step_ratio_vs_' + base]:>7.3f}x{spread}{mem}"
               f"{s.get('selected_fraction', float('nan')):>10.4f}{s['micro_batches']:>4}"
               f"{unsel:>11}{'ok' if not s['failures'] else 'FAIL':>8}")
+    ran, not_run = rec.get("ran", []), rec.get("not_run", {})
+    print(f"{len(ran)} of {len(rec['variants'])} variants ran"
+          + (f"; not run: {', '.join(not_run)} (reasons in the rows above and under FAILURE)" if not_run else ""))
     if stack_line:
         print(stack_line)
 
@@ -967,9 +1225,17 @@ def parse_args(argv=None):
                     help="JSON results path (default $OUT/gpu_check.json if $OUT is set)")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="presets to compare, the first is the baseline; 'P+entropy' turns the entropy pass on "
-                         f"(default: {' '.join(DEFAULT_VARIANTS)})")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds after the sanity step (default 1)")
-    ap.add_argument("--steps", type=int, default=5, help="timed rounds (default 5; fewer if the budget runs out)")
+                         "(default: every preset of verl_tokensel.core.presets.PRESETS, none first, plus "
+                         f"{' and '.join(EXTRA_VARIANTS)})")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help=f"untimed rounds after the sanity step (default 1; 0 with more than {MANY_VARIANTS} variants)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help=f"timed rounds (default 5; 1 with more than {MANY_VARIANTS} variants; fewer if the budget "
+                         "runs out)")
+    ap.add_argument("--workload", choices=("auto", "compare", "sweep"), default="auto",
+                    help="GPU batch: compare (16 responses of 3584..4096 tokens, ~66k per step), sweep (8 of "
+                         f"2048..2560, ~21k); auto: compare up to {MANY_VARIANTS} variants, else sweep "
+                         "(--tiny: its own)")
     ap.add_argument("--attn", default="auto", help="attention: auto (flash_attention_2 if importable, else sdpa; "
                                                    "eager on CPU), or a transformers name")
     ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
@@ -991,23 +1257,32 @@ def parse_args(argv=None):
                          "full: every layer, uniform, 1 layer per chunk)")
     ap.add_argument("--workdir", default=None, help="where the model folder goes (default: a temp dir)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--deadline", type=float, default=None, help="overall seconds (default 480; 240 with --tiny)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="overall seconds (default 480; with --tiny 240, 360 for more than "
+                         f"{MANY_VARIANTS} variants)")
     ap.add_argument("--budget-model", type=float, default=None, help="phase budget, s (default 60; 30 tiny)")
     ap.add_argument("--budget-init", type=float, default=None, help="phase budget, s (default 90; 60 tiny)")
-    ap.add_argument("--budget-steps", type=float, default=None, help="phase budget, s (default 150; 60 tiny)")
+    ap.add_argument("--budget-steps", type=float, default=None,
+                    help=f"phase budget, s (default 150, 360 for more than {MANY_VARIANTS} variants; tiny 60, 180); "
+                         "cut to what the deadline leaves after the Megatron phase's budget when that phase runs")
     ap.add_argument("--budget-megatron", type=float, default=None, help="phase budget, s (default 150; 60 tiny)")
     args = ap.parse_args(argv)
-    # tiny: < 60 s on an idle 2-core CPU; the budgets leave room for a busy one
-    # full size on one H200: FSDP ~4.5 min for its 7 variants (sanity + one timed round), Megatron ~2.5 min
-    defaults = dict(deadline=(240, 480), budget_model=(30, 60), budget_init=(60, 90), budget_steps=(60, 150),
-                    budget_megatron=(60, 150))
-    for k, (tiny, full) in defaults.items():
-        if getattr(args, k) is None:
-            setattr(args, k, tiny if args.tiny else full)
     if args.megatron_variants is None:
         args.megatron_variants = list(args.variants or DEFAULT_MEGATRON_VARIANTS)
     if args.variants is None:
-        args.variants = list(DEFAULT_VARIANTS)
+        args.variants = default_variants()
+    many = len(args.variants) > MANY_VARIANTS
+    # tiny: every preset in ~20 s on an idle 2-core CPU; the budgets leave room for a busy one.
+    # full size on one H200 (measured: 17 s per step of the compare workload, 66k tokens; the sweep's ~21k tokens
+    # per step, scaled from it, ~5.5 s): the sweep of every preset, a sanity and a timed step each, ~5.5 min
+    defaults = dict(deadline=((360 if many else 240), 480), budget_model=(30, 60), budget_init=(60, 90),
+                    budget_steps=((180 if many else 60), (360 if many else 150)), budget_megatron=(60, 150),
+                    steps=((1, 1) if many else (5, 5)), warmup=((0, 0) if many else (1, 1)))
+    for k, (tiny, full) in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, tiny if args.tiny else full)
+    if args.workload == "auto":
+        args.workload = "sweep" if many else "compare"
     if args.dtype == "auto":
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
     if args.grad_ckpt == "auto":
@@ -1037,7 +1312,7 @@ def main(argv=None) -> int:
 
         H = clock.run_phase("imports", 120, importlib.import_module, "verl_tokensel_cpu.worker")  # verl, ray
         attn = pick_attention(args)
-        workload = TINY_WORKLOAD if args.tiny else GPU_WORKLOAD
+        workload = TINY_WORKLOAD if args.tiny else (SWEEP_WORKLOAD if args.workload == "sweep" else GPU_WORKLOAD)
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gpu_check_"))
         model_dir, model_info = clock.run_phase("model", args.budget_model, build_model_dir,
                                                 workdir / ("tiny_qwen3" if args.tiny else "qwen3_0p6b_shape"),
@@ -1046,15 +1321,21 @@ def main(argv=None) -> int:
                              "dtype": args.dtype, "gradient_checkpointing": args.grad_ckpt == "on",
                              "model": model_info, "workload": dataclasses.asdict(workload),
                              "variants": args.variants, "warmup": args.warmup, "steps": args.steps,
-                             "deadline_s": args.deadline}
+                             "workload_name": "tiny" if args.tiny else args.workload, "deadline_s": args.deadline}
+        from verl_tokensel.core.config import PRESETS
+
+        # every preset is run unless --variants narrows the list: what this run leaves out, by name
+        ran_presets = {variant_preset(v) for v in args.variants}
+        results["config"]["presets_not_in_variants"] = [p for p in PRESETS if p not in ran_presets]
         results["config"]["megatron"] = {"variants": args.megatron_variants,
                                          "attention": args.megatron_attention, "recompute": args.megatron_recompute}
+        reason = megatron_skip_reason(args)
         if args.no_fsdp:
             results["fsdp"] = {"status": "skipped", "reason": "--no-fsdp"}
         else:
             results["fsdp"] = {}
-            results["failures"] += fsdp_phase(H, model_dir, args, workload, attn, clock, results["fsdp"])
-        reason = megatron_skip_reason(args)
+            results["failures"] += fsdp_phase(H, model_dir, args, workload, attn, clock, results["fsdp"],
+                                              reserve_s=0.0 if reason else args.budget_megatron)
         if reason:
             results["megatron"] = {"status": "skipped", "reason": reason}
             log(f"megatron skipped: {reason}")
@@ -1087,6 +1368,9 @@ def main(argv=None) -> int:
           "selected: fraction of valid response tokens selected "
           "(sanity step); mb: micro-batches; unsel.grad: unselected tokens whose logits got gradient (must be 0; "
           "- where not checked)")
+    left_out = results.get("config", {}).get("presets_not_in_variants")
+    if left_out:
+        print(f"presets not in --variants (not run): {' '.join(left_out)}")
     for f in results["failures"]:
         print(f"FAILURE: {f}")
     print(f"gpu_check: {results['status']} in {results['seconds']}s"

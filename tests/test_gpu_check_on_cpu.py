@@ -1,11 +1,13 @@
 """benchmarks/gpu_check.py and its shell scripts, exercised on CPU.
 
 The script's real job needs a GPU (a Qwen3-0.6B-shaped model, 4k-token responses); here it runs in
-its ``--tiny --device cpu`` mode end to end (verl's real TrainingWorker: FSDP2, then the Megatron engine
-on the CPU test bed of ``verl_tokensel_cpu.megatron``, fp32) and the JSON it writes is checked; a second
-run puts the GPU fallback's attention (torch SDPA per packed sequence) on the Megatron test bed. The
-sanity checker (the part that must catch a leaking mask on the GPU) is also fed hand-made micro-batches,
-one correct and one with a leak, and the watchdog is made to fire. About 40 s on two idle cores.
+its ``--tiny --device cpu`` mode end to end (verl's real TrainingWorker: FSDP2 with its default variants,
+every preset of PRESETS and the two references, in one process on one model build; then the Megatron engine
+on the CPU test bed of ``verl_tokensel_cpu.megatron``, fp32, with none, forking and gmts) and the JSON it
+writes is checked preset by preset; a second run puts the GPU fallback's attention (torch SDPA per packed
+sequence) on the Megatron test bed. The sanity checker (the part that must catch a leaking mask on the GPU)
+is also fed hand-made micro-batches, one correct and one with a leak, and the watchdog is made to fire.
+About 45 s on two idle cores.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,8 +78,9 @@ def tiny_run(tmp_path_factory):
         pytest.skip("verl is not installed")
     tmp = tmp_path_factory.mktemp("gpu_check")
     out = tmp / "gpu_check.json"
+    # FSDP: the default variants (every preset); Megatron: the comparison of its own default
     r = _run(["--tiny", "--device", "cpu", "--out", str(out), "--workdir", str(tmp), "--warmup", "0",
-              "--steps", "2", "--variants", "none", "forking", "gmts", "--deadline", "400"], timeout=500)
+              "--steps", "2", "--megatron-variants", "none", "forking", "gmts", "--deadline", "400"], timeout=500)
     assert out.exists(), r.stdout[-3000:] + r.stderr[-3000:]
     return r, json.loads(out.read_text())
 
@@ -92,9 +96,46 @@ def test_tiny_cpu_run_passes_and_prints_the_table(tiny_run):
     assert "stack: " in r.stdout and "FSDP2 vs Megatron" in r.stdout
     for name in ("none", "forking", "gmts"):  # one row per variant in each table
         assert sum(line.startswith(name + " ") for line in r.stdout.splitlines()) == 2, r.stdout
+    gc = _load_script()
+    for name in gc.default_variants():  # a row in the FSDP2 table for every preset
+        assert any(line.startswith(name + " ") for line in r.stdout.splitlines()), (name, r.stdout)
+    n = len(gc.default_variants())
+    assert f"{n} of {n} variants ran" in r.stdout and "presets not in --variants" not in r.stdout
+
+
+def test_default_variants_are_every_preset_and_the_two_references():
+    """The FSDP phase's default list is PRESETS (read at run time) plus the references: a preset added to PRESETS
+    is in it without anyone listing it, and a registered one too."""
+    from verl_tokensel.core.config import PRESETS, preset
+    from verl_tokensel.core.presets import register_preset
+
+    gc = _load_script()
+    names = gc.default_variants()
+    assert names[0] == "none" and len(names) == len(set(names))
+    assert [gc.variant_preset(v) for v in names if v not in gc.EXTRA_VARIANTS] == [
+        "none", *(p for p in PRESETS if p != "none")]
+    assert set(names) == set(PRESETS) | set(gc.EXTRA_VARIANTS)
+    assert names.index("none+entropy") == 1
+    assert names.index("forking:no_grad_scores=false") == names.index("forking") + 1
+    args = gc.parse_args(["--tiny", "--device", "cpu"])
+    assert args.variants == names and args.steps == 1 and args.warmup == 0 and args.workload == "sweep"
+    assert gc.parse_args([]).workload == "sweep" and gc.parse_args([]).budget_steps == 360
+    few = gc.parse_args(["--variants", "none", "forking", "gmts"])
+    assert few.workload == "compare" and few.steps == 5 and few.warmup == 1 and few.budget_steps == 150
+    for name in names:  # every default variant parses
+        gc.parse_variant(name, run_prepass=True, run_driver=True)
+    register_preset("_gpu_check_probe", preset("gradient_mask", score="entropy", ratio=0.3, scope="micro_batch",
+                                               normaliser="all"))
+    try:
+        assert gc.default_variants()[-1] == "_gpu_check_probe"
+    finally:
+        del PRESETS["_gpu_check_probe"]
 
 
 def test_tiny_cpu_json_fields_and_values(tiny_run):
+    """Every preset ran through the FSDP phase with what it needs, and its checks held."""
+    from verl_tokensel.core.config import PRESETS
+
     _, res = tiny_run
     assert res["config"]["device"] == "cpu" and res["config"]["attn_implementation"] == "eager"
     assert res["env"]["verl"] and res["env"]["torch"]
@@ -102,26 +143,68 @@ def test_tiny_cpu_json_fields_and_values(tiny_run):
     assert all(p["seconds"] >= 0 and p["status"] in ("ok", "over_budget") for p in res["phases"].values())
     fsdp = res["fsdp"]
     assert fsdp["status"] == "ok" and fsdp["rounds_done"] >= 1 and fsdp["tokens_per_step"] > 0
+    assert fsdp["old_log_prob_mean"] < 0 and fsdp["old_entropy_mean"] > 0
+    assert res["config"]["presets_not_in_variants"] == []
     v = fsdp["variants"]
-    assert list(v) == ["none", "forking", "gmts"]
-    assert v["none"]["step_ratio_vs_none"] == 1.0
+    assert list(v) == _load_script().default_variants()
+    assert fsdp["ran"] == list(v) and fsdp["not_run"] == {}
+    assert v["none"]["step_ratio_vs_none"] == 1.0 and v["none"]["sanity"]["selected_fraction"] == 1.0
     for name, p in v.items():
-        assert p["step_s_median"] > 0 and 0.2 < p["step_ratio_vs_none"] < 5.0, (name, p)
+        assert p["status"] == "ok", (name, p.get("reason"), p.get("sanity", {}).get("failures"))
+        assert p["step_s_median"] > 0 and 0.1 < p["step_ratio_vs_none"] < 10.0, (name, p)
         assert p["peak_mem_bytes"] is None  # CPU: no device memory statistics
         s = p["sanity"]
-        assert s["failures"] == [] and s["micro_batches"] >= 2, s  # dynamic bsz split the mini-batch
-        assert s["grad_checked"] == s["micro_batches"] and s["unselected_with_grad"] == 0
-        assert s["selected_without_grad"] == 0
-    assert v["none"]["sanity"]["selected_fraction"] == 1.0
-    for name in ("forking", "gmts"):
+        assert s["failures"] == [] and s["micro_batches"] >= 2 * p["update_passes"], (name, s)  # dynamic bsz split
+        assert s["loss"] is not None and math.isfinite(s["loss"]) and s["grad_norm"] > 0, (name, s)
+        assert s["unselected_with_grad"] == 0 and s["selected_without_grad"] == 0, (name, s)
+        if p["selection"] is None:
+            continue
+        assert 0 < s["selected_fraction"] <= 1 and 0 < s["metric_selected_fraction"] <= 1, (name, s)
+        assert "tokensel/selected_fraction" in s["metric_keys"] and not s["metric_nan_scores"], (name, s)
+        sel = p["selection"]
+        if sel["rule"] in ("gradient_mask", "stapo", "lopti", "fipo"):  # a gradient gate: the logits checked
+            assert s["grad_checked"] == s["micro_batches"] and "grad_check_skipped" not in s, (name, s)
+        else:
+            assert s["grad_checked"] == 0 and "no gradient gate" in s["grad_check_skipped"], (name, s)
+        if sel["score_source"] == "prepass":  # the worker's real pre-pass, and the loss applied its tokens
+            assert p["calculate_entropy"] is (name == "none+entropy"), name
+            assert round(s["prepass_selected_tokens"]) == s["selected_tokens"] > 0, (name, s)
+            assert any(k.startswith("tokensel/prepass/") for k in s["metric_keys"]), name
+        assert p["driver_selection"] is (sel["score_source"] == "rollout"), name
+        if p["driver_selection"]:
+            assert s["driver_select_s"] >= 0 and len(p["driver_select_s"]) == fsdp["rounds_done"], name
+        assert p["update_passes"] == len(PRESETS[p["preset"]].update_passes), name
+    for name in ("forking", "forking:no_grad_scores=false", "random", "grad_norm", "forking_bottom"):
         s = v[name]["sanity"]
-        assert s["count_checked"] == s["micro_batches"]  # ceil(0.2 N) per micro-batch, checked each
-        assert 0.2 <= s["selected_fraction"] < 0.3, s
-        assert 0.2 <= s["metric_selected_fraction"] < 0.3 and not s["metric_nan_scores"]
-        assert v[name]["calculate_entropy"] is True
+        assert s["count_checked"] == s["micro_batches"]  # ceil(ratio N) per micro-batch, checked each
+        ratio = v[name]["selection"]["ratio"]
+        assert ratio <= s["selected_fraction"] < ratio + 0.1, (name, s)
         assert v[name]["selection"]["scope"] == "micro_batch"
-        assert v[name]["selection"]["ratio"] == 0.2
-    assert fsdp["old_log_prob_mean"] < 0 and fsdp["old_entropy_mean"] > 0
+    assert v["forking"]["calculate_entropy"] is True and v["none+entropy"]["calculate_entropy"] is True
+    assert v["forking:no_grad_scores=false"]["knobs"] == {"no_grad_scores": False}
+    # each preset ran with what it needs
+    g = v["gmts"]  # its own pre-pass at group scope (not its in-loss twin)
+    assert g["selection"]["score_source"] == "prepass" and g["selection"]["scope"] == "group"
+    assert g["sanity"]["expected_selected_tokens"] == g["sanity"]["selected_tokens"]
+    assert 0.2 <= g["sanity"]["prepass_selected_fraction"] < 0.3
+    assert v["kl_cov_global"]["sanity"]["expected_selected_tokens"] == v["kl_cov_global"]["sanity"]["selected_tokens"]
+    fp = v["forking_paper"]  # the driver's batch-scope selection: ceil(0.2 N) of the whole batch
+    assert fp["selection"]["scope"] == "batch" and fp["sanity"]["expected_selected_tokens"] == fp["sanity"][
+        "selected_tokens"]
+    for name in ("ktae", "gtpo"):
+        assert v[name]["selection"]["score_source"] == "rollout" and v[name]["sanity"]["selected_fraction"] == 1.0
+    assert v["gtpo"]["knobs"] == {"gtpo_entropy_threshold": 100.0}  # RANDOM_MODEL_KNOBS
+    for name in ("lopti", "ar_lopti"):  # two whole update passes per step, the selected tokens' check off
+        s = v[name]["sanity"]
+        assert v[name]["update_passes"] == 2 and len(s["pass_losses"]) == 2 and "selected_grad_check_skipped" in s
+        assert all(math.isfinite(x) for x in s["pass_losses"]), s
+        assert {"tokensel/lopti/phase1/actor/pg_loss", "tokensel/lopti/phase2/actor/pg_loss"} <= set(
+            s["metric_keys"]), s["metric_keys"]  # the rule's merge of the two passes
+    a = v["archer"]  # Archer's KL loss on, its quantile count per response
+    assert a["actor_settings"] == {"use_kl_loss": True, "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001}
+    assert a["sanity"]["metric_kl_loss"] is not None and a["sanity"]["count_checked"] == a["sanity"]["micro_batches"]
+    assert v["aspo"]["sanity"]["count_checked"] == v["aspo"]["sanity"]["micro_batches"]
+    assert v["entropy_adv"]["calculate_entropy"] is True  # its shaping reads the update pass's entropy
 
 
 @needs_megatron
@@ -166,7 +249,10 @@ def test_tiny_cpu_megatron_phase_on_the_test_bed(tiny_run):
         loss_f, loss_m = cmp["variants"][name]["loss"]
         gn_f, gn_m = cmp["variants"][name]["grad_norm"]
         assert abs(loss_f - loss_m) < 1e-5 and abs(gn_f - gn_m) < 1e-4 * gn_f, cmp
-    assert "gmts" not in cmp["variants"]  # FSDP measured gmts in the loss, Megatron with its pre-pass
+    # gmts: the real pre-pass in both phases, the same tokens selected
+    assert fsdp["variants"]["gmts"]["sanity"]["selected_tokens"] == gs["selected_tokens"]
+    loss_f, loss_m = cmp["variants"]["gmts"]["loss"]
+    assert abs(loss_f - loss_m) < 1e-5, cmp
 
 
 @needs_megatron
@@ -288,13 +374,17 @@ def test_variant_spec_parsing():
     assert gc.parse_variant("none+entropy") == ("none", True, {})
     assert gc.parse_variant("forking:ratio=0.3,direction=bottom") == ("forking", False,
                                                                       {"ratio": 0.3, "direction": "bottom"})
-    for name, sel in PRESETS.items():  # presets scored outside the loss are measured inside it
+    for name, sel in PRESETS.items():  # a caller that cannot run a preset's source gets its in-loss twin
         if sel is not None and getattr(sel, "score_source", "current") != "current":
             assert gc.parse_variant(name)[2] == {"score_source": "current", "scope": "micro_batch"}
-    # the Megatron phase runs the worker's real pre-pass; the driver's rollout selection is still converted
+            # the engine phases run the real pre-pass and the driver's selection: every preset as configured
+            assert gc.parse_variant(name, run_prepass=True, run_driver=True) == (name, False, {})
     assert gc.parse_variant("gmts", run_prepass=True) == ("gmts", False, {})
     assert gc.parse_variant("forking_paper", run_prepass=True)[2] == {"score_source": "current",
                                                                      "scope": "micro_batch"}
+    # an explicit knob wins: gmts's in-loss twin in a phase that runs the pre-pass
+    assert gc.parse_variant("gmts:score_source=current,scope=micro_batch", run_prepass=True)[2] == {
+        "score_source": "current", "scope": "micro_batch"}
     with pytest.raises(ValueError, match="PRESET"):
         gc.parse_variant("no_such_preset")
 
@@ -307,3 +397,27 @@ def test_deadline_writes_partial_json_and_exits_3(tmp_path):
     assert "overall deadline of 2s exceeded" in r.stderr
     res = json.loads(out.read_text())
     assert res["status"] == "deadline_exceeded" and res["failures"]
+
+
+def test_a_variant_that_cannot_run_is_reported_and_fails(tmp_path):
+    """A variant that cannot run is not silently dropped: a config refused, or the phase budget spent before its
+    sanity step. Its row says why, it is a FAILURE, the run exits 1, and the variants that fit still run; the presets
+    --variants leaves out are printed."""
+    out = tmp_path / "not_run.json"
+    r = _run(["--tiny", "--device", "cpu", "--out", str(out), "--workdir", str(tmp_path), "--no-megatron",
+              "--variants", "none", "forking:ratio=7", "forking", "--steps", "1", "--budget-steps", "0.05",
+              "--deadline", "200"], timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    fsdp = res["fsdp"]
+    v = fsdp["variants"]
+    assert v["none"]["status"] == "ok" and fsdp["ran"] == ["none"] and fsdp["rounds_done"] == 1
+    assert v["forking:ratio=7"]["status"] == "error" and "token_selection.ratio" in v["forking:ratio=7"]["reason"]
+    assert v["forking"]["status"] == "skipped" and "phase budget was spent" in v["forking"]["reason"]
+    assert list(fsdp["not_run"]) == ["forking:ratio=7", "forking"]
+    assert any(f.startswith("forking:ratio=7: not run (error): config:") for f in res["failures"])
+    assert any(f.startswith("forking: not run (skipped): the phase budget") for f in res["failures"])
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(("forking:ratio=7 ", "forking "))}
+    assert "ERROR: config:" in rows["forking:ratio=7"] and "SKIPPED: the phase budget" in rows["forking"], r.stdout
+    assert "1 of 3 variants ran; not run: forking:ratio=7, forking" in r.stdout
+    assert "presets not in --variants (not run): " in r.stdout and " gmts " in r.stdout
