@@ -32,10 +32,12 @@ What it does, in one process, through verl's own ``TrainingWorker`` built by the
    ``forking:no_grad_scores=false`` (``forking`` with verl's entropy graph kept), two references for what the
    no-graph entropy saves: ``default_variants()``; ``--variants`` narrows the list (the presets it leaves out
    are printed and recorded as ``config.presets_not_in_variants``). Each preset runs as it is configured:
-   a ``score_source=prepass`` preset (``gmts``, ``kl_cov_global``, ``clip_cov_global``, ``stapo``) with the
-   worker's real pre-pass (one no-grad forward before its update, installed on the worker by the harness as
-   the tokensel actor workers install it; the step never follows an old-log-prob pass, so it includes that
-   forward); a ``score_source=rollout`` preset (``forking_paper``, ``ktae``, ``gtpo``) with the driver's
+   a ``score_source=prepass`` preset (``gmts``, ``kl_cov_global``, ``clip_cov_global``, ``stapo``,
+   ``m2po_global``) with the worker's real pre-pass (one no-grad forward before its update, installed on the
+   worker by the harness as the tokensel actor workers install it; the step never follows an old-log-prob pass,
+   so it includes that forward; ``m2po_global``'s score reads no policy value, so its pre-pass runs no forward,
+   and the batch carries rollout log-probs: the old pass's moved by a keyed uniform ``ROLLOUT_SHIFT`` wide); a
+   ``score_source=rollout`` preset (``forking_paper``, ``ktae``, ``gtpo``) with the driver's
    selection over the batch before each step (``verl_tokensel_cpu.batches.add_driver_selection``, timed with
    the step); a rule with several update passes (``lopti``, ``ar_lopti``) with one whole update per pass, the
    pass number set as the drivers set it, the metrics merged by the rule; a rule that weights the KL loss
@@ -701,6 +703,23 @@ def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     return budget(sel.knobs.ratio, sum(valid_per_row))  # mini_batch / batch: one mini-batch per step here
 
 
+#: the rollout engine's log-probs for a score that reads them (m2po_global): the old pass's moved by a keyed
+#: uniform of this width (what M2PO's second moment measures): its mean square, 1/12, is above M2PO's 0.04, so the
+#: rule masks some tokens and the sanity step sees it act
+ROLLOUT_SHIFT = 1.0
+
+
+def rollout_log_probs(old_log_probs, seed: int):
+    """``rollout_log_probs`` as a recipe with ``rollout.calculate_log_probs=true`` sends them: per response, the old
+    pass's log-probs plus a keyed uniform(-ROLLOUT_SHIFT / 2, ROLLOUT_SHIFT / 2) (nested, as the batch)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = [x + (ROLLOUT_SHIFT * (torch.rand(x.shape, generator=gen) - 0.5)).to(x.device, x.dtype)
+            for x in old_log_probs.unbind(0)]
+    return torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+
+
 @dataclasses.dataclass
 class StepOutcome:
     """One step of a variant: its update passes' results and their merged metrics."""
@@ -753,12 +772,15 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
     valid_per_row = [int(x.sum()) for x in batch["response_mask"].unbind(0)]
     uids = list(batch["uid"])
     eos = actor.tokenizer.eos_token_id
+    rollout_lp = rollout_log_probs(batch[fields.OLD_LOG_PROBS], args.seed)
 
     def step(v: Variant, recorder: SanityRecorder | None = None) -> tuple[StepOutcome, float | None, float | None]:
         b = batch.copy()
         tu.assign_non_tensor(b, calculate_entropy=v.entropy)
         if v.kl:  # the reference model is the policy the step starts from (lr=0: the old log-probs)
             b[fields.REF_LOG_PROB] = batch[fields.OLD_LOG_PROBS].clone()
+        if v.selection is not None and v.selection.needs_rollout_log_probs:  # m2po_global: the rollout engine's
+            b[fields.ROLLOUT_LOG_PROBS] = rollout_lp
         loss_fn = v.loss_fn() if recorder is None else recorder.wrap(v.loss_fn(observer=recorder.observe))
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -162,7 +162,7 @@ def test_tiny_cpu_json_fields_and_values(tiny_run):
         assert 0 < s["selected_fraction"] <= 1 and 0 < s["metric_selected_fraction"] <= 1, (name, s)
         assert "tokensel/selected_fraction" in s["metric_keys"] and not s["metric_nan_scores"], (name, s)
         sel = p["selection"]
-        if sel["rule"] in ("gradient_mask", "stapo", "lopti", "fipo"):  # a gradient gate: the logits checked
+        if sel["rule"] in ("gradient_mask", "stapo", "lopti", "fipo", "m2po"):  # a gradient gate: logits checked
             assert s["grad_checked"] == s["micro_batches"] and "grad_check_skipped" not in s, (name, s)
         else:
             assert s["grad_checked"] == 0 and "no gradient gate" in s["grad_check_skipped"], (name, s)
@@ -205,6 +205,10 @@ def test_tiny_cpu_json_fields_and_values(tiny_run):
     assert a["sanity"]["metric_kl_loss"] is not None and a["sanity"]["count_checked"] == a["sanity"]["micro_batches"]
     assert v["aspo"]["sanity"]["count_checked"] == v["aspo"]["sanity"]["micro_batches"]
     assert v["entropy_adv"]["calculate_entropy"] is True  # its shaping reads the update pass's entropy
+    m = v["m2po_global"]  # its pre-pass (no forward) over the rollout log-probs the batch carries
+    assert m["selection"]["score_source"] == "prepass" and m["selection"]["scope"] == "mini_batch"
+    # the 1.0-wide shift (mean square 1/12 > 0.04): the rule masks some tokens
+    assert 0 < m["sanity"]["selected_fraction"] < 1 and m["sanity"]["grad_checked"] > 0, m["sanity"]
 
 
 @needs_megatron
@@ -417,7 +421,8 @@ def test_a_variant_that_cannot_run_is_reported_and_fails(tmp_path):
     assert list(fsdp["not_run"]) == ["forking:ratio=7", "forking"]
     assert any(f.startswith("forking:ratio=7: not run (error): config:") for f in res["failures"])
     assert any(f.startswith("forking: not run (skipped): the phase budget") for f in res["failures"])
-    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.startswith(("forking:ratio=7 ", "forking "))}
+    rows = {line.split()[0]: line for line in r.stdout.splitlines()
+            if line.startswith(("forking:ratio=7 ", "forking "))}
     assert "ERROR: config:" in rows["forking:ratio=7"] and "SKIPPED: the phase budget" in rows["forking"], r.stdout
     assert "1 of 3 variants ran; not run: forking:ratio=7, forking" in r.stdout
     assert "presets not in --variants (not run): " in r.stdout and " gmts " in r.stdout
