@@ -114,6 +114,8 @@ def _engine_pid(text: str) -> int | None:
     return int(m[1]) if m else None
 
 
+@pytest.mark.slow  # ~90 s; the default suite keeps test_actor_worker_killed_during_the_update, the same fault path
+# (a Ray process SIGKILLed mid-step, the run failing with the dead process named) at the update, where selection runs
 def test_vllm_engine_killed_during_generation(model_dir, tmp_path):
     result, _ = _run_with_kill(tmp_path, model_dir, _engine_pid, busy_s=0.3, extra=[])
     assert result.steps == []
