@@ -415,11 +415,7 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
         d = first["driver"]
         if d.get("tokensel/driver_selected_tokens") != first["driver_valid"]:
             problems.append(f"driver metrics {d}: every one of the {first['driver_valid']} valid tokens")
-        for r, res in enumerate(per_rank):
-            applied = sum(mb["selected"] for mb in res["micro"])
-            if applied != row["epochs"] * res["driver_rank_selected"]:
-                problems.append(f"rank {r}: the loss applied {applied} tokens, the driver's mask has "
-                                f"{res['driver_rank_selected']} per epoch")
+        problems += _driver_mask_problems(row, per_rank)
     elif scope == "group":
         problems.append("gmts ran without tokensel/prepass/* metrics")
     elif scope == "mini_batch" and first["score"] in ("stapo", "m2po"):
@@ -441,11 +437,7 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
         if d.get("tokensel/driver_selected_tokens") != want or d.get("tokensel/driver_valid_tokens") != first[
                 "driver_valid"]:
             problems.append(f"driver metrics {d}, budget {want} of {first['driver_valid']}")
-        for r, res in enumerate(per_rank):
-            applied = sum(mb["selected"] for mb in res["micro"])
-            if applied != row["epochs"] * res["driver_rank_selected"]:
-                problems.append(f"rank {r}: the loss applied {applied} tokens, the driver's mask has "
-                                f"{res['driver_rank_selected']} per epoch")
+        problems += _driver_mask_problems(row, per_rank)
     return problems
 
 
@@ -556,3 +548,14 @@ def render_markdown(results: dict[str, list[dict]], seconds: float, command: str
         s = f"ok {stock['loss']:.4g}" if stock["status"] == "ok" else f"refused {stock['error']} ({stock['stage']})"
         lines.append(f"| `{cid}` | {s} | " + " | ".join(verdict(per_rank, p)[0] for p in PRESETS) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _driver_mask_problems(row: dict, per_rank: list[dict]) -> list[str]:
+    """Each rank's loss applied the driver's mask of its rows once per epoch."""
+    problems = []
+    for r, res in enumerate(per_rank):
+        applied = sum(mb["selected"] for mb in res["micro"])
+        if applied != row["epochs"] * res["driver_rank_selected"]:
+            problems.append(f"rank {r}: the loss applied {applied} tokens, the driver's mask has "
+                            f"{res['driver_rank_selected']} per epoch")
+    return problems
