@@ -125,8 +125,8 @@ def test_v0_gmts_job_from_the_wheel_on_two_nodes(cluster, gmts_run, model_dir):
 
 
 @pytest.mark.slow  # ~100 s on top of the two-node job; the default suite's resume is test_e2e_on_cpu.py::
-# test_random_draws_after_resume_equal_an_uninterrupted_run (the same checkpoint load, checked against an uninterrupted
-# run), and the two-node job itself stays in the default suite
+# test_random_draws_after_resume_equal_an_uninterrupted_run (the V1 driver's resume, checked against an uninterrupted
+# run); the v0 resume with gmts's pre-pass runs here only (-m slow); the two-node job stays in the default suite
 def test_v0_gmts_resumes_from_its_checkpoint(cluster, gmts_run, model_dir, tmp_path):
     first, overrides, work = gmts_run
     first.raise_for_status()
