@@ -3,12 +3,18 @@ batch (learning rate 0): the record that holds the rules' maths fixed across a r
 
 ``golden_run`` (spawned with :func:`helpers.distributed.run_distributed`, world size 1) builds a Megatron and an FSDP2
 worker from one tiny checkpoint, makes Archer's batch (:func:`helpers.megatron_rules.archer_batch`: old log-probs off
-the policy so that both clip bounds clip, a reference log-prob for the KL loss) and runs each entry of :data:`RUNS`
-once per engine. It returns per engine and run the step's loss and, for each parameter of
-:data:`helpers.megatron_runs.SAME_PARAMS` (the LM head and the embedding), the gradient's sum, its sum of squares
-and its dot products with :data:`N_PROJECTIONS` seeded random directions (a change anywhere in the gradient moves
-them). ``forking_paper``'s driver mask (its ``score_source=rollout``) is the top ``ceil(0.2 N)`` old-pass entropies of
-the batch, made here: the loss's use of a measured mask is what is recorded.
+the policy so that both clip bounds clip, a reference log-prob for the KL loss, seeded ``rollout_log_probs``, which
+``m2po_global`` reads) and the driver batch (:func:`driver_batch`) and runs each entry of :data:`RUNS` once per
+engine, on the driver batch for :data:`GROUP_PRESETS` and on Archer's for the others. It returns per engine and run
+the step's loss and, for each parameter of :data:`helpers.megatron_runs.SAME_PARAMS` (the LM head and the
+embedding), the gradient's sum, its sum of squares and its dot products with :data:`N_PROJECTIONS` seeded random
+directions (a change anywhere in the gradient moves them).
+
+The measured fields of ``score_source=rollout``: ``forking_paper``'s driver mask is the top ``ceil(0.2 N)`` old-pass
+entropies of the batch, made here (the loss's use of a measured mask is what is recorded); ``ktae``'s key-token
+bonus and ``gtpo``'s conflict-weighted advantages are the driver's own selection
+(:func:`verl_tokensel_cpu.batches.add_driver_selection`: ``select_on_driver`` on the batch's old pass, responses,
+rewards, prompt groups and EOS), written as the measured mask and scores.
 
 Re-record (only for a deliberate change of a rule's maths, saying which in the commit)::
 
@@ -24,15 +30,21 @@ from pathlib import Path
 
 import torch
 
-from verl_tokensel_cpu import worker as H
+from verl_tokensel_cpu import batches as B, worker as H
 
-from helpers.megatron_rules import ARCHER_ACTOR, WORKER_KW, archer_batch, median_old_prob
+from helpers.megatron_rules import ARCHER_ACTOR, ARCHER_BATCH_KW, OLD_SHIFT, WORKER_KW, archer_batch, median_old_prob
 from helpers.megatron_runs import SAME_PARAMS
 
 GOLDEN = Path(__file__).resolve().parent.parent / "data" / "rules_golden.json"
 N_PROJECTIONS = 4
 #: the non-tensor key of the update pass (Lopti's 1 / 2) under each name the drivers have used for it
 PASS_KEYS = ("tokensel_lopti_phase", "tokensel_update_pass")
+#: the driver batch's prompt groups (of ``ARCHER_BATCH_KW['n']`` responses) and the opening and closing tokens each
+#: group's responses share
+GROUP_SIZE = 4
+SHARED_ENDS = 2
+#: the presets scored on the driver from the whole prompt group: they run on :func:`driver_batch`
+GROUP_PRESETS = ("ktae", "gtpo")
 #: run name -> (preset, token_selection knobs, update pass or None); ``eta`` stands for the batch's median
 #: probability (Lopti's split in two halves on the tiny model)
 RUNS = {
@@ -54,7 +66,42 @@ RUNS = {
     "ar_lopti_2": ("ar_lopti", {"lopti_eta": "eta"}, 2),
     "entropy_adv": ("entropy_adv", {}, None),
     "stapo": ("stapo", {"stapo_prob": 0.05}, None),
+    "ce_gppo": ("ce_gppo", {}, None),
+    "aspo": ("aspo", {}, None),
+    "fipo": ("fipo", {}, None),
+    "ktae": ("ktae", {}, None),
+    # the tiny model's entropy is near log(vocabulary), above GTPO's 0.7 on every answer: the threshold is raised
+    # so that the conflict weights act rather than the entropy filter dropping every response
+    "gtpo": ("gtpo", {"gtpo_entropy_threshold": 100.0}, None),
+    "m2po_global": ("m2po_global", {}, None),
 }
+
+
+def _renest(xs):
+    return torch.nested.as_nested_tensor(list(xs), layout=torch.jagged)
+
+
+def driver_batch(actor):
+    """The batch of the presets scored per prompt group on the driver (``ktae``, ``gtpo``): built as Archer's
+    (:func:`helpers.megatron_rules.archer_batch`: its seed, length ranges and shifts) from GRPO groups of
+    :data:`GROUP_SIZE` (one prompt, group-normalised advantages: both signs in each group), whose responses share the
+    first response's :data:`SHARED_ENDS` opening and closing tokens (GTPO's conflict runs, KTAE's tokens in correct
+    and wrong responses), then the engine's old pass, old log-probs moved off the policy and a reference log-prob."""
+    batch = B.make_update_batch(actor, calculate_entropy=True, group_size=GROUP_SIZE, **ARCHER_BATCH_KW)
+    responses = [r.clone() for r in batch["responses"].unbind(0)]
+    for i, r in enumerate(responses):
+        first = responses[i - i % GROUP_SIZE]
+        r[:SHARED_ENDS] = first[:SHARED_ENDS]
+        r[-SHARED_ENDS:] = first[-SHARED_ENDS:]
+    ids = [torch.cat([x[:x.numel() - r.numel()], r]) for x, r in zip(batch["input_ids"].unbind(0), responses)]
+    batch["responses"] = _renest(responses)
+    batch["input_ids"] = _renest(ids)
+    olp, _ = H.compute_old_log_probs(actor, batch)
+    gen = torch.Generator().manual_seed(ARCHER_BATCH_KW["seed"])
+    olp = olp.unbind(0)
+    batch["old_log_probs"] = _renest(x + OLD_SHIFT * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
+    batch["ref_log_prob"] = _renest(x + 0.4 * (torch.rand(x.shape, generator=gen) - 0.5) for x in olp)
+    return batch
 
 
 def _driver_mask(batch) -> None:
@@ -97,6 +144,8 @@ def one_run(actor, batch, preset: str, knobs: dict, phase) -> dict:
     data = batch.copy()
     if preset == "forking_paper":
         _driver_mask(data)
+    elif sel_cfg.selection is not None and sel_cfg.selection.score_source == "rollout":
+        B.add_driver_selection(sel_cfg, data, eos_token_id=actor.tokenizer.eos_token_id)
     if phase is not None:
         tu.assign_non_tensor(data, **{k: phase for k in PASS_KEYS})
     r = H.run_train_step(actor, data, loss_fn=SelectingLoss(sel_cfg), capture_grads=True, capture_params=False)
@@ -110,10 +159,14 @@ def one_run(actor, batch, preset: str, knobs: dict, phase) -> dict:
 def golden_run(rank: int, world: int, model_dir: str) -> dict:
     out = {}
     megatron = H.make_training_worker(model_dir, engine="megatron", **WORKER_KW)
-    batch = archer_batch(megatron)
-    out["megatron"] = {name: one_run(megatron, batch, *spec) for name, spec in RUNS.items()}
+    batches = {False: archer_batch(megatron), True: driver_batch(megatron)}
+
+    def runs(actor):
+        return {name: one_run(actor, batches[spec[0] in GROUP_PRESETS], *spec) for name, spec in RUNS.items()}
+
+    out["megatron"] = runs(megatron)
     fsdp = H.make_training_worker(model_dir, engine="fsdp", **WORKER_KW)
-    out["fsdp"] = {name: one_run(fsdp, batch, *spec) for name, spec in RUNS.items()}
+    out["fsdp"] = runs(fsdp)
     return out
 
 
