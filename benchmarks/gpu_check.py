@@ -628,7 +628,7 @@ def parse_variant(spec: str, run_prepass: bool = False, run_driver: bool = False
 #: Lifted above any ln(vocab), the same computation runs and the update has a gradient to check.
 RANDOM_MODEL_KNOBS = {"gtpo": {"gtpo_entropy_threshold": 100.0}}
 
-#: what a rule that weights the KL loss per token (``needs_kl_loss``: archer) gets on the actor: Archer's settings
+#: what a rule that weights the KL loss per token (``Needs(kl_loss=True)``: archer) gets on the actor: Archer's settings
 KL_LOSS_SETTINGS = {"use_kl_loss": True, "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001}
 
 
@@ -662,7 +662,7 @@ def make_variants(H, actor, names) -> list[Variant]:
         preset, force_entropy, knobs = parse_variant(name, run_prepass=True, run_driver=True)
         knobs = {**RANDOM_MODEL_KNOBS.get(preset, {}), **knobs}
         base = PRESETS[preset]
-        settings = dict(KL_LOSS_SETTINGS) if base is not None and base.impl.needs_kl_loss(base.knobs) else {}
+        settings = dict(KL_LOSS_SETTINGS) if base is not None and base.impl.needs.kl_loss else {}
         try:
             view = actor_view(actor, settings)
             probe = H.selecting_actor_config(view, preset, calculate_entropy=force_entropy, **knobs)
@@ -682,13 +682,13 @@ def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     """Tokens a selection over a pool wider than one micro-batch keeps in the whole (single) mini-batch,
     or None when the pool is the micro-batch (checked per micro-batch instead) or the rule's count is its own
     (STAPO, Clip-Cov's draw among its candidates, KTAE, GTPO: checked by what their selection reports).
-    KL-Cov: ``max(1, int(ratio N))`` of the mini-batch (``core.cov.cov_budget``)."""
+    KL-Cov: ``max(1, int(ratio N))`` of the mini-batch (``core.rules.covariance.cov_budget``)."""
     from verl_tokensel.core.scopes import budget
 
     if sel is None or sel.scope == "micro_batch":
         return None
     if sel.rule == "kl_cov" and sel.scope == "mini_batch":
-        from verl_tokensel.core.cov import cov_budget
+        from verl_tokensel.core.rules.covariance import cov_budget
 
         return cov_budget(sel.knobs.ratio, sum(valid_per_row))
     if not counts_by_budget(sel) or sel.knobs.budget != "count":
@@ -801,7 +801,7 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
         _sync(args.device)
         seconds = time.perf_counter() - t0
         metrics = (results[0].metrics if len(results) == 1
-                   else v.selection.impl.merge_pass_metrics(v.selection.knobs, [r.metrics for r in results]))
+                   else v.selection.impl.merge_passes([r.metrics for r in results]))
         peak = torch.cuda.max_memory_allocated() if args.device == "cuda" else None
         return (StepOutcome(results, metrics, seconds, driver_s), peak,
                 (resting if args.device == "cuda" else None))

@@ -1,7 +1,7 @@
 """Your own token rule, registered from user code, and one update through verl's real FSDP2 ``TrainingWorker``.
 
 A rule is one class (:class:`verl_tokensel.core.rules.base.Rule`) registered by name with ``@register_rule``
-(refusing to overwrite), its knobs one frozen dataclass extending ``Ranking`` (each field a ``knob`` with its
+(refusing to overwrite), its knobs one frozen dataclass extending ``Knobs`` (each field a ``knob`` with its
 help text, default and paper value, checked in ``__post_init__``), and a preset naming it
 (``register_preset``). What the rule does to verl's loss is one ``LossTransform`` per micro-batch: here only
 ``advantage_weight``; the policy loss stays verl's configured ``loss_mode``.
@@ -36,13 +36,13 @@ import torch
 
 from verl_tokensel.core.config import preset, register_preset
 from verl_tokensel.core.errors import check_number
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule
+from verl_tokensel.core.rules.base import LossTransform, Knobs, Rule, knob, register_rule
 
 NAME = "surprise_weight"
 
 
 @dataclass(frozen=True)
-class SurpriseKnobs(Ranking):
+class SurpriseKnobs(Knobs):
     surprise_alpha: float = knob(0.5, "Slope of the advantage weight in the token's surprisal -log p above the "
                                  "micro-batch's mean; 0 leaves the advantages as they are.", "n/a (example rule)")
     surprise_max_weight: float = knob(2.0, "Bound of the weight: it stays in [1 / max, max]; must be >= 1.",

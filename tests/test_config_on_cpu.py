@@ -298,11 +298,11 @@ def test_selection_fields_are_the_knob_set():
     own, the earlier keys and the engine switches; every resolved Selection's flat view is among them, and the shared
     config keeps at most 12 fields (the README table and the YAML are checked against the same dataclass above)."""
     from verl_tokensel.core.config import ENGINE_SWITCHES, LEGACY_KEYS, SHARED_KEYS, Selection
-    from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Ranking
+    from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Knobs
 
     assert set(ENGINE_SWITCHES) == {"auto_enable_entropy", "no_grad_scores", "prepass_reuse"}
     assert len(fields(Selection)) <= 12
-    declared = {"rule", *SHARED_KEYS, *(f.name for f in fields(Ranking)), *LEGACY_KEYS, *ENGINE_SWITCHES}
+    declared = {"rule", *SHARED_KEYS, *(f.name for f in fields(Knobs)), *LEGACY_KEYS, *ENGINE_SWITCHES}
     declared |= {f.name for r in RULE_REGISTRY.values() for f in fields(r.Knobs)}
     declared |= {f.name for s in SHAPING_REGISTRY.values() for f in fields(s.Knobs)}
     assert {f.name for f in fields(TokenSelectionConfig)} == declared

@@ -76,7 +76,7 @@ def _script(path: Path, timeout: int = 120) -> str:
 
 def test_custom_score_runs_as_a_script():
     out = _script(EXAMPLES_DIR / "custom_score.py")
-    assert ("token_selector=low_confidence -> Selection(rule='gradient_mask', knobs=Ranking(score='low_confidence', "
+    assert ("token_selector=low_confidence -> Selection(rule='gradient_mask', knobs=Knobs(score='low_confidence', "
             "ratio=0.2") in out, out
     # ceil(0.2 x 8 valid tokens) = 2: the two least likely sampled tokens of the hand-made batch
     assert "p(a_t) of the selected tokens: [0.05, 0.3]" in out, out
@@ -84,7 +84,7 @@ def test_custom_score_runs_as_a_script():
 
 def test_custom_preset_runs_as_a_script():
     out = _script(EXAMPLES_DIR / "custom_preset.py")
-    assert ("token_selector=entropy_top10 -> Selection(rule='gradient_mask', knobs=Ranking(score='entropy', ratio=0.1, "
+    assert ("token_selector=entropy_top10 -> Selection(rule='gradient_mask', knobs=Knobs(score='entropy', ratio=0.1, "
             "direction='top', pool='valid', budget='count'), score_source='current', scope='micro_batch', "
             "normaliser='all'") in out, out
 

@@ -35,7 +35,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbr
 
 import torch  # noqa: E402
 
-from verl_tokensel.core.cov import cov_budget  # noqa: E402
+from verl_tokensel.core.rules.covariance import cov_budget  # noqa: E402
 from verl_tokensel_cpu import tiny_model  # noqa: E402
 
 from helpers import distributed as D  # noqa: E402

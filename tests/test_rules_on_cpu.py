@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -20,14 +21,14 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, resolve_selection
-from verl_tokensel.core.cov import cov_budget, cov_scores
+from verl_tokensel.core.rules.covariance import cov_budget, cov_scores
 from verl_tokensel.core.rule import apply_rule
 from verl_tokensel.core.rules.clip_cov import candidates as clip_cov_candidates
 from verl_tokensel.core.rules.clip_cov import clipped_by_ratio, select_clip_cov
 from verl_tokensel.core.rules.kl_cov import select_kl_cov
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
-from verl_tokensel.verl_glue.policy_loss import PPO_CLIP_PER_TOKEN
-from verl_tokensel.verl_glue.policy_loss import zeroed_tokens_loss as clip_cov_loss
+from verl_tokensel.core.rules.clip_cov import clip_cov_token_losses
+from verl_tokensel.verl_glue.policy_loss import PPO_CLIP_PER_TOKEN, rule_token_loss
 
 from helpers.actor_configs import actor_config, micro_batch, padded
 from helpers.distributed import run_distributed
@@ -50,8 +51,8 @@ def select_cov(rule, *, advantages, log_prob, pool, ratio, group=None, verl_mean
                lb=1.0, ub=5.0):
     """The covariance rules' own selections, by rule name."""
     if rule == "kl_cov":
-        return select_kl_cov(advantages, log_prob, pool, ratio, group=group, verl_means=verl_means)
-    return select_clip_cov(advantages, log_prob, old_log_prob, pool, ratio, draw, lb=lb, ub=ub, group=group,
+        return select_kl_cov(advantages, log_prob, pool, ratio, dp_group=group, verl_means=verl_means)
+    return select_clip_cov(advantages, log_prob, old_log_prob, pool, ratio, draw, lb=lb, ub=ub, dp_group=group,
                            verl_means=verl_means)
 
 
@@ -147,7 +148,8 @@ def test_clip_cov_loss_given_verls_draw_is_verls_clip_cov():
     ls, gs, _ = run(ppo_loss, stock, mo, data, lp)
     lpp = padded(mo["log_probs"], data)
     ref = stock  # the same clip bounds and global batch info as verl's call
-    lo, _ = clip_cov_loss(old, lpp, adv, valid, stock.loss_agg_mode, ref, loss_weight=(~verl_zeroed).float())
+    lo, _ = rule_token_loss(old, lpp, adv, valid, stock.loss_agg_mode, ref,
+                            token_loss=partial(clip_cov_token_losses, loss_weight=(~verl_zeroed).float()))
     # verl's ppo_loss adds nothing else here (no entropy, no KL): the policy loss is the loss
     (go,) = torch.autograd.grad(lo, lp)
     assert torch.equal(lo.detach(), ls) and torch.equal(go, gs)
@@ -215,8 +217,8 @@ def test_mini_batch_selection_does_not_move_with_the_micro_batch_split():
             measured = (whole.mask[start:start + size], whole.scores[start:start + size])
             pieces.append(apply_rule(sel, score_batch(sel.knobs.score, part), measured=measured, stats=False))
         assert torch.equal(torch.cat([p.mask for p in pieces]), whole.mask)
-        penalty = [p.transform.policy_loss_args["penalty"] for p in pieces]
-        assert torch.equal(torch.cat(penalty), whole.transform.policy_loss_args["penalty"])
+        penalty = [p.transform.token_loss.keywords["penalty"] for p in pieces]
+        assert torch.equal(torch.cat(penalty), whole.transform.token_loss.keywords["penalty"])
     # while verl's per-micro-batch pool picks other tokens at each size
     per_mb = {size: torch.cat([select_cov("kl_cov", advantages=adv[s:s + size], log_prob=lp[s:s + size],
                                           pool=valid[s:s + size], ratio=0.05, verl_means=True)[0]

@@ -26,7 +26,7 @@ for _mod in ("verl", "ray", "vllm", "transfer_queue"):
     if importlib.util.find_spec(_mod) is None:
         pytest.skip(f"{_mod} is not installed (requirements/cpu-test.txt)", allow_module_level=True)
 
-from verl_tokensel.core.cov import cov_budget  # noqa: E402
+from verl_tokensel.core.rules.covariance import cov_budget  # noqa: E402
 from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
 from verl_tokensel_cpu.launch import ENGINE_OVERRIDES, run_main_ppo  # noqa: E402
 

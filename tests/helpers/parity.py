@@ -445,7 +445,7 @@ def _cov_problems(per_rank: list[dict]) -> list[str]:
     """KL-Cov / Clip-Cov over the mini-batch (the pre-pass): per mini-batch, max(1, int(ratio N)) of its N valid
     tokens over the ranks (KL-Cov; Clip-Cov at most that many, its candidates may be fewer), and the loss applies
     exactly the pre-pass's tokens."""
-    from verl_tokensel.core.cov import cov_budget
+    from verl_tokensel.core.rules.covariance import cov_budget
 
     first = per_rank[0]
     got = first["metrics"].get("tokensel/prepass/selected_tokens")

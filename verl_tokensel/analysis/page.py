@@ -66,7 +66,7 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
     b = len(scored)
     names = [shade] if shade != "logp" else []
     if sel is not None:
-        names.extend(sel.impl.scores(sel))
+        names.extend(sel.scores)
     batch = scored_batch(scored, advantages, names or "entropy", pairs=pairs, seed=sel.seed if sel is not None else 0)
     valid = batch.valid
     shade_vals = batch.inputs.log_prob if shade == "logp" else batch.score(shade)

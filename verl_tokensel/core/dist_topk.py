@@ -53,7 +53,8 @@ def ordered_keys(values: torch.Tensor) -> torch.Tensor:
     return keys.masked_fill_(torch.isnan(values.detach().float()), 0)
 
 
-def _all_reduce(t: torch.Tensor, group, world: int) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, group, world: int) -> torch.Tensor:
+    """``t`` summed in place over the ``world`` ranks of ``group`` (nothing for one rank)."""
     if world > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
@@ -77,7 +78,7 @@ def kth_largest_key(keys: torch.Tensor, k: int, group: Optional[dist.ProcessGrou
         shift = 32 - _BITS * (p + 1)
         digit = (cand >> shift) & (_BINS - 1)
         hist = torch.bincount(digit, minlength=_BINS).to(torch.int64)
-        hist = _all_reduce(hist, group, world)
+        hist = all_reduce_sum(hist, group, world)
         # walk from the top bin down until `remaining` items are covered
         from_top = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])  # items in bins >= b
         b = int((from_top >= remaining).nonzero().max())
@@ -104,7 +105,7 @@ def topk_mask_distributed(
     keys = ordered_keys32(values, largest)
     world = world_size(group)
     rank = dist.get_rank(group) if world > 1 else 0
-    total = int(_all_reduce(torch.tensor([keys.numel()], dtype=torch.int64, device=keys.device), group, world).item())
+    total = int(all_reduce_sum(torch.tensor([keys.numel()], dtype=torch.int64, device=keys.device), group, world).item())
     if k <= 0 or total == 0:
         return torch.zeros_like(values, dtype=torch.bool)
     if k >= total:
@@ -115,7 +116,7 @@ def topk_mask_distributed(
     counts = torch.zeros(2 * world, dtype=torch.int64, device=keys.device)
     counts[rank] = int(greater.sum())
     counts[world + rank] = int(ties.sum())
-    counts = _all_reduce(counts, group, world)
+    counts = all_reduce_sum(counts, group, world)
     need = k - int(counts[:world].sum())
     before = int(counts[world : world + rank].sum())  # ties held by lower ranks come first
     take = max(0, min(int(counts[world + rank]), need - before))
@@ -158,7 +159,7 @@ def _grouped_kth_keys(ukey: torch.Tensor, g: torch.Tensor, k: torch.Tensor, n_gr
         digit = (ukey[cand] >> shift) & (_BINS - 1)
         hist = torch.zeros(n_groups * _BINS, dtype=torch.int32, device=device)
         hist.index_add_(0, g[cand] * _BINS + digit, torch.ones_like(digit, dtype=torch.int32))
-        hist = _all_reduce(hist, group, world).view(n_groups, _BINS).to(torch.int64)
+        hist = all_reduce_sum(hist, group, world).view(n_groups, _BINS).to(torch.int64)
         from_top = torch.flip(torch.cumsum(torch.flip(hist, [1]), 1), [1])  # items in bins >= b
         b = ((from_top >= remaining.unsqueeze(1)).sum(1) - 1).clamp(min=0)
         above = torch.cat([from_top, torch.zeros_like(from_top[:, :1])], 1).gather(1, (b + 1).unsqueeze(1)).squeeze(1)
@@ -215,7 +216,7 @@ def grouped_topk_mask_distributed(
         return out.view_as(valid)
     g = torch.searchsorted(gids, tok_gid)  # dense group index of each valid token
 
-    counts = _all_reduce(torch.bincount(g, minlength=n_groups).to(torch.int64), group, world)
+    counts = all_reduce_sum(torch.bincount(g, minlength=n_groups).to(torch.int64), group, world)
     k = torch.tensor([budget(ratio, int(c)) for c in counts.tolist()], dtype=torch.int64, device=device)
     kth = _grouped_kth_keys(ukey, g, k, n_groups, group, world)[g]
     keep_all = (k >= counts)[g]
@@ -224,7 +225,7 @@ def grouped_topk_mask_distributed(
     tally = torch.zeros(world + 1, n_groups, dtype=torch.int64, device=device)
     tally[0] = torch.bincount(g[greater], minlength=n_groups)
     tally[1 + rank] = torch.bincount(g[ties], minlength=n_groups)
-    tally = _all_reduce(tally, group, world)
+    tally = all_reduce_sum(tally, group, world)
     need = (k - tally[0]).clamp(min=0)
     before = tally[1 : 1 + rank].sum(0)  # ties held by lower ranks come first
     take = (need - before).clamp(min=0)

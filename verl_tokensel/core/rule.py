@@ -9,7 +9,6 @@ orders them. Its result, :class:`Selected`, carries the mask, the tokens the los
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,10 +16,28 @@ import torch
 import torch.distributed as dist
 
 from verl_tokensel.core.batch import ScoreBatch
-from verl_tokensel.core.rules import LossContext, LossTransform
+from verl_tokensel.core.rules.base import LossTransform, RuleInput
 from verl_tokensel.core.scores import SCORE_REGISTRY, grad_mass
 from verl_tokensel.core.select import selection_stats
 from verl_tokensel.core.selection import Selection
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """Where a micro-batch sits in the loss, for a rule whose weights depend on it (the loss builds it).
+
+    Attributes:
+        update_pass: the driver's update pass (``Needs(passes=...)``; None: the one pass).
+        denominator: the token-mean denominator of verl's loss (``batch_num_tokens``, over all ranks); None
+            outside the loss (the micro-batch alone then is the whole).
+        global_rows: the mini-batch's responses over all ranks (``global_batch_size``); None as above.
+        loss_agg_mode: the actor's ``loss_agg_mode``.
+    """
+
+    update_pass: Optional[int] = None
+    denominator: Optional[float] = None
+    global_rows: Optional[int] = None
+    loss_agg_mode: str = "token-mean"
 
 
 @dataclass
@@ -44,11 +61,12 @@ class Selected:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def _shape_score_inputs(sel: Selection, batch: ScoreBatch) -> None:
+def _shape_score_inputs(sel: Selection, x: RuleInput) -> None:
     """A score that reads the advantage (omega) ranks by the shaped one: the shaping comes first."""
+    batch = x.batch
     if sel.shaper is None or batch.advantages is None or not SCORE_REGISTRY[sel.knobs.score].needs_omega:
         return
-    t = sel.shaper.transform(batch, sel.shaping_knobs, batch.valid)
+    t = sel.shaper.transform(x.with_knobs(sel.shaping_knobs), batch.valid)
     adv = batch.advantages.float()
     adv = adv * t.advantage_weight if t.advantage_weight is not None else adv
     adv = adv + t.advantage_shift if t.advantage_shift is not None else adv
@@ -76,33 +94,40 @@ def apply_rule(
        tokens, never selected, its score NaN (counted in ``nan_scores``);
     3. select: the rule's :meth:`~verl_tokensel.core.rules.base.Rule.select` over ``sel.scope`` (exact over
        ``dp_group`` for the pooled scopes);
-    4. transform: the shaping's, then the rule's (``context``: the loss's update pass and denominators, and the
-       scores of step 1);
+    4. transform: the shaping's, then the rule's (``context``: the loss's update pass and denominators);
     5. stats (one host synchronisation), unless ``stats=False``.
 
     ``ratio`` / ``scope`` replace the rule's own for this call (the analysis tools rank one tensor as one pool).
     """
-    ratio = sel.knobs.ratio if ratio is None else ratio
-    scope = sel.scope if scope is None else scope
     context = LossContext() if context is None else context
     rule = sel.impl
-    scores = None
+    x = RuleInput(sel, sel.knobs, batch, ratio=sel.knobs.ratio if ratio is None else ratio,
+                  scope=sel.scope if scope is None else scope, dp_group=dp_group, update_pass=context.update_pass,
+                  denominator=context.denominator, global_rows=context.global_rows,
+                  loss_agg_mode=context.loss_agg_mode)
     if measured is not None:
         scores = measured[1].float()
     else:
-        _shape_score_inputs(sel, batch)
-        scores = rule.score(sel, batch)
+        _shape_score_inputs(sel, x)
+        scores = rule.score(x)
     finite = batch.finite if scores is None else batch.finite & ~torch.isnan(scores)
     tokens = batch.valid & finite
     dropped = bool((batch.valid & ~finite).any())
+    x.tokens, x.scores = tokens, scores
     if measured is not None:
         mask = measured[0].to(torch.bool) & tokens
     else:
-        mask, scores = rule.select(sel, batch, scores, tokens, ratio=ratio, scope=scope, dp_group=dp_group)
+        mask = rule.select(x)
+        if x.scores is None:
+            x.scores = torch.zeros_like(batch.inputs.log_prob, dtype=torch.float32)
+    scores = x.scores
     if dropped:
         scores = torch.where(finite, scores, torch.full_like(scores, float("nan")))
-    shaping = None if sel.shaper is None else sel.shaper.transform(batch, sel.shaping_knobs, tokens)
-    transform = rule.transform(sel, batch, mask, tokens, dataclasses.replace(context, scores=scores)).after(shaping)
+    x.mask, x.scores = mask, scores
+    shaping = None if sel.shaper is None else sel.shaper.transform(x.with_knobs(sel.shaping_knobs), tokens)
+    own = rule.transform(x)
+    transform = own.after(shaping)
+    x.transform = transform
     out = Selected(mask=mask, scores=scores, loss_tokens=tokens, dropped=dropped, transform=transform)
     if stats:
         entropy = batch.inputs.entropy
@@ -110,18 +135,27 @@ def apply_rule(
             entropy = torch.where(finite, entropy, 0.0)
         out.stats = selection_stats(mask, batch.valid, scores, entropy=entropy,
                                     grad_mass=grad_mass(sel.knobs.score, scores, batch.inputs))
-        out.stats.update(rule_stats(sel, batch, out, shaping))
+        out.stats.update(rule_stats(sel, x, own, shaping))
     return out
 
 
-def rule_stats(sel: Selection, batch: ScoreBatch, out: Selected,
+def _numbers(group: str, metrics: dict) -> dict[str, float]:
+    return {f"{group}/{k}": float(v) for k, v in metrics.items()}
+
+
+def rule_stats(sel: Selection, x: RuleInput, own: LossTransform,
                shaping: Optional[LossTransform] = None) -> dict[str, float]:
-    """The rule's and its shaping's own metrics (``<rule>/...``, ``ar/...``)."""
-    stats = sel.impl.stats(sel, batch, out.mask, out.scores, out.loss_tokens, out.transform)
+    """The rule's and its shaping's own metrics (``<rule>/...``, ``<shaping>/...``): those the transforms carry and
+    those of their ``stats`` step."""
+    stats = _numbers(sel.rule, own.metrics)
+    stats.update(_numbers(sel.rule, sel.impl.stats(x)))
     if sel.shaper is not None:
-        shaped = shaping if shaping is not None else sel.shaper.transform(batch, sel.shaping_knobs, out.loss_tokens)
-        stats.update(sel.shaper.stats(batch, sel.shaping_knobs, out.loss_tokens, shaped))
+        shaped = shaping if shaping is not None else sel.shaper.transform(x.with_knobs(sel.shaping_knobs), x.tokens)
+        y = x.with_knobs(sel.shaping_knobs)
+        y.transform = shaped
+        stats.update(_numbers(sel.shaping, shaped.metrics))
+        stats.update(_numbers(sel.shaping, sel.shaper.stats(y)))
     return stats
 
 
-__all__ = ["Selected", "apply_rule", "rule_stats"]
+__all__ = ["LossContext", "Selected", "apply_rule", "rule_stats"]

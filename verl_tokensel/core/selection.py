@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from verl_tokensel.core.errors import check_bool, check_choice, config_error
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Rule, Shaping
+from verl_tokensel.core.rules.checks import validate
 from verl_tokensel.core.scopes import SCOPES, SCORE_SOURCES, SOURCE_SCOPES
 from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreSpec
 
@@ -69,8 +70,8 @@ class Selection:
     shaping_knobs: Any = _shared(None, "The shaping's knobs (its Knobs dataclass), None without one.", "n/a")
 
     def __post_init__(self) -> None:
-        """The shared checks, then the rule's own (:meth:`~verl_tokensel.core.rules.base.Rule.check`); those that
-        need the actor's other settings are in :func:`~verl_tokensel.core.config.check_with_actor`. Errors name the
+        """Each key's own type and values, then the one validation pass without the actor's settings
+        (:func:`~verl_tokensel.core.rules.checks.validate`; the driver runs it again with them). Errors name the
         ``token_selection`` key, its valid values and the fix."""
         check_choice("token_selection.rule", self.rule, tuple(RULE_REGISTRY))
         knobs_cls = self.impl.Knobs
@@ -92,21 +93,7 @@ class Selection:
             raise TypeError("shaping=none takes no shaping_knobs")
         if self.shaping != "none" and type(self.shaping_knobs) is not self.shaper.Knobs:
             raise TypeError(f"shaping {self.shaping!r} needs knobs of type {self.shaper.Knobs.__name__}")
-        if self.normaliser == "selected" and self.score_source != "current":
-            raise config_error(
-                "token_selection.normaliser", "selected",
-                "all (with any score_source), selected (only with score_source=current)",
-                f"with score_source={self.score_source} the selection spans more than one micro-batch, so a "
-                "per-micro-batch mean over selected tokens would weight them unequally. Fix: set "
-                "token_selection.normaliser=all (the 80/20 paper's and GMTS' denominator).")
-        if self.normaliser == "kept" and self.score_source != "prepass":
-            raise config_error(
-                "token_selection.normaliser", "kept", "all or selected (with score_source="
-                f"{self.score_source}); kept needs score_source=prepass",
-                "the kept tokens' count over the whole mini-batch is the denominator, which only the pre-pass "
-                "knows before the first micro-batch's backward. Fix: set token_selection.score_source=prepass "
-                "or normaliser=all.")
-        self.impl.check(self)
+        validate(self)
 
     def as_knobs(self) -> dict[str, Any]:
         """The flat knob view (``token_selection``'s namespace): the rule, the shared keys, the rule's and the
@@ -131,17 +118,22 @@ class Selection:
     @property
     def score_specs(self) -> tuple[ScoreSpec, ...]:
         """The registered scores the rule evaluates."""
-        return tuple(SCORE_REGISTRY[name] for name in self.impl.scores(self))
+        return tuple(SCORE_REGISTRY[name] for name in self.scores)
+
+    @property
+    def scores(self) -> tuple[str, ...]:
+        """The registered scores the rule evaluates: its knobs' and those its ``Needs`` names."""
+        return tuple(dict.fromkeys((self.knobs.score, *self.impl.needs.scores)))
 
     @property
     def score_needs_entropy(self) -> bool:
         """The pass that scores (the update pass for ``score_source=current``) needs the policy entropy."""
-        return self.impl.needs_entropy(self)
+        return self.impl.needs.entropy or any(s.needs_entropy for s in self.score_specs)
 
     @property
     def shaping_needs_entropy(self) -> bool:
         """The update pass needs the entropy whatever the score source (a shaping that reads it)."""
-        return self.shaper is not None and self.shaper.needs_entropy(self.shaping_knobs)
+        return self.shaper is not None and self.shaper.needs.entropy
 
     @property
     def uses_sum_pi_squared(self) -> bool:
@@ -171,7 +163,8 @@ class Selection:
     @property
     def update_passes(self) -> tuple[Optional[int], ...]:
         """The driver's update passes per step (``(None,)``: verl's one)."""
-        return tuple(self.impl.update_passes(self.knobs))
+        n = self.impl.needs.passes
+        return (None,) if n == 1 else tuple(range(1, n + 1))
 
 
 __all__ = ["NORMALISERS", "Selection"]

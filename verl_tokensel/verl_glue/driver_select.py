@@ -69,7 +69,7 @@ def select_on_driver(
     """
     as_float = (fields.OLD_LOG_PROBS, fields.ADVANTAGES, fields.ENTROPY)
     t = {k: (v.float() if k in as_float and v is not None else v) for k, v in tensors.items()}
-    sb = score_batch(sel.impl.scores(sel), t, row_valid=row_valid, keys=keys,
+    sb = score_batch(sel.scores, t, row_valid=row_valid, keys=keys,
                      groups=group_ids if sel.scope == "group" else None, seed=sel.seed, external=external,
                      params=params)
     selected = apply_rule(sel, sb)

@@ -33,7 +33,7 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.rule import Selected, apply_rule
-from verl_tokensel.core.rules import LossContext
+from verl_tokensel.core.rule import LossContext
 from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.announce import announce_loss

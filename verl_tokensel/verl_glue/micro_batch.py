@@ -86,7 +86,7 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
                     fields.SUM_PI_SQUARED: sum_pi_squared})
     if config.use_kl_loss:  # read by the KL part of omega, and a finite input of the loss
         tensors[fields.REF_LOG_PROB] = padded.get(fields.REF_LOG_PROB, None)
-    sb = score_batch(sel.impl.scores(sel), tensors, input_ids=ids, attention_mask=attn, uids=uids, scope=sel.scope,
+    sb = score_batch(sel.scores, tensors, input_ids=ids, attention_mask=attn, uids=uids, scope=sel.scope,
                      seed=sel.seed, params=score_params(config))
     return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
 

@@ -140,7 +140,7 @@ def _kl_overrides(preset: str, micro: int) -> tuple[str, ...]:
     from verl_tokensel.core.config import PRESETS
 
     sel = PRESETS.get(preset)
-    if sel is not None and sel.impl.needs_kl_loss(sel.knobs):
+    if sel is not None and sel.impl.needs.kl_loss:
         return ("actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.001",
                 "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
                 f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}")

@@ -80,7 +80,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
         scored = score_responses(model, pairs, device="cpu")
 
     b = len(scored)
-    batch = scored_batch(scored, advantages, sel.impl.scores(sel) if sel is not None else "entropy", pairs=pairs,
+    batch = scored_batch(scored, advantages, sel.scores if sel is not None else "entropy", pairs=pairs,
                          seed=sel.seed if sel is not None else 0)
     valid, ent = batch.valid, batch.inputs.entropy
     decision, route, fork = torch.zeros_like(valid), torch.zeros_like(valid), torch.zeros_like(valid)

@@ -2,7 +2,7 @@
 
 Importing this package imports every module in it, which registers the built-in rules and shapings: a new rule
 is one module here (and its preset line in :mod:`~verl_tokensel.core.presets`). A rule in user code registers the
-same way (``examples/custom_rule.py``).
+same way, importing :mod:`verl_tokensel.rules` (``examples/custom_rule.py``).
 """
 
 import importlib
@@ -12,18 +12,22 @@ from verl_tokensel.core.rules.base import (
     RULE_REGISTRY,
     SHAPING_REGISTRY,
     ActorSettings,
-    LossContext,
+    Knobs,
     LossTransform,
-    Ranking,
+    Needs,
     Rule,
+    RuleInput,
     Shaping,
     knob,
     register_rule,
     register_shaping,
 )
 
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name != "base"):
+#: modules of this package that hold helpers shared by rules, not rules
+HELPERS = ("base", "checks", "covariance", "ppo_clip")
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in HELPERS):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["RULE_REGISTRY", "SHAPING_REGISTRY", "ActorSettings", "LossContext", "LossTransform", "Ranking", "Rule",
-           "Shaping", "knob", "register_rule", "register_shaping"]
+__all__ = ["RULE_REGISTRY", "SHAPING_REGISTRY", "ActorSettings", "Knobs", "LossTransform", "Needs", "Rule",
+           "RuleInput", "Shaping", "knob", "register_rule", "register_shaping"]

@@ -3,7 +3,7 @@
 Per response, the tokens above its 0.8 entropy quantile (current policy; ``budget=quantile``, ``ratio`` 0.2) are
 clipped at ``selected_clip_ratio_low`` / ``_high`` (0.5 / 0.5) and get ``selected_kl_weight`` (0) of the KL loss; the
 others keep the actor's clip (0.2 / 0.2 in Archer's scripts) and the KL loss (``use_kl_loss``, low_var_kl, 0.001).
-The policy loss is verl's vanilla PPO clip with per-token bounds (``tokensel_ppo_clip``).
+The policy loss is verl's vanilla PPO clip with per-token bounds (:mod:`~verl_tokensel.core.rules.ppo_clip`).
 
 The KL term (``archer_kl_mean``): ``class`` (default) is the released code's, per micro-batch the token-mean of the
 KL over each entropy class's own tokens, times the class's weight (``dp_actor.py``: ``agg_loss(kld,
@@ -22,12 +22,14 @@ package's earlier variant; about 0.8x the released term at the paper's settings)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional
 
 import torch
 
 from verl_tokensel.core.errors import check_choice, check_number, config_error
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.ppo_clip import ppo_clip_token_losses
 
 NAME = "archer"
 KL_MEANS = ("class", "all")
@@ -36,7 +38,7 @@ SUM_AGG_MODES = ("token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
-class ArcherKnobs(Ranking):
+class ArcherKnobs(Knobs):
     selected_clip_ratio_low: Optional[float] = knob(
         None, "The selected tokens' lower clip ratio (null: the actor's clip_ratio_low).",
         "0.5 (Archer, high-entropy tokens)")
@@ -95,49 +97,40 @@ def class_mean_weights(mask: torch.Tensor, tokens: torch.Tensor, selected_weight
     return torch.where(selected, w_sel, torch.where(others, w_other, 0.0)).to(torch.float32)
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=ArcherKnobs, needs=Needs(normalisers=("all",), policy_loss=True, kl_loss=True))
 class Archer(Rule):
     """High-entropy tokens (per-response quantile) get their own clip bounds and KL weight."""
 
-    Knobs = ArcherKnobs
-    normalisers = ("all",)
-    own_policy_loss = True
-    legacy = {"action": "clip_class", "phases": "one"}
-
-    def needs_kl_loss(self, knobs) -> bool:
-        return knobs.selected_kl_weight != 1.0
-
-    def check_with_actor(self, sel, actor) -> None:
-        super().check_with_actor(sel, actor)
-        k = sel.knobs
-        if self.needs_kl_loss(k) and not actor.use_kl_loss:
+    def check(self, c) -> None:
+        k = c.knobs
+        if c.actor is not None and k.selected_kl_weight != 1.0 and not c.actor.use_kl_loss:
             raise config_error(
-                "use_kl_loss", actor.use_kl_loss,
+                "use_kl_loss", c.actor.use_kl_loss,
                 f"true (with token_selection.selected_kl_weight={k.selected_kl_weight})",
                 "the rule weights the KL loss per token, and the KL loss is off. Fix: set "
                 "actor_rollout_ref.actor.use_kl_loss=true (Archer: kl_loss_coef=0.001, kl_loss_type=low_var_kl), or "
                 "token_selection.selected_kl_weight=1 to run without a KL term.")
 
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        k, inp = sel.knobs, batch.inputs
-        low = inp.clip_ratio_low if k.selected_clip_ratio_low is None else k.selected_clip_ratio_low
-        high = inp.clip_ratio_high if k.selected_clip_ratio_high is None else k.selected_clip_ratio_high
+    def transform(self, x) -> LossTransform:
+        k, mask = x.knobs, x.mask
+        low = x.clip_ratio_low if k.selected_clip_ratio_low is None else k.selected_clip_ratio_low
+        high = x.clip_ratio_high if k.selected_clip_ratio_high is None else k.selected_clip_ratio_high
         # float64: ``1 - bound`` then rounds to float32 as verl's scalar bound does, for every token
-        clip_low = torch.where(mask, float(low), float(inp.clip_ratio_low)).to(torch.float64)
-        clip_high = torch.where(mask, float(high), float(inp.clip_ratio_high)).to(torch.float64)
+        clip_low = torch.where(mask, float(low), x.clip_ratio_low).to(torch.float64)
+        clip_high = torch.where(mask, float(high), x.clip_ratio_high).to(torch.float64)
         if k.archer_kl_mean == "class":
-            kl_weight = class_mean_weights(mask, tokens, k.selected_kl_weight, ctx.denominator, ctx.global_rows,
-                                           ctx.loss_agg_mode)
+            kl_weight = class_mean_weights(mask, x.tokens, k.selected_kl_weight, x.denominator, x.global_rows,
+                                           x.loss_agg_mode)
         else:
             kl_weight = (None if k.selected_kl_weight == 1.0
                          else torch.where(mask, float(k.selected_kl_weight), 1.0).to(torch.float32))
-        return LossTransform(kl_weight=kl_weight, policy_loss="per_token_clip",
-                             policy_loss_args={"clip_low": clip_low, "clip_high": clip_high, "classes": mask,
-                                               "metric_group": NAME})
+        return LossTransform(kl_weight=kl_weight, token_loss=partial(
+            ppo_clip_token_losses, token_clip_low=clip_low, token_clip_high=clip_high, classes=mask,
+            metric_group=NAME))
 
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        n_sel, n_pool = int(mask.sum()), int(tokens.sum())
-        return {f"{NAME}/selected_tokens": float(n_sel), f"{NAME}/selected_share": share(n_sel, n_pool)}
+    def stats(self, x) -> dict[str, float]:
+        n_sel, n_pool = int(x.mask.sum()), int(x.tokens.sum())
+        return {"selected_tokens": float(n_sel), "selected_share": share(n_sel, n_pool)}
 
 
 __all__ = ["Archer", "ArcherKnobs", "KL_MEANS", "class_mean_weights"]

@@ -24,13 +24,13 @@ from functools import partial
 import torch
 
 from verl_tokensel.core.errors import check_number
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, masked_mean, register_rule, share
+from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule, share
 
 NAME = "aspo"
 
 
 @dataclass(frozen=True)
-class AspoKnobs(Ranking):
+class AspoKnobs(Knobs):
     aspo_clip_ratio_low: float = knob(
         0.4, "The high-entropy tokens' lower clip ratio (A < 0: r is clipped below at 1 - this); the others keep "
         "the actor's clip_ratio_low.", "0.4 (Archer2.0, its compute_policy_loss_archer call)")
@@ -80,24 +80,19 @@ def aspo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     return pg_losses, metrics
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=AspoKnobs, needs=Needs(normalisers=("all",), policy_loss=True))
 class Aspo(Rule):
     """High-entropy tokens (per-response quantile) get wider bounds; positive-advantage tokens the flipped ratio."""
 
-    Knobs = AspoKnobs
-    normalisers = ("all",)
-    own_policy_loss = True
-    legacy = {"action": "clip_class", "phases": "one"}
-
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        k = sel.knobs
-        return LossTransform(token_loss=partial(aspo_token_losses, selected=mask & tokens,
+    def transform(self, x) -> LossTransform:
+        k = x.knobs
+        return LossTransform(token_loss=partial(aspo_token_losses, selected=x.mask & x.tokens,
                                                 selected_low=k.aspo_clip_ratio_low,
                                                 selected_high=k.aspo_clip_ratio_high))
 
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        n_sel, n_pool = int((mask & tokens).sum()), int(tokens.sum())
-        return {f"{NAME}/selected_tokens": float(n_sel), f"{NAME}/selected_share": share(n_sel, n_pool)}
+    def stats(self, x) -> dict[str, float]:
+        n_sel, n_pool = int((x.mask & x.tokens).sum()), int(x.tokens.sum())
+        return {"selected_tokens": float(n_sel), "selected_share": share(n_sel, n_pool)}
 
 
 __all__ = ["Aspo", "AspoKnobs", "aspo_token_losses"]

@@ -1,42 +1,35 @@
-"""The rule seam. Pure torch, no verl import.
+"""The rule seam. Pure torch, no verl import. Rule authors import it from :mod:`verl_tokensel.rules`.
 
-A token rule is a class registered by name (:func:`register_rule`, refusing to overwrite) that owns:
-
-- its knobs: a frozen dataclass extending :class:`Ranking` (which tokens the rule treats: every rule ranks or
-  keeps tokens the same way) with the rule's own fields, each with help text, default and paper value in its
-  metadata, validated in ``__post_init__``;
-- what it needs and supports: the score sources and scopes it runs at, its normalisers, whether it computes the
-  policy loss itself, its update passes (Lopti's two), the entropy it reads; the driver-side checks ask the rule;
-- how it selects (:meth:`Rule.score` then :meth:`Rule.select`) and what the selected tokens get in the loss: one
-  :class:`LossTransform` (:meth:`Rule.transform`), applied as it is by the loss;
-- its metrics (:meth:`Rule.stats`, under ``tokensel/<rule name>/``).
+A token rule is registered by name (:func:`register_rule`, refusing to overwrite) with its knobs (a frozen
+dataclass extending :class:`Knobs`, each field a :func:`knob` with help text, default, paper value and valid range)
+and what it needs (one :class:`Needs`). It is a function ``rule(x) -> LossTransform`` (the common case: what the
+selected tokens get in the loss) or a :class:`Rule` subclass for a rule that also scores, selects, checks or runs
+update passes its own way. Every step receives one :class:`RuleInput` ``x`` (the micro-batch's tensors by name, the
+knobs, the pool and where the step stands) and returns one value: scores, a mask, a :class:`LossTransform`.
 
 An advantage shaping (:func:`register_shaping`) is a smaller component of the same kind with one job, the
 advantages' affine map; it runs before any rule (``token_selection.shaping``): AR's factor ahead of Lopti's passes.
-A rule in user code is one class and one :func:`~verl_tokensel.core.presets.register_preset` call
-(``examples/custom_rule.py``).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import math
+import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from verl_tokensel.core.errors import check_choice, config_error
-from verl_tokensel.core.rules.checks import check_ranking, check_score_with_actor
 from verl_tokensel.core.scopes import DIRECTIONS, POOLS, SOURCE_SCOPES, invalid_rule_arg
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import above_quantile, select_tokens
 
 if TYPE_CHECKING:  # pragma: no cover
     from verl_tokensel.core.batch import ScoreBatch
-
-#: the shared config, :class:`verl_tokensel.core.selection.Selection` (not imported: it imports the rules)
-Selection = Any
 
 # How many tokens a ranking selects: count = ceil(ratio * N) of the scope's pool; quantile = those strictly above
 # the (1 - ratio) quantile of their response (scope sequence) or micro-batch, linear interpolation (Archer's
@@ -46,16 +39,26 @@ BUDGETS = ("count", "quantile")
 OWN_LOSS_MODES = ("vanilla", "tokensel_ppo_clip")
 
 
-def knob(default: Any, help: str, paper: str) -> Any:
-    """A rule knob: its default, its help text and the paper's value (read by the YAML, the README table and
-    ``verl-tokensel`` docs; one source for each knob's meaning)."""
-    return field(default=default, metadata={"help": help, "paper": paper})
+def knob(default: Any, help: str, paper: str, *, ge: Optional[float] = None, gt: Optional[float] = None,
+         le: Optional[float] = None, lt: Optional[float] = None, choices: Optional[tuple] = None) -> Any:
+    """A rule knob: its default, its help text and the paper's value (read by the YAML, the docs and ``verl-tokensel
+    rules``; one source for each knob's meaning), and optionally its valid range (``ge``/``gt``/``le``/``lt``: a
+    finite number in it) or its ``choices``, which :class:`Knobs` checks itself, naming the key."""
+    bounds = {k: v for k, v in (("ge", ge), ("gt", gt), ("le", le), ("lt", lt)) if v is not None}
+    meta = {"help": help, "paper": paper, "bounds": bounds, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+def _valid_range(bounds: dict[str, float]) -> str:
+    words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    return "a number " + " and ".join(f"{words[k]} {v:g}" for k, v in bounds.items())
 
 
 @dataclass(frozen=True)
-class Ranking:
-    """Which tokens a rule treats: a registered score ranked over the scope's pool (or kept whole, for a score
-    that ranks nothing). The base of every rule's knobs."""
+class Knobs:
+    """Which tokens a rule treats (a registered score ranked over the scope's pool, or kept whole for a score that
+    ranks nothing) and the base of every rule's knobs: a rule's own knobs are fields of a frozen subclass, each a
+    :func:`knob`. Each checks itself (its ``ge``/``lt``/``choices``) when the knobs are built."""
 
     score: str = knob("entropy", "Per-token ranking score: a registered score (verl-tokensel view lists them).",
                       "entropy (80/20); gmts (GMTS)")
@@ -81,6 +84,44 @@ class Ranking:
         check_choice("token_selection.direction", self.direction, DIRECTIONS)
         check_choice("token_selection.pool", self.pool, POOLS)
         check_choice("token_selection.budget", self.budget, BUDGETS)
+        for f in dataclasses.fields(self):
+            value, bounds, choices = getattr(self, f.name), f.metadata.get("bounds"), f.metadata.get("choices")
+            if choices:
+                check_choice(f"token_selection.{f.name}", value, tuple(choices))
+            if bounds and not (value is None and f.default is None):
+                limits = {"ge": (operator.ge, False), "gt": (operator.gt, True), "le": (operator.le, False),
+                          "lt": (operator.lt, True)}
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                if not ok or not all(limits[k][0](value, v) for k, v in bounds.items()):
+                    raise config_error(f"token_selection.{f.name}", value,
+                                       ("null or " if f.default is None else "") + _valid_range(bounds))
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a rule needs from the pipeline, declared once (``register_rule(..., needs=Needs(...))``).
+
+    Attributes:
+        entropy: its own steps read the policy entropy (the entropy its score reads is the score's to declare).
+        scores: registered scores it evaluates besides ``knobs.score`` (their inputs are prepared: row keys...).
+        sources: score source -> the scopes the rule can pool at from it (``current`` = in the update forward,
+            ``prepass`` = a no-grad pre-pass at each mini-batch start, ``rollout`` = the driver's old-log-prob pass).
+        normalisers: the token-mean denominators it allows (``token_selection.normaliser``).
+        policy_loss: it computes the policy loss itself (``LossTransform.token_loss``), so ``loss_mode`` stays
+            vanilla (verl's maths with the rule's per-token outputs).
+        kl_loss: it weights the KL loss per token (``LossTransform.kl_weight``): recipes turn ``use_kl_loss`` on.
+        passes: whole update passes per step (Lopti: 2; each micro-batch sees its ``update_pass``).
+        prompt_groups: it reads the responses of each prompt together (an advantage estimator with groups).
+    """
+
+    entropy: bool = False
+    scores: tuple[str, ...] = ()
+    sources: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=lambda: dict(SOURCE_SCOPES))
+    normalisers: tuple[str, ...] = ("all", "selected", "kept")
+    policy_loss: bool = False
+    kl_loss: bool = False
+    passes: int = 1
+    prompt_groups: bool = False
 
 
 @dataclass
@@ -92,14 +133,13 @@ class LossTransform:
             None: every token keeps it.
         advantage_weight / advantage_shift: ``A' = weight * A + shift`` before the policy loss (None: as is).
         kl_weight / entropy_weight: per-token factors of the KL-loss and entropy-bonus terms (None: 1).
-        policy_loss: the name of a per-token policy loss the rule needs
-            (:data:`verl_tokensel.verl_glue.policy_loss.RULE_POLICY_LOSSES`) and ``policy_loss_args``, its
-            per-token keyword arguments; None: verl's configured ``loss_mode``.
-        token_loss: a policy loss of the rule's own, in its module (pure torch): ``token_loss(old_log_prob,
-            log_prob, advantages, response_mask, *, clip_low, clip_high, clip_ratio_c) -> (pg_losses, metrics)``,
-            the per-token losses ``(batch, response_len)`` and float metrics (verl's names, ``actor/pg_clipfrac``
-            ..., or ``tokensel/<rule>/...``); the loss aggregates them with verl's ``agg_loss`` and the rollout
-            importance weights. The clip bounds are the actor's. At most one of ``policy_loss`` / ``token_loss``.
+        token_loss: the rule's own policy loss (pure torch, in its module): ``token_loss(old_log_prob, log_prob,
+            advantages, response_mask, *, clip_low, clip_high, clip_ratio_c) -> (pg_losses, metrics)``, the
+            per-token losses and float metrics (verl's names, ``actor/pg_clipfrac`` ..., or ``tokensel/<rule>/...``);
+            the glue aggregates them with verl's ``agg_loss`` and the rollout importance weights; the clip bounds are
+            the actor's. None: verl's configured ``loss_mode``.
+        metrics: the rule's own metrics on this micro-batch (numbers or 0-d tensors), reported as
+            ``tokensel/<rule>/<key>``.
     """
 
     gate: Optional[torch.Tensor] = None
@@ -107,13 +147,8 @@ class LossTransform:
     advantage_shift: Optional[torch.Tensor] = None
     kl_weight: Optional[torch.Tensor] = None
     entropy_weight: Optional[torch.Tensor] = None
-    policy_loss: Optional[str] = None
-    policy_loss_args: dict[str, Any] = field(default_factory=dict)
     token_loss: Optional[Callable[..., tuple[torch.Tensor, dict[str, float]]]] = None
-
-    def __post_init__(self) -> None:
-        if self.policy_loss is not None and self.token_loss is not None:
-            raise ValueError("a LossTransform names a policy loss or carries its own token_loss, not both")
+    metrics: dict[str, Any] = field(default_factory=dict)
 
     def after(self, first: Optional["LossTransform"]) -> "LossTransform":
         """This transform applied after ``first`` (a shaping): the affine maps of A composed (``w (w1 A + s1) +
@@ -135,31 +170,9 @@ def _product(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[t
 
 
 @dataclass(frozen=True)
-class LossContext:
-    """The loss's normalisation of one micro-batch, for a rule whose weights depend on it.
-
-    Attributes:
-        update_pass: the driver's update pass (a rule's :meth:`Rule.update_passes`; None: the one pass).
-        denominator: the token-mean denominator of verl's loss (``batch_num_tokens``, over all ranks); None
-            outside the loss (the micro-batch alone then is the whole).
-        global_rows: the mini-batch's responses over all ranks (``global_batch_size``); None as above.
-        loss_agg_mode: the actor's ``loss_agg_mode`` (verl's aggregation of every term).
-        scores: ``(batch, response_len)`` float32, the scores the rule step ranked by (for a selection measured
-            before the update, the driver's or the pre-pass's, as they arrive with the micro-batch; NaN on dropped
-            tokens): a rule that computes a per-token quantity where the whole group is (the driver) carries it
-            in its score and reads it back here. Set by :func:`~verl_tokensel.core.rule.apply_rule`.
-    """
-
-    update_pass: Optional[int] = None
-    denominator: Optional[float] = None
-    global_rows: Optional[int] = None
-    loss_agg_mode: str = "token-mean"
-    scores: Optional[torch.Tensor] = None
-
-
-@dataclass(frozen=True)
 class ActorSettings:
-    """The actor settings (``actor_rollout_ref.actor.*``) a rule's checks may need; defaults: verl's."""
+    """The actor settings (``actor_rollout_ref.actor.*``, and the advantage estimator) a rule's checks may need;
+    defaults: verl's."""
 
     loss_agg_mode: str = "token-mean"
     loss_mode: str = "vanilla"
@@ -168,155 +181,179 @@ class ActorSettings:
     use_kl_loss: bool = False
     kl_loss_type: str = "low_var_kl"
     auto_enable_entropy: bool = True
+    adv_estimator: Optional[str] = None
+
+
+class RuleInput:
+    """The one input every hook of a rule receives: one micro-batch (or a pre-pass's mini-batch, the driver's batch)
+    and where the rule step stands on it. Tensors are ``(batch, response_len)``, detached unless said.
+
+    Attributes:
+        knobs: the rule's knobs (its ``Knobs`` dataclass). ``config``: the resolved rule (``scope``,
+            ``score_source``, ``normaliser``, ``seed``, ...).
+        log_prob: the scored policy's log p(a_t) (the update pass's for ``score_source=current``).
+        old_log_prob / rollout_log_prob: the old policy's (verl's old-log-prob pass) / the rollout engine's, or None.
+        advantages: verl's advantages as the batch carries them (None: not given); ``weighted_advantages``: times
+            the rollout importance weights (the token loss's weight).
+        entropy: the scored policy's entropy, or None (declare ``Needs(entropy=True)`` or a score that reads it).
+        valid: bool, the valid response tokens. ``finite``: False on a valid token with a non-finite input.
+        tokens: bool, the tokens this rule treats (valid, finite inputs, finite score): the pool it selects from.
+        scores: float32, the step's scores (None before :meth:`Rule.score`; NaN on dropped tokens).
+        mask: bool, the selected tokens (None before :meth:`Rule.select`).
+        transform: the :class:`LossTransform` (only in :meth:`Rule.stats`).
+        ratio / scope: the budget and the pool of this call. ``dp_group``: the data-parallel group of the pooled
+            scopes (None: this process alone).
+        group_ids: ``(batch,)`` int64 prompt-group ids (``scope=group``), or None.
+        external: the per-token fields the driver filled (``response_ids``, ``sequence_reward``, ...).
+        clip_ratio_low / clip_ratio_high / clip_ratio_c: the actor's PPO clip.
+        update_pass: the driver's update pass (``Needs(passes=...)``; None: the one pass, or outside the loss).
+        denominator / global_rows: verl's token-mean denominator (``batch_num_tokens``) and the mini-batch's
+            responses over all ranks; None outside the loss. ``loss_agg_mode``: the actor's.
+        batch: the underlying :class:`~verl_tokensel.core.batch.ScoreBatch` (``x.score(name)`` evaluates a
+            registered score on it).
+    """
+
+    def __init__(self, config: Any, knobs: Any, batch: "ScoreBatch", *, ratio: float, scope: str,
+                 dp_group: Optional[dist.ProcessGroup] = None, update_pass: Optional[int] = None,
+                 denominator: Optional[float] = None, global_rows: Optional[int] = None,
+                 loss_agg_mode: str = "token-mean") -> None:
+        self.config, self.knobs, self.batch = config, knobs, batch
+        self.ratio, self.scope, self.dp_group = ratio, scope, dp_group
+        self.update_pass, self.denominator, self.global_rows = update_pass, denominator, global_rows
+        self.loss_agg_mode = loss_agg_mode
+        self.tokens: torch.Tensor = batch.valid & batch.finite
+        self.scores: Optional[torch.Tensor] = None
+        self.mask: Optional[torch.Tensor] = None
+        self.transform: Optional[LossTransform] = None
+
+    def with_knobs(self, knobs: Any) -> "RuleInput":
+        """A copy of this input with other knobs (a shaping's, run on the same micro-batch)."""
+        out = copy.copy(self)
+        out.knobs = knobs
+        return out
+
+    def score(self, name: str) -> torch.Tensor:
+        """The registered score ``name`` on this batch (float32, detached, 0 off ``valid``)."""
+        return self.batch.score(name)
+
+    log_prob = property(lambda self: self.batch.inputs.log_prob)
+    old_log_prob = property(lambda self: self.batch.inputs.old_log_prob)
+    rollout_log_prob = property(lambda self: self.batch.inputs.rollout_log_prob)
+    advantages = property(lambda self: self.batch.advantages)
+    weighted_advantages = property(lambda self: self.batch.inputs.advantages)
+    entropy = property(lambda self: self.batch.inputs.entropy)
+    valid = property(lambda self: self.batch.valid)
+    finite = property(lambda self: self.batch.finite)
+    group_ids = property(lambda self: self.batch.group_ids)
+    external = property(lambda self: self.batch.inputs.external)
+    clip_ratio_low = property(lambda self: float(self.batch.inputs.clip_ratio_low))
+    clip_ratio_high = property(lambda self: float(self.batch.inputs.clip_ratio_high))
+    clip_ratio_c = property(lambda self: float(self.batch.inputs.clip_ratio_c))
 
 
 class Rule:
-    """A token rule. Subclass, set :attr:`Knobs`, override what differs, register with :func:`register_rule`.
+    """A token rule, class form: subclass, override the steps that differ, register with :func:`register_rule`
+    (which sets :attr:`name`, :attr:`Knobs` and :attr:`needs`). A rule whose only step is :meth:`transform` is
+    simpler written as a function (``@register_rule(name, knobs=...)`` on ``def rule(x) -> LossTransform``).
 
     The base is the ranked gradient mask: :meth:`select` ranks ``knobs.score`` over the scope (or keeps every
     token for a score that ranks nothing) and :meth:`transform` keeps the policy gradient on the selected tokens.
+    Every step receives one :class:`RuleInput` ``x``.
     """
 
-    #: set by :func:`register_rule`; also the metric group (``tokensel/<name>/...``)
+    #: the registered name; also the metric group (``tokensel/<name>/...``)
     name: ClassVar[str] = ""
-    #: the rule's knobs (a frozen dataclass extending :class:`Ranking`)
-    Knobs: ClassVar[type] = Ranking
-    #: score source -> the scopes the rule can pool at from it
-    source_scopes: ClassVar[dict[str, tuple[str, ...]]] = SOURCE_SCOPES
-    #: the token-mean denominators it allows (``token_selection.normaliser``)
-    normalisers: ClassVar[tuple[str, ...]] = ("all", "selected", "kept")
-    #: it computes the policy loss itself (``loss_mode`` must be one of :data:`OWN_LOSS_MODES`)
-    own_policy_loss: ClassVar[bool] = False
-    #: what the earlier keys ``token_selection.action`` / ``phases`` read for this rule (they map onto the rule)
-    legacy: ClassVar[dict[str, str]] = {"action": "gradient", "phases": "one"}
+    #: the rule's knobs (a frozen dataclass extending :class:`Knobs`)
+    Knobs: ClassVar[type] = Knobs
+    #: what it needs (:class:`Needs`)
+    needs: ClassVar[Needs] = Needs()
 
-    # --- what it needs -------------------------------------------------------------------------------------
-    def scores(self, sel: "Selection") -> tuple[str, ...]:
-        """The registered scores it evaluates (their inputs are prepared: row keys, sum p^2, external fields)."""
-        return (sel.knobs.score,)
-
-    def needs_entropy(self, sel: "Selection") -> bool:
-        """It reads the policy entropy of the pass that scores (the update pass for ``score_source=current``)."""
-        return any(SCORE_REGISTRY[s].needs_entropy for s in self.scores(sel))
-
-    def needs_kl_loss(self, knobs: Any) -> bool:
-        """It weights the KL loss per token, so it needs ``use_kl_loss`` on."""
-        return False
-
-    def update_passes(self, knobs: Any) -> tuple[Optional[int], ...]:
-        """The driver's update passes per step (each a whole actor update); ``(None,)``: verl's one."""
-        return (None,)
-
-    def merge_pass_metrics(self, knobs: Any, per_pass: list[dict[str, Any]]) -> dict[str, Any]:
-        """The step's metrics from those of each update pass (only for a rule with several)."""
-        raise NotImplementedError(f"rule {self.name!r} has one update pass")
-
-    # --- checks --------------------------------------------------------------------------------------------
-    def check(self, sel: "Selection") -> None:
-        """Checks of the knobs with the shared config (scope, score source, normaliser). Raise
-        :class:`~verl_tokensel.core.errors.TokenSelectionConfigError` naming the key."""
-        check_ranking(sel, self)
-
-    def check_with_actor(self, sel: "Selection", actor: ActorSettings) -> None:
-        """Checks that need the actor's other settings."""
-        check_score_with_actor(sel, actor)
-        if self.own_policy_loss and actor.loss_mode not in OWN_LOSS_MODES:
-            raise config_error(
-                "policy_loss.loss_mode", actor.loss_mode, f"{', '.join(OWN_LOSS_MODES)} (with token_selector's rule "
-                f"{self.name})", f"rule {self.name} computes the policy loss itself (verl's maths with the rule's "
-                "per-token outputs), so it cannot also run loss_mode's. Fix: set "
-                "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla (verl's default)."
-                + (f" The preset already is the global version of verl's loss_mode={actor.loss_mode}."
-                   if actor.loss_mode == self.name else ""))
-
-    # --- selection -----------------------------------------------------------------------------------------
-    def score(self, sel: "Selection", batch: "ScoreBatch") -> Optional[torch.Tensor]:
-        """Step 1: the scores before the pool is known (a NaN score drops its token), or None for a rule that
-        scores inside :meth:`select` (over the pool of finite tokens: the covariance's means, a quantile)."""
-        if not SCORE_REGISTRY[sel.knobs.score].ranks:
+    def score(self, x: RuleInput) -> Optional[torch.Tensor]:
+        """Step 1: the scores (a NaN drops its token), or None for a score that ranks nothing."""
+        if not SCORE_REGISTRY[x.knobs.score].ranks:
             return None
-        return batch.score(sel.knobs.score)
+        return x.score(x.knobs.score)
 
-    def select(self, sel: "Selection", batch: "ScoreBatch", scores: Optional[torch.Tensor], pool: torch.Tensor, *,
-               ratio: float, scope: str, dp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step 2: ``(mask, scores)`` over ``pool`` (the valid tokens with finite inputs and score)."""
-        k = sel.knobs
-        if scores is None:  # a score that ranks nothing keeps every token of the pool
-            return pool.clone(), torch.zeros_like(batch.inputs.log_prob, dtype=torch.float32)
+    def select(self, x: RuleInput) -> torch.Tensor:
+        """Step 2: the selected tokens, a subset of ``x.tokens``, ranked by ``x.scores``."""
+        k = x.knobs
+        if x.scores is None:  # a score that ranks nothing keeps every token of the pool
+            return x.tokens.clone()
         if k.budget == "quantile":
-            return above_quantile(scores, pool, 1.0 - ratio, per_row=scope == "sequence"), scores
-        return select_tokens(scores, pool, ratio, scope=scope, direction=k.direction, dp_group=dp_group,
-                             group_ids=batch.group_ids if scope == "group" else None, pool=k.pool) & pool, scores
+            return above_quantile(x.scores, x.tokens, 1.0 - x.ratio, per_row=x.scope == "sequence")
+        return select_tokens(x.scores, x.tokens, x.ratio, scope=x.scope, direction=k.direction, dp_group=x.dp_group,
+                             group_ids=x.group_ids if x.scope == "group" else None, pool=k.pool) & x.tokens
 
-    def transform(self, sel: "Selection", batch: "ScoreBatch", mask: torch.Tensor, tokens: torch.Tensor,
-                  ctx: LossContext) -> LossTransform:
-        """What the selected tokens get: by default only they keep the policy gradient."""
-        return LossTransform(gate=mask)
+    def transform(self, x: RuleInput) -> LossTransform:
+        """Step 3: what the selected tokens get in the loss; by default only they keep the policy gradient."""
+        return LossTransform(gate=x.mask)
 
-    def stats(self, sel: "Selection", batch: "ScoreBatch", mask: torch.Tensor, scores: torch.Tensor,
-              tokens: torch.Tensor, transform: LossTransform) -> dict[str, float]:
-        """The rule's own metrics (keys without the ``tokensel/`` prefix, under the rule's name)."""
+    def stats(self, x: RuleInput) -> dict[str, Any]:
+        """The rule's metrics that need host numbers (keys under ``tokensel/<name>/``; ``x.transform`` is set); run
+        only where metrics are reported. Cheap ones can travel in ``LossTransform.metrics`` instead."""
         return {}
+
+    def check(self, c: Any) -> None:
+        """Checks of the knobs with the shared keys and the actor's settings (``c.knobs``, ``c.scope``, ...,
+        ``c.actor``), beyond what :class:`Needs` and the knobs' ranges say. Raise ``config_error(key, value, valid,
+        fix)``. Run once, on the driver, when the config is resolved."""
+
+    def merge_passes(self, per_pass: list[dict[str, Any]]) -> dict[str, Any]:
+        """The step's metrics from those of each update pass (only for a rule with ``Needs(passes > 1)``)."""
+        raise NotImplementedError(f"rule {self.name!r} has one update pass")
 
 
 class GroupShiftRule(Rule):
     """A rule that changes each token's advantage by a quantity only the whole prompt group determines (KTAE's
     key-token score, GTPO's conflict weights): its own score computes the change on the driver (``score_source
     =rollout``, ``scope=group``), every token is kept, and the loss adds the measured score back to verl's
-    advantages (``LossContext.scores``). Subclasses set ``Knobs`` and override :meth:`score` (and ``stats``)."""
+    advantages. Subclasses override :meth:`score` (and ``stats``); register with ``needs=GROUP_SHIFT``."""
 
-    source_scopes = {"rollout": ("group",)}
-    normalisers = ("all",)
-    legacy = {"action": "gradient", "phases": "one"}
-
-    def check(self, sel: "Selection") -> None:
-        check_ranking(sel, self)
-        if sel.knobs.score != self.name:
-            raise config_error("token_selection.score", sel.knobs.score, f"{self.name} (with token_selector's rule "
+    def check(self, c: Any) -> None:
+        if c.knobs.score != self.name:
+            raise config_error("token_selection.score", c.knobs.score, f"{self.name} (with token_selector's rule "
                                f"{self.name})", f"rule {self.name} sets each token's advantage itself; it ranks "
                                "nothing.")
 
-    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
-        return pool.clone(), scores
+    def select(self, x: RuleInput) -> torch.Tensor:
+        return x.tokens.clone()
 
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        if ctx.scores is None:
+    def transform(self, x: RuleInput) -> LossTransform:
+        if x.scores is None:
             raise RuntimeError(f"rule {self.name} adds the advantage change the driver measured to the loss's "
                                "advantages; none reached the loss")
-        return LossTransform(advantage_shift=torch.where(tokens, ctx.scores, 0.0))
+        return LossTransform(advantage_shift=torch.where(x.tokens, x.scores, 0.0))
+
+
+#: what a :class:`GroupShiftRule` needs: the driver's whole prompt groups, every token in the denominator
+GROUP_SHIFT = Needs(sources={"rollout": ("group",)}, normalisers=("all",), prompt_groups=True)
 
 
 class Shaping:
     """An advantage shaping: ``A' = weight * A + shift`` on every token, nothing ranked. Runs before the rule
     (``token_selection.shaping``), so a score that reads the advantage (omega) ranks by the shaped one.
-    Register with :func:`register_shaping`; its knobs are a frozen dataclass of its own."""
+    Register with :func:`register_shaping`; its knobs are a frozen dataclass of its own (``x.knobs``)."""
 
     name: ClassVar[str] = ""
     Knobs: ClassVar[type] = type(None)
+    needs: ClassVar[Needs] = Needs()
     #: where it comes from (paper, released code), for the knob docs
     source: ClassVar[str] = ""
-    #: earlier values of ``token_selection.shaping`` that name it (they keep working and say its name)
-    aliases: ClassVar[tuple[str, ...]] = ()
 
-    def needs_entropy(self, knobs: Any) -> bool:
-        return False
-
-    def shape(self, batch: "ScoreBatch", knobs: Any,
-              advantages: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def shape(self, x: RuleInput, advantages: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(weight, shift)`` on every token (None where it leaves A as is)."""
         raise NotImplementedError
 
-    def transform(self, batch: "ScoreBatch", knobs: Any, tokens: torch.Tensor) -> LossTransform:
+    def transform(self, x: RuleInput, tokens: torch.Tensor) -> LossTransform:
         """The shaping as a transform; off ``tokens`` (padding, dropped tokens) A stays as is, so a NaN input
         there never reaches a masked sum."""
-        adv = batch.advantages if batch.advantages is not None else torch.zeros_like(batch.inputs.log_prob)
-        weight, shift = self.shape(batch, knobs, adv)
+        adv = x.advantages if x.advantages is not None else torch.zeros_like(x.log_prob)
+        weight, shift = self.shape(x, adv)
         return LossTransform(advantage_weight=None if weight is None else torch.where(tokens, weight, 1.0),
                              advantage_shift=None if shift is None else torch.where(tokens, shift, 0.0))
 
-    def stats(self, batch: "ScoreBatch", knobs: Any, tokens: torch.Tensor,
-              transform: LossTransform) -> dict[str, float]:
-        """Its own metrics (keys without the ``tokensel/`` prefix)."""
+    def stats(self, x: RuleInput) -> dict[str, float]:
+        """Its own metrics (keys without the ``tokensel/`` prefix; ``x.tokens`` and ``x.transform`` set)."""
         return {}
 
 
@@ -324,35 +361,49 @@ RULE_REGISTRY: dict[str, Rule] = {}
 SHAPING_REGISTRY: dict[str, Shaping] = {}
 
 
-def register_rule(name: str) -> Callable[[type], type]:
-    """Class decorator: register a :class:`Rule` subclass as ``name``; refuses to overwrite a name."""
+def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Needs] = None) -> Callable:
+    """Register a token rule as ``name`` (refusing to overwrite a name): a :class:`Rule` subclass, or a function
+    ``rule(x: RuleInput) -> LossTransform`` (the rule's :meth:`Rule.transform`; it keeps the base's ranking).
+    ``knobs``: its knobs, a frozen dataclass extending :class:`Knobs` (default: :class:`Knobs`); ``needs``: what it
+    needs (default: :class:`Needs`). Returns what it decorates."""
 
-    def deco(cls: type) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, Rule)):
-            raise TypeError(f"register_rule({name!r}) needs a subclass of Rule, got {cls!r}")
+    def deco(obj: Any) -> Any:
         if name in RULE_REGISTRY:
             raise ValueError(f"rule {name!r} is already registered; pick another name")
-        if not (dataclasses.is_dataclass(cls.Knobs) and issubclass(cls.Knobs, Ranking)):
-            raise TypeError(f"rule {name!r}: Knobs must be a dataclass extending Ranking")
-        cls.name = name
+        knobs_cls = knobs if knobs is not None else getattr(obj, "Knobs", Knobs)
+        if not (dataclasses.is_dataclass(knobs_cls) and isinstance(knobs_cls, type) and issubclass(knobs_cls, Knobs)):
+            raise TypeError(f"rule {name!r}: knobs must be a frozen dataclass extending Knobs")
+        if isinstance(obj, type):
+            if not issubclass(obj, Rule):
+                raise TypeError(f"register_rule({name!r}) needs a subclass of Rule or a function, got {obj!r}")
+            cls = obj
+        elif callable(obj):
+            cls = type(f"{name}_rule", (Rule,), {"transform": lambda self, x: obj(x), "__doc__": obj.__doc__,
+                                                  "__module__": getattr(obj, "__module__", __name__)})
+        else:
+            raise TypeError(f"register_rule({name!r}) needs a subclass of Rule or a function, got {obj!r}")
+        cls.name, cls.Knobs = name, knobs_cls
+        cls.needs = needs if needs is not None else cls.__dict__.get("needs", Needs())
+        if not isinstance(cls.needs, Needs):
+            raise TypeError(f"rule {name!r}: needs must be a Needs(...)")
         RULE_REGISTRY[name] = cls()
-        return cls
+        return obj
 
     return deco
 
 
-def register_shaping(name: str) -> Callable[[type], type]:
-    """Class decorator: register a :class:`Shaping` subclass as ``name`` (a ``token_selection.shaping``
-    value); refuses to overwrite a name."""
+def register_shaping(name: str, *, knobs: type, needs: Optional[Needs] = None) -> Callable[[type], type]:
+    """Class decorator: register a :class:`Shaping` subclass as ``name`` (a ``token_selection.shaping`` value) with
+    its ``knobs`` (a frozen dataclass of :func:`knob` fields) and ``needs``; refuses to overwrite a name."""
 
     def deco(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, Shaping)):
             raise TypeError(f"register_shaping({name!r}) needs a subclass of Shaping, got {cls!r}")
         if name in SHAPING_REGISTRY or name == "none":
             raise ValueError(f"shaping {name!r} is already registered; pick another name")
-        if not dataclasses.is_dataclass(cls.Knobs):
-            raise TypeError(f"shaping {name!r}: Knobs must be a dataclass")
-        cls.name = name
+        if not dataclasses.is_dataclass(knobs):
+            raise TypeError(f"shaping {name!r}: knobs must be a dataclass")
+        cls.name, cls.Knobs, cls.needs = name, knobs, needs if needs is not None else Needs()
         SHAPING_REGISTRY[name] = cls()
         return cls
 
@@ -360,8 +411,8 @@ def register_shaping(name: str) -> Callable[[type], type]:
 
 
 def knob_fields(knobs_cls: type) -> list[dataclasses.Field]:
-    """A knobs class's own fields (those :class:`Ranking` does not declare)."""
-    shared = {f.name for f in dataclasses.fields(Ranking)} if issubclass(knobs_cls, Ranking) else set()
+    """A knobs class's own fields (those :class:`Knobs` does not declare)."""
+    shared = {f.name for f in dataclasses.fields(Knobs)} if issubclass(knobs_cls, Knobs) else set()
     return [f for f in dataclasses.fields(knobs_cls) if f.name not in shared]
 
 
@@ -374,6 +425,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
-__all__ = ["ActorSettings", "BUDGETS", "GroupShiftRule", "LossContext", "LossTransform", "OWN_LOSS_MODES",
-           "RULE_REGISTRY", "Ranking", "Rule", "SHAPING_REGISTRY", "Shaping", "knob", "knob_fields", "masked_mean",
-           "register_rule", "register_shaping", "share"]
+__all__ = ["ActorSettings", "BUDGETS", "GROUP_SHIFT", "GroupShiftRule", "Knobs", "LossTransform", "Needs",
+           "OWN_LOSS_MODES", "RULE_REGISTRY", "Rule", "RuleInput", "SHAPING_REGISTRY", "Shaping", "knob",
+           "knob_fields", "masked_mean", "register_rule", "register_shaping", "share"]

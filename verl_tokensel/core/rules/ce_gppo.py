@@ -22,13 +22,13 @@ from functools import partial
 import torch
 
 from verl_tokensel.core.errors import check_number
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, masked_mean, register_rule, share
+from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule, share
 
 NAME = "ce_gppo"
 
 
 @dataclass(frozen=True)
-class CeGppoKnobs(Ranking):
+class CeGppoKnobs(Knobs):
     ce_gppo_beta1: float = knob(
         0.75, "Gradient scale of the clipped tokens with A < 0 and r < 1 - clip_ratio_low (0: PPO's zero gradient).",
         "0.75 (the released README and 7B script; 0.5 in its 1.5B script, 0.25 its YAML default)")
@@ -75,28 +75,21 @@ def gppo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     return pg_losses, metrics
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=CeGppoKnobs, needs=Needs(normalisers=("all",), policy_loss=True))
 class CeGppo(Rule):
     """Every token keeps its gradient; the clipped ones a bounded one (the policy loss of the rule's own)."""
 
-    Knobs = CeGppoKnobs
-    normalisers = ("all",)
-    own_policy_loss = True
-    legacy = {"action": "gradient", "phases": "one"}
-
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        k = sel.knobs
+    def transform(self, x) -> LossTransform:
+        k = x.knobs
         return LossTransform(token_loss=partial(gppo_token_losses, beta1=k.ce_gppo_beta1, beta2=k.ce_gppo_beta2))
 
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        inp = batch.inputs
-        if inp.old_log_prob is None or batch.advantages is None:
+    def stats(self, x) -> dict[str, float]:
+        if x.old_log_prob is None or x.advantages is None:
             return {}
-        low, high = clipped_classes(inp.log_prob, inp.old_log_prob, batch.advantages, float(inp.clip_ratio_low),
-                                    float(inp.clip_ratio_high))
-        n = int(tokens.sum())
-        return {f"{NAME}/low_clipped_share": share(int((low & tokens).sum()), n),
-                f"{NAME}/high_clipped_share": share(int((high & tokens).sum()), n)}
+        low, high = clipped_classes(x.log_prob, x.old_log_prob, x.advantages, x.clip_ratio_low, x.clip_ratio_high)
+        n = int(x.tokens.sum())
+        return {"low_clipped_share": share(int((low & x.tokens).sum()), n),
+                "high_clipped_share": share(int((high & x.tokens).sum()), n)}
 
 
 __all__ = ["CeGppo", "CeGppoKnobs", "clipped_classes", "gppo_token_losses"]

@@ -26,7 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from verl_tokensel.core.errors import check_bool, check_number, config_error
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, masked_mean, register_rule
+from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule
 
 NAME = "fipo"
 #: the release's safety cap of the weight of a negative-advantage token with a large ratio
@@ -36,7 +36,7 @@ BLOCK = 128
 
 
 @dataclass(frozen=True)
-class FipoKnobs(Ranking):
+class FipoKnobs(Knobs):
     fipo_decay_rate: float = knob(
         32.0, "Half-life in tokens of the Future-KL sum: its discount is gamma = 2 ** (-1 / decay_rate); must be > 0.",
         "32 (ms-swift default and its fipo.sh)")
@@ -132,32 +132,29 @@ def fipo_weights(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages:
     return FipoWeights(weight, future_kl, high_clipped, low_clipped, capped)
 
 
-def _weights(sel, batch, tokens) -> FipoWeights:
-    k, inp = sel.knobs, batch.inputs
-    advantages = batch.advantages if batch.advantages is not None else torch.zeros_like(inp.log_prob)
-    return fipo_weights(inp.log_prob, inp.old_log_prob, advantages, tokens, gamma=k.gamma,
+def _weights(x) -> FipoWeights:
+    k = x.knobs
+    advantages = x.advantages if x.advantages is not None else torch.zeros_like(x.log_prob)
+    return fipo_weights(x.log_prob, x.old_log_prob, advantages, x.tokens, gamma=k.gamma,
                         clip_range=float(k.fipo_clip_range), clip_high_only=k.fipo_clip_high_only,
-                        safety_threshold=float(k.fipo_safety_threshold) or None, ratio_cap=float(inp.clip_ratio_c))
+                        safety_threshold=float(k.fipo_safety_threshold) or None, ratio_cap=x.clip_ratio_c)
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=FipoKnobs, needs=Needs(normalisers=("all",)))
 class Fipo(Rule):
     """Every token's advantage times its clipped exp(discounted Future-KL), from the loss's current log-probs."""
 
-    Knobs = FipoKnobs
-    normalisers = ("all",)
+    def transform(self, x) -> LossTransform:
+        return LossTransform(gate=x.mask, advantage_weight=_weights(x).weight)
 
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        return LossTransform(gate=mask, advantage_weight=_weights(sel, batch, tokens).weight)
-
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        w = _weights(sel, batch, tokens)
-        m = tokens.to(torch.float64)
-        return {f"{NAME}/future_kl_mean": float(masked_mean(w.future_kl, m)),
-                f"{NAME}/influence_weight_mean": float(masked_mean(w.weight.double(), m)),
-                f"{NAME}/safety_keep_ratio": float(masked_mean((~w.safety_capped).double(), m)),
-                f"{NAME}/high_clipped_share": float(masked_mean(w.high_clipped.double(), m)),
-                f"{NAME}/low_clipped_share": float(masked_mean(w.low_clipped.double(), m))}
+    def stats(self, x) -> dict[str, float]:
+        w = _weights(x)
+        m = x.tokens.to(torch.float64)
+        return {"future_kl_mean": float(masked_mean(w.future_kl, m)),
+                "influence_weight_mean": float(masked_mean(w.weight.double(), m)),
+                "safety_keep_ratio": float(masked_mean((~w.safety_capped).double(), m)),
+                "high_clipped_share": float(masked_mean(w.high_clipped.double(), m)),
+                "low_clipped_share": float(masked_mean(w.low_clipped.double(), m))}
 
 
 __all__ = ["Fipo", "FipoKnobs", "FipoWeights", "discounted_future_sum", "fipo_weights"]

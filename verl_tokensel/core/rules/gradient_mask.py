@@ -2,21 +2,18 @@
 
 The 80/20 rule's forking tokens (top 20% entropy, arXiv 2506.01939) and its controls (bottom 80%, random 20%),
 GMTS (top 20% of H * |omega| per prompt group, arXiv 2608.30632), the logit-gradient norm, and the score that ranks
-nothing (``all``: every token, under a shaping or a rule's update passes). Its knobs are :class:`Ranking`'s; the
+nothing (``all``: every token, under a shaping or a rule's update passes). Its knobs are :class:`Knobs`'s; the
 selection and the gradient gate are the :class:`~verl_tokensel.core.rules.base.Rule` defaults.
 """
 
 from __future__ import annotations
 
-from verl_tokensel.core.rules.base import Ranking, Rule, register_rule
+from verl_tokensel.core.rules.base import Knobs, Rule, register_rule
 
 
-@register_rule("gradient_mask")
+@register_rule("gradient_mask", knobs=Knobs)
 class GradientMask(Rule):
     """Rank ``score`` over the scope, keep the policy gradient on the selected tokens only."""
-
-    Knobs = Ranking
-    legacy = {"action": "gradient", "phases": "one"}
 
 
 __all__ = ["GradientMask"]

@@ -17,7 +17,7 @@ The release trains on-policy with the ratio 1 (one update per batch); here the a
 loss, whose clip then acts on later mini-batches. ``H`` is the old-policy entropy (the policy the responses were
 sampled from, which the release's single update step equals). A group's responses are only all in one place on the
 driver: the preset runs there (``score_source=rollout``, ``scope=group``), carries ``A' - A`` as its score and its
-loss adds it back (``LossContext.scores``).
+loss adds it back (``x.scores`` in its transform).
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import torch
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.errors import check_bool, check_number
-from verl_tokensel.core.rules.base import GroupShiftRule, Ranking, knob, register_rule, share
+from verl_tokensel.core.rules.base import GROUP_SHIFT, GroupShiftRule, Knobs, knob, register_rule, share
 from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
 
 NAME = "gtpo"
 
 
 @dataclass(frozen=True)
-class GtpoKnobs(Ranking):
+class GtpoKnobs(Knobs):
     gtpo_conflict_weight: float = knob(2.0, "Weight of a positive response's conflict tokens (a negative one's get 0); "
                                        "a token in both the leading and the trailing run gets its square.",
                                        "2.0 (the release's W_RAW)")
@@ -136,36 +136,35 @@ def gtpo_score(inp: ScoreInputs) -> torch.Tensor:
     return torch.where(inp.response_mask.to(torch.bool), new - adv.float(), 0.0)
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=GtpoKnobs, needs=GROUP_SHIFT)
 class Gtpo(GroupShiftRule):
     """Every token is trained; its advantage is GTPO's (conflict tokens protected or amplified, entropy filter)."""
 
-    Knobs = GtpoKnobs
+    def _parts(self, x):
+        adv = x.advantages if x.advantages is not None else torch.zeros_like(x.log_prob)
+        new, parts = gtpo_advantages(x.external[fields.RESPONSE_IDS], x.valid, adv, need_entropy(x.batch.inputs, NAME),
+                                     x.group_ids, x.knobs)
+        return torch.where(x.valid, new - adv.float(), 0.0), parts
 
-    def _parts(self, sel, batch):
-        adv = batch.advantages if batch.advantages is not None else torch.zeros_like(batch.inputs.log_prob)
-        new, parts = gtpo_advantages(batch.inputs.external[fields.RESPONSE_IDS], batch.valid, adv,
-                                     need_entropy(batch.inputs, NAME), batch.group_ids, sel.knobs)
-        return torch.where(batch.valid, new - adv.float(), 0.0), parts
+    def score(self, x) -> torch.Tensor:
+        return self._parts(x)[0]
 
-    def score(self, sel, batch) -> torch.Tensor:
-        return self._parts(sel, batch)[0]
-
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
+    def stats(self, x) -> dict[str, float]:
+        tokens = x.tokens
         n = int(tokens.sum())
-        shift = transform.advantage_shift
+        shift = x.transform.advantage_shift
         if shift is None or n == 0:
             return {}
-        out = {f"{NAME}/mean_shift": float(shift[tokens].mean())}
-        if fields.RESPONSE_IDS not in batch.inputs.external:  # the conflict runs: on the driver
+        out = {"mean_shift": float(shift[tokens].mean())}
+        if fields.RESPONSE_IDS not in x.external:  # the conflict runs: on the driver
             return out
-        _, parts = self._parts(sel, batch)
-        rows = batch.valid.any(1)
+        _, parts = self._parts(x)
+        rows = x.valid.any(1)
         conflict = (parts["lead"] | parts["trail"]) & tokens
-        return {**out, f"{NAME}/conflict_share": share(int(conflict.sum()), n),
-                f"{NAME}/leading_conflict_share": share(int((parts["lead"] & tokens).sum()), n),
-                f"{NAME}/trailing_conflict_share": share(int((parts["trail"] & tokens).sum()), n),
-                f"{NAME}/filtered_response_share": share(int((parts["filtered"] & rows).sum()), int(rows.sum()))}
+        return {**out, "conflict_share": share(int(conflict.sum()), n),
+                "leading_conflict_share": share(int((parts["lead"] & tokens).sum()), n),
+                "trailing_conflict_share": share(int((parts["trail"] & tokens).sum()), n),
+                "filtered_response_share": share(int((parts["filtered"] & rows).sum()), int(rows.sum()))}
 
 
 __all__ = ["Gtpo", "GtpoKnobs", "conflict_masks", "gtpo_advantages"]

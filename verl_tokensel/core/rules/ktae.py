@@ -18,7 +18,7 @@ correct or all wrong, gets no bonus. The tokenizer's EOS token gets none (``ktae
 hard-codes Qwen2.5's ``<|endoftext|>``, 151643).
 
 The group's responses are only all in one place on the driver: the preset runs there (``score_source=rollout``,
-``scope=group``), carries the bonus as its score and its loss adds it back (``LossContext.scores``).
+``scope=group``), carries the bonus as its score and its loss adds it back (``x.scores`` in its transform).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.errors import check_bool, check_number, config_error
-from verl_tokensel.core.rules.base import GroupShiftRule, Ranking, knob, register_rule, share
+from verl_tokensel.core.rules.base import GROUP_SHIFT, GroupShiftRule, Knobs, knob, register_rule, share
 from verl_tokensel.core.scores import ScoreInputs, register_score
 
 NAME = "ktae"
@@ -40,7 +40,7 @@ TF_EPS, SHARE_EPS = 1e-5, 1e-10
 
 
 @dataclass(frozen=True)
-class KtaeKnobs(Ranking):
+class KtaeKnobs(Knobs):
     ktae_alpha: float = knob(1.0, "Weight of the Fisher exact test's exp(-2 p) in the key-token statistic.",
                              "1.0 (the released ComputeKeyTokens call)")
     ktae_beta: float = knob(1.0, "Weight of the information gain in the key-token statistic.",
@@ -176,29 +176,26 @@ def ktae_score(inp: ScoreInputs) -> torch.Tensor:
                            ext.get(fields.EOS_TOKEN))
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=KtaeKnobs, needs=GROUP_SHIFT)
 class Ktae(GroupShiftRule):
     """Every token keeps its gradient; its advantage gets the key-token score of its id in its prompt group."""
 
-    Knobs = KtaeKnobs
-
-    def score(self, sel, batch) -> torch.Tensor:
-        ext = batch.inputs.external
+    def score(self, x) -> torch.Tensor:
+        ext = x.external
         reward = ext[fields.SEQUENCE_REWARD]
         rows = torch.arange(reward.shape[0], device=reward.device)
-        first = batch.valid.float().argmax(1)  # the reward is the same on every token of a response
-        return key_token_bonus(ext[fields.RESPONSE_IDS], batch.valid, reward[rows, first], batch.group_ids, sel.knobs,
+        first = x.valid.float().argmax(1)  # the reward is the same on every token of a response
+        return key_token_bonus(ext[fields.RESPONSE_IDS], x.valid, reward[rows, first], x.group_ids, x.knobs,
                                ext.get(fields.EOS_TOKEN))
 
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        bonus = transform.advantage_shift
+    def stats(self, x) -> dict[str, float]:
+        bonus, tokens = x.transform.advantage_shift, x.tokens
         n = int(tokens.sum())
         if bonus is None or n == 0:
             return {}
         b = bonus[tokens]
-        return {f"{NAME}/bonus_mean": float(b.mean()), f"{NAME}/bonus_abs_max": float(b.abs().max()),
-                f"{NAME}/positive_share": share(int((b > 0).sum()), n),
-                f"{NAME}/negative_share": share(int((b < 0).sum()), n)}
+        return {"bonus_mean": float(b.mean()), "bonus_abs_max": float(b.abs().max()),
+                "positive_share": share(int((b > 0).sum()), n), "negative_share": share(int((b < 0).sum()), n)}
 
 
 __all__ = ["Ktae", "KtaeKnobs", "fisher_p_values", "group_key_tokens", "information_gain", "key_token_bonus"]

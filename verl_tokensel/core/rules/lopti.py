@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from verl_tokensel.core.errors import check_number
-from verl_tokensel.core.rules.base import LossTransform, Ranking, Rule, knob, register_rule
+from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, register_rule
 
 NAME = "lopti"
 #: actor metrics also reported per pass (``tokensel/lopti/phase<n>/<key>``)
@@ -38,7 +38,7 @@ def active_tokens(old_log_prob: torch.Tensor, eta: float, update_pass: int) -> t
 
 
 @dataclass(frozen=True)
-class LoptiKnobs(Ranking):
+class LoptiKnobs(Knobs):
     lopti_eta: float = knob(0.5, "The first pass updates the tokens with pi_old < eta (strict).",
                             "0.5 (paper; AR-Lopti script); 0.4 (Lopti-only script)")
 
@@ -47,17 +47,11 @@ class LoptiKnobs(Ranking):
         check_number("token_selection.lopti_eta", self.lopti_eta, 0.0, 1.0, "a number in (0, 1]", open_low=True)
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=LoptiKnobs, needs=Needs(passes=2))
 class Lopti(Rule):
     """Two whole update passes: the low-probability tokens first, then the rest."""
 
-    Knobs = LoptiKnobs
-    legacy = {"action": "gradient", "phases": "lopti"}
-
-    def update_passes(self, knobs) -> tuple[int, int]:
-        return (1, 2)
-
-    def merge_pass_metrics(self, knobs, per_pass: list[dict[str, Any]]) -> dict[str, Any]:
+    def merge_passes(self, per_pass: list[dict[str, Any]]) -> dict[str, Any]:
         """The released code's merge: numbers averaged over the passes that report them, lists concatenated; plus
         :data:`PER_PASS_KEYS` of each pass under ``tokensel/lopti/phase<n>/``."""
         merged: dict[str, Any] = {}
@@ -77,20 +71,20 @@ class Lopti(Rule):
                     merged[f"tokensel/{NAME}/phase{n}/{key}"] = sum(v) / len(v) if isinstance(v, list) and v else v
         return merged
 
-    def transform(self, sel, batch, mask, tokens, ctx) -> LossTransform:
-        if ctx.update_pass is None:  # outside the loss (the driver's, the pre-pass's selection): no zeroing
-            return LossTransform(gate=mask)
-        active = active_tokens(batch.inputs.old_log_prob, sel.knobs.lopti_eta, ctx.update_pass).to(torch.float32)
-        return LossTransform(gate=mask, advantage_weight=active, kl_weight=active, entropy_weight=active)
+    def transform(self, x) -> LossTransform:
+        if x.update_pass is None:  # outside the loss (the driver's, the pre-pass's selection): no zeroing
+            return LossTransform(gate=x.mask)
+        active = active_tokens(x.old_log_prob, x.knobs.lopti_eta, x.update_pass).to(torch.float32)
+        return LossTransform(gate=x.mask, advantage_weight=active, kl_weight=active, entropy_weight=active)
 
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
+    def stats(self, x) -> dict[str, float]:
+        tokens = x.tokens
         n_pool = int(tokens.sum())
         if not n_pool:
             return {}
-        old = batch.inputs.old_log_prob
-        out = {f"{NAME}/low_share": float((low_probability(old, sel.knobs.lopti_eta) & tokens).sum()) / n_pool}
-        if transform.entropy_weight is not None:
-            out[f"{NAME}/active_share"] = float(transform.entropy_weight[tokens].sum()) / n_pool
+        out = {"low_share": float((low_probability(x.old_log_prob, x.knobs.lopti_eta) & tokens).sum()) / n_pool}
+        if x.transform.entropy_weight is not None:
+            out["active_share"] = float(x.transform.entropy_weight[tokens].sum()) / n_pool
         return out
 
 

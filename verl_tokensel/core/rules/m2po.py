@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.dist_topk import ordered_keys32, topk_mask_distributed
+from verl_tokensel.core.dist_topk import all_reduce_sum, ordered_keys32, topk_mask_distributed
 from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import Ranking, Rule, knob, register_rule, share
-from verl_tokensel.core.rules.checks import check_no_budget, check_ranking
+from verl_tokensel.core.rules.base import Knobs, Needs, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.checks import check_no_budget
 from verl_tokensel.core.scopes import world_size
 from verl_tokensel.core.scores import ScoreInputs, register_score
 from verl_tokensel.core.select import keep_first_k
@@ -56,9 +56,9 @@ def m2po_score(inp: ScoreInputs) -> torch.Tensor:
     return delta * delta
 
 
-def _all_reduce(t: torch.Tensor, group: Optional[dist.ProcessGroup], world: int) -> torch.Tensor:
+def all_reduce_sum(t: torch.Tensor, dp_group: Optional[dist.ProcessGroup], world: int) -> torch.Tensor:
     if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, dp_group=dp_group)
     return t
 
 
@@ -70,19 +70,19 @@ def _key_value(ukey: int) -> float:
     return float(bits.view(torch.float32).item())
 
 
-def kept_count(values: torch.Tensor, threshold: float, group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
+def kept_count(values: torch.Tensor, threshold: float, dp_group: Optional[dist.ProcessGroup] = None) -> tuple[int, int]:
     """``(kept, n)``: how many of the ``n`` values of the pool (this rank's 1-D ``values`` over the ranks of
-    ``group``, compared as float32) M2PO keeps: the largest ``m`` such that the ``m`` smallest have a mean under
+    ``dp_group``, compared as float32) M2PO keeps: the largest ``m`` such that the ``m`` smallest have a mean under
     ``threshold`` (at least 1; 0 for an empty pool). Every rank gets the same pair.
 
     The mean of the ``m`` smallest never decreases with ``m``, so the kept counts form a prefix: a radix descent
     over the float32 order finds the value at which the running sum of ``value - threshold`` (float64, ascending)
     stops being negative, and how many of its ties still fit.
     """
-    world = world_size(group) if group is not None else 1
+    world = world_size(dp_group) if dp_group is not None else 1
     ukey = ordered_keys32(values.flatten()).to(torch.int64) - _INT32_MIN
     excess = values.detach().flatten().double() - float(threshold)
-    n = int(_all_reduce(torch.tensor([ukey.numel()], dtype=torch.int64, device=ukey.device), group, world).item())
+    n = int(all_reduce_sum(torch.tensor([ukey.numel()], dtype=torch.int64, device=ukey.device), dp_group, world).item())
     if n == 0:
         return 0, 0
     base, below, prefix, ties = 0.0, 0, 0, 0
@@ -92,7 +92,7 @@ def kept_count(values: torch.Tensor, threshold: float, group: Optional[dist.Proc
         hist = torch.zeros(2, _BINS, dtype=torch.float64, device=ukey.device)
         hist[0].index_add_(0, digit, torch.ones_like(excess))
         hist[1].index_add_(0, digit, excess)
-        hist = _all_reduce(hist, group, world).cpu()
+        hist = all_reduce_sum(hist, dp_group, world).cpu()
         counts, sums = hist[0], hist[1]
         running = base + torch.cumsum(sums, 0)  # sum of value - threshold up to the end of each bin
         crossing = ((counts > 0) & (running >= 0)).nonzero()
@@ -117,25 +117,25 @@ def kept_count(values: torch.Tensor, threshold: float, group: Optional[dist.Proc
 
 
 def m2po_kept_tokens(m2: torch.Tensor, pool: torch.Tensor, threshold: float,
-                     group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                     dp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Bool mask over this rank's ``(batch, response_len)`` tokens: the pool tokens M2PO keeps, the pool taken over
-    the ranks of ``group`` (None: this tensor alone). The masked tokens are the ``n - kept`` largest ``m2``
+    the ranks of ``dp_group`` (None: this tensor alone). The masked tokens are the ``n - kept`` largest ``m2``
     (:func:`kept_count`), ties earliest first (lower rank, then row-major position)."""
     pool = pool.to(torch.bool)
     values = m2.detach().float()
-    pooled = group is not None and world_size(group) > 1
-    kept, n = kept_count(values[pool], threshold, group if pooled else None)
+    pooled = dp_group is not None and world_size(dp_group) > 1
+    kept, n = kept_count(values[pool], threshold, dp_group if pooled else None)
     if n - kept <= 0:
         return pool.clone()
     if not pooled:
         return pool & ~keep_first_k(values, pool, n - kept, "top")
     masked = torch.zeros_like(pool)
-    masked[pool] = topk_mask_distributed(values[pool], n - kept, group, largest=True)
+    masked[pool] = topk_mask_distributed(values[pool], n - kept, dp_group, largest=True)
     return pool & ~masked
 
 
 @dataclass(frozen=True)
-class M2poKnobs(Ranking):
+class M2poKnobs(Knobs):
     m2po_threshold: float = knob(
         0.04, "tau_M2: the largest (log pi_rollout - log pi_old)^2 tokens of the mini-batch (over all data-parallel "
         "ranks) are masked until the mean of the rest is under tau; a number > 0.",
@@ -147,31 +147,27 @@ class M2poKnobs(Ranking):
                      open_low=True)
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=M2poKnobs, needs=Needs(sources={"prepass": ("mini_batch",)}, normalisers=("kept", "all")))
 class M2po(Rule):
     """Every token but those of the largest second moment keeps the gradient; the masked ones leave the loss."""
 
-    Knobs = M2poKnobs
-    source_scopes = {"prepass": ("mini_batch",)}
-    normalisers = ("kept", "all")
-
-    def check(self, sel) -> None:
-        check_ranking(sel, self)
-        if sel.knobs.score != NAME:
-            raise config_error("token_selection.score", sel.knobs.score, f"{NAME} (with token_selector's rule {NAME})",
+    def check(self, c) -> None:
+        if c.knobs.score != NAME:
+            raise config_error("token_selection.score", c.knobs.score, f"{NAME} (with token_selector's rule {NAME})",
                                f"rule {NAME} masks by its own second moment. Fix: remove token_selection.score.")
-        check_no_budget(sel, "every token but M2PO's masked ones")
+        check_no_budget(c, "every token but M2PO's masked ones")
 
-    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
-        return m2po_kept_tokens(scores, pool, sel.knobs.m2po_threshold, group=dp_group), scores
+    def select(self, x):
+        return m2po_kept_tokens(x.scores, x.tokens, x.knobs.m2po_threshold, dp_group=x.dp_group)
 
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
+    def stats(self, x) -> dict[str, float]:
+        tokens, mask = x.tokens, x.mask
         n_masked, n_pool = int((tokens & ~mask).sum()), int(tokens.sum())
-        m2 = torch.where(tokens, scores.float(), 0.0)
+        m2 = torch.where(tokens, x.scores.float(), 0.0)
         kept = tokens & mask
-        return {f"{NAME}/masked_tokens": float(n_masked), f"{NAME}/masked_share": share(n_masked, n_pool),
-                f"{NAME}/m2_mean": share(float(m2.sum()), n_pool),
-                f"{NAME}/kept_m2_mean": share(float(torch.where(kept, m2, 0.0).sum()), int(kept.sum()))}
+        return {"masked_tokens": float(n_masked), "masked_share": share(n_masked, n_pool),
+                "m2_mean": share(float(m2.sum()), n_pool),
+                "kept_m2_mean": share(float(torch.where(kept, m2, 0.0).sum()), int(kept.sum()))}
 
 
 __all__ = ["M2po", "M2poKnobs", "kept_count", "m2po_kept_tokens", "m2po_score"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import Shaping, knob, register_shaping
+from verl_tokensel.core.rules.base import Needs, Shaping, knob, register_shaping
 
 
 def ar_weight(old_log_prob: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -41,22 +41,21 @@ class ARKnobs:
         check_number("token_selection.ar_alpha", self.ar_alpha, 0.0, 1.0, "a number in [0, 1]")
 
 
-@register_shaping("ar")
+@register_shaping("ar", knobs=ARKnobs)
 class AdvantageReweighting(Shaping):
     """A * (ar_alpha * pi_old + 1 - ar_alpha)"""
 
-    Knobs = ARKnobs
     source = "AR, arXiv 2505.12929"
 
-    def shape(self, batch, knobs, advantages):
-        if batch.inputs.old_log_prob is None:
+    def shape(self, x, advantages):
+        if x.old_log_prob is None:
             raise ValueError("shaping=ar needs the old log-probs of the sampled tokens")
-        return ar_weight(batch.inputs.old_log_prob, knobs.ar_alpha), None
+        return ar_weight(x.old_log_prob, x.knobs.ar_alpha), None
 
-    def stats(self, batch, knobs, tokens, transform):
-        if not tokens.any():
+    def stats(self, x):
+        if not x.tokens.any():
             return {}
-        return {"ar/mean_weight": float(ar_weight(batch.inputs.old_log_prob, knobs.ar_alpha)[tokens].mean())}
+        return {"mean_weight": float(ar_weight(x.old_log_prob, x.knobs.ar_alpha)[x.tokens].mean())}
 
 
 @dataclass(frozen=True)
@@ -73,32 +72,27 @@ class EntropyKnobs:
                                "kappa > 1 keeps the shaped advantage's sign (the paper's condition; its value is 2).")
 
 
-@register_shaping("entropy_adv")
+@register_shaping("entropy_adv", knobs=EntropyKnobs, needs=Needs(entropy=True))
 class EntropyShaping(Shaping):
     """A + min(entropy_alpha * H, |A| / entropy_kappa), H the update pass's entropy, detached"""
 
-    Knobs = EntropyKnobs
     source = "arXiv 2506.14758"
-    aliases = ("entropy",)
 
-    def needs_entropy(self, knobs) -> bool:
-        return True
-
-    def shape(self, batch, knobs, advantages):
-        entropy = batch.inputs.entropy
+    def shape(self, x, advantages):
+        entropy, knobs = x.entropy, x.knobs
         if entropy is None:
             raise ValueError(f"shaping={self.name} needs the policy entropy of the update pass: set "
                              "actor_rollout_ref.actor.calculate_entropy=True (or token_selection.auto_enable_entropy)")
         return None, entropy_shift(advantages, entropy, knobs.entropy_alpha, knobs.entropy_kappa)
 
-    def stats(self, batch, knobs, tokens, transform):
-        shift = transform.advantage_shift
+    def stats(self, x):
+        shift, tokens = x.transform.advantage_shift, x.tokens
         if not tokens.any() or shift is None:
             return {}
-        out = {f"{self.name}/mean_shift": float(shift[tokens].mean())}
-        if batch.advantages is not None:
-            capped = (shift < knobs.entropy_alpha * batch.inputs.entropy.float()) & tokens
-            out[f"{self.name}/capped_share"] = float(capped.sum()) / int(tokens.sum())
+        out = {"mean_shift": float(shift[tokens].mean())}
+        if x.advantages is not None:
+            capped = (shift < x.knobs.entropy_alpha * x.entropy.float()) & tokens
+            out["capped_share"] = float(capped.sum()) / int(tokens.sum())
         return out
 
 

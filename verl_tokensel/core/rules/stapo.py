@@ -21,11 +21,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.cov import pooled_count
+from verl_tokensel.core.rules.covariance import pooled_count
 from verl_tokensel.core.dist_topk import topk_mask_distributed
 from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import Ranking, Rule, knob, register_rule, share
-from verl_tokensel.core.rules.checks import check_no_budget, check_ranking
+from verl_tokensel.core.rules.base import Knobs, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.checks import check_no_budget
 from verl_tokensel.core.scopes import world_size
 from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
 from verl_tokensel.core.select import keep_first_k
@@ -56,20 +56,20 @@ def quantile_below_count(n: int, q: float) -> int:
 
 def spurious_tokens(advantages: torch.Tensor, log_prob: torch.Tensor, entropy: torch.Tensor, pool: torch.Tensor,
                     *, prob_threshold: float, entropy_quantile: float,
-                    group: Optional[dist.ProcessGroup] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(spurious, candidates)`` bool masks over this rank's tokens, the quantile pooled over ``group``."""
+                    dp_group: Optional[dist.ProcessGroup] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(spurious, candidates)`` bool masks over this rank's tokens, the quantile pooled over ``dp_group``."""
     cand = stapo_candidates(advantages, log_prob, pool, prob_threshold)
-    k = quantile_below_count(pooled_count(cand, group), entropy_quantile)
+    k = quantile_below_count(pooled_count(cand, dp_group), entropy_quantile)
     ent = entropy.detach().float()
-    if group is None or world_size(group) <= 1:
+    if dp_group is None or world_size(dp_group) <= 1:
         return keep_first_k(ent, cand, k, "bottom"), cand
     spurious = torch.zeros_like(cand)
-    spurious[cand] = topk_mask_distributed(ent[cand], k, group, largest=False)
+    spurious[cand] = topk_mask_distributed(ent[cand], k, dp_group, largest=False)
     return spurious, cand
 
 
 @dataclass(frozen=True)
-class StapoKnobs(Ranking):
+class StapoKnobs(Knobs):
     stapo_prob: float = knob(0.002, "tau_p: a spurious token has pi < tau_p (and A > 0).", "0.002 (STAPO, Sec. 5.1)")
     stapo_entropy_quantile: float = knob(
         0.75, "q: a candidate (A > 0, pi < tau_p) is spurious when its entropy is under the q quantile of the "
@@ -83,39 +83,36 @@ class StapoKnobs(Ranking):
                      "a number in [0, 1]")
 
 
-@register_rule(NAME)
+@register_rule(NAME, knobs=StapoKnobs)
 class Stapo(Rule):
     """Every token but the spurious ones keeps the gradient; the loss averages over the kept tokens only."""
 
-    Knobs = StapoKnobs
-
-    def check(self, sel) -> None:
-        check_ranking(sel, self)
-        check_no_budget(sel, "every token but STAPO's spurious ones")
+    def check(self, c) -> None:
+        check_no_budget(c, "every token but STAPO's spurious ones")
         want = (("scope", "mini_batch"), ("score_source", "prepass"), ("normaliser", "kept"))
         for key, value in want:
-            if getattr(sel, key) != value:
-                raise config_error(f"token_selection.{key}", getattr(sel, key), f"{value} (with score={NAME})",
+            if getattr(c, key) != value:
+                raise config_error(f"token_selection.{key}", getattr(c, key), f"{value} (with score={NAME})",
                                    "STAPO takes its entropy quantile over each mini-batch's candidates, at the policy "
                                    "that starts the mini-batch's update, and averages the loss over the kept tokens "
                                    "only. Fix: use token_selector=stapo as it is (scope mini_batch, score_source "
                                    "prepass, normaliser kept).")
 
-    def score(self, sel, batch):
+    def score(self, x):
         return None  # scored over the pool of finite tokens, in select
 
-    def select(self, sel, batch, scores, pool, *, ratio, scope, dp_group):
-        inp, k = batch.inputs, sel.knobs
-        scores = batch.score(k.score)
-        adv = batch.advantages if batch.advantages is not None else inp.advantages
-        spurious, _ = spurious_tokens(adv, inp.log_prob, scores, pool, prob_threshold=k.stapo_prob,
+    def select(self, x):
+        k = x.knobs
+        x.scores = x.score(k.score)
+        adv = x.advantages if x.advantages is not None else x.weighted_advantages
+        spurious, _ = spurious_tokens(adv, x.log_prob, x.scores, x.tokens, prob_threshold=k.stapo_prob,
                                       entropy_quantile=k.stapo_entropy_quantile,
-                                      group=None if scope in ("micro_batch", "sequence") else dp_group)
-        return pool & ~spurious, scores
+                                      dp_group=None if x.scope in ("micro_batch", "sequence") else x.dp_group)
+        return x.tokens & ~spurious
 
-    def stats(self, sel, batch, mask, scores, tokens, transform) -> dict[str, float]:
-        n_spur, n_pool = int((tokens & ~mask).sum()), int(tokens.sum())
-        return {f"{NAME}/spurious_tokens": float(n_spur), f"{NAME}/spurious_share": share(n_spur, n_pool)}
+    def stats(self, x) -> dict[str, float]:
+        n_spur, n_pool = int((x.tokens & ~x.mask).sum()), int(x.tokens.sum())
+        return {"spurious_tokens": float(n_spur), "spurious_share": share(n_spur, n_pool)}
 
 
 __all__ = ["Stapo", "StapoKnobs", "quantile_below_count", "spurious_tokens", "stapo_candidates", "stapo_score"]

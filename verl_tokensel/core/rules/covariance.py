@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 from verl_tokensel.core.dist_topk import topk_mask_distributed
+from verl_tokensel.core.errors import config_error
+from verl_tokensel.core.rules.base import Needs, Rule, RuleInput
 from verl_tokensel.core.scopes import world_size
 from verl_tokensel.core.select import keep_first_k
 
@@ -108,4 +110,54 @@ def top_k_pooled(keys: torch.Tensor, pool: torch.Tensor, k: int,
     return mask
 
 
-__all__ = ["COV_MEANS", "cov_budget", "cov_scores", "pooled_count", "top_k_pooled"]
+#: what a covariance rule needs: its own policy loss, every token in the denominator
+COVARIANCE = Needs(normalisers=("all",), policy_loss=True)
+
+
+class CovarianceRule(Rule):
+    """A rule whose own score (the one named like the rule) is a covariance over the pool, taken over the scope's
+    pool exactly (``means``: how verl's own micro-batch function takes the means, for the ``micro_batch`` scope);
+    any other score ranks as the base rule does. KL-Cov's and Clip-Cov's shared steps; register with
+    ``needs=COVARIANCE``."""
+
+    #: the means verl's own function takes on a micro-batch (``flat`` KL-Cov, ``masked`` Clip-Cov)
+    means = "flat"
+
+    def own(self, x: RuleInput) -> bool:
+        return x.knobs.score == self.name
+
+    def check(self, c) -> None:
+        if not self.own(c):
+            return
+        if c.scope not in COV_SCOPES:
+            raise config_error("token_selection.scope", c.scope, f"{', '.join(COV_SCOPES)} (with score={self.name})",
+                               f"score={self.name} centres A and log pi on one pool's means, which needs one pool. "
+                               "Fix: set token_selection.scope=mini_batch (exact over the data-parallel ranks, with "
+                               "score_source=prepass) or micro_batch (verl's own loss_mode's pool).")
+        k = c.knobs
+        if k.pool != "valid" or k.direction != "top":
+            key, value = ("pool", k.pool) if k.pool != "valid" else ("direction", k.direction)
+            raise config_error(f"token_selection.{key}", value, f"{'valid' if key == 'pool' else 'top'} "
+                               f"(with score={self.name})", f"score={self.name} follows verl's port: its budget is "
+                               "max(1, int(ratio * N)) of the pool's valid tokens, highest first.")
+
+    def group(self, x: RuleInput) -> Optional[dist.ProcessGroup]:
+        return None if x.scope == "micro_batch" else x.dp_group
+
+    def score(self, x: RuleInput) -> Optional[torch.Tensor]:
+        if not self.own(x):
+            return super().score(x)
+        micro = x.scope == "micro_batch"
+        return cov_scores(x.weighted_advantages, x.log_prob, x.tokens, group=self.group(x),
+                          means=self.means if micro else None)
+
+    def budget(self, x: RuleInput, pool: torch.Tensor) -> int:
+        return cov_budget(x.ratio, pooled_count(pool, self.group(x)))
+
+    def stats(self, x: RuleInput) -> dict[str, float]:
+        n_sel, n_pool = int(x.mask.sum()), int(x.tokens.sum())
+        return {"selected_tokens": float(n_sel), "selected_share": n_sel / n_pool if n_pool else 0.0}
+
+
+__all__ = ["COVARIANCE", "COV_MEANS", "COV_SCOPES", "CovarianceRule", "cov_budget", "cov_scores", "pooled_count",
+           "top_k_pooled"]
