@@ -124,6 +124,16 @@ class Needs:
     prompt_groups: bool = False
 
 
+@dataclass(frozen=True)
+class About:
+    """What ``verl-tokensel rules`` and the docs say of a rule or shaping: its ``source`` (paper, released code),
+    its ``formula`` (one line) and its ``deviations`` from the source (each a sentence with its reason)."""
+
+    source: str = ""
+    formula: str = ""
+    deviations: tuple[str, ...] = ()
+
+
 @dataclass
 class LossTransform:
     """What a rule does to verl's loss on one micro-batch; every tensor is ``(batch, response_len)``.
@@ -267,6 +277,8 @@ class Rule:
     Knobs: ClassVar[type] = Knobs
     #: what it needs (:class:`Needs`)
     needs: ClassVar[Needs] = Needs()
+    #: where it comes from, its formula and its deviations (:class:`About`), for ``verl-tokensel rules`` and the docs
+    about: ClassVar["About"]
 
     def score(self, x: RuleInput) -> Optional[torch.Tensor]:
         """Step 1: the scores (a NaN drops its token), or None for a score that ranks nothing."""
@@ -361,11 +373,14 @@ RULE_REGISTRY: dict[str, Rule] = {}
 SHAPING_REGISTRY: dict[str, Shaping] = {}
 
 
-def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Needs] = None) -> Callable:
+def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Needs] = None, source: str = "",
+                  formula: str = "", deviations: tuple[str, ...] = ()) -> Callable:
     """Register a token rule as ``name`` (refusing to overwrite a name): a :class:`Rule` subclass, or a function
     ``rule(x: RuleInput) -> LossTransform`` (the rule's :meth:`Rule.transform`; it keeps the base's ranking).
     ``knobs``: its knobs, a frozen dataclass extending :class:`Knobs` (default: :class:`Knobs`); ``needs``: what it
-    needs (default: :class:`Needs`). Returns what it decorates."""
+    needs (default: :class:`Needs`); ``source`` (paper and released code), ``formula`` (one line) and
+    ``deviations`` (each a sentence: where it departs from its source, and why) are what ``verl-tokensel rules``
+    and the docs print. Returns what it decorates."""
 
     def deco(obj: Any) -> Any:
         if name in RULE_REGISTRY:
@@ -384,6 +399,7 @@ def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Ne
             raise TypeError(f"register_rule({name!r}) needs a subclass of Rule or a function, got {obj!r}")
         cls.name, cls.Knobs = name, knobs_cls
         cls.needs = needs if needs is not None else cls.__dict__.get("needs", Needs())
+        cls.about = About(source=source, formula=formula, deviations=tuple(deviations))
         if not isinstance(cls.needs, Needs):
             raise TypeError(f"rule {name!r}: needs must be a Needs(...)")
         RULE_REGISTRY[name] = cls()
@@ -392,9 +408,11 @@ def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Ne
     return deco
 
 
-def register_shaping(name: str, *, knobs: type, needs: Optional[Needs] = None) -> Callable[[type], type]:
+def register_shaping(name: str, *, knobs: type, needs: Optional[Needs] = None, source: str = "", formula: str = "",
+                     deviations: tuple[str, ...] = ()) -> Callable[[type], type]:
     """Class decorator: register a :class:`Shaping` subclass as ``name`` (a ``token_selection.shaping`` value) with
-    its ``knobs`` (a frozen dataclass of :func:`knob` fields) and ``needs``; refuses to overwrite a name."""
+    its ``knobs`` (a frozen dataclass of :func:`knob` fields), ``needs`` and what the docs say of it (as
+    :func:`register_rule`); refuses to overwrite a name."""
 
     def deco(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, Shaping)):
@@ -404,6 +422,7 @@ def register_shaping(name: str, *, knobs: type, needs: Optional[Needs] = None) -
         if not dataclasses.is_dataclass(knobs):
             raise TypeError(f"shaping {name!r}: knobs must be a dataclass")
         cls.name, cls.Knobs, cls.needs = name, knobs, needs if needs is not None else Needs()
+        cls.about = About(source=source or cls.source, formula=formula, deviations=tuple(deviations))
         SHAPING_REGISTRY[name] = cls()
         return cls
 
@@ -425,6 +444,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
-__all__ = ["ActorSettings", "BUDGETS", "GROUP_SHIFT", "GroupShiftRule", "Knobs", "LossTransform", "Needs",
+__all__ = ["About", "ActorSettings", "BUDGETS", "GROUP_SHIFT", "GroupShiftRule", "Knobs", "LossTransform", "Needs",
            "OWN_LOSS_MODES", "RULE_REGISTRY", "Rule", "RuleInput", "SHAPING_REGISTRY", "Shaping", "knob",
            "knob_fields", "masked_mean", "register_rule", "register_shaping", "share"]
