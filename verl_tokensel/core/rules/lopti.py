@@ -47,7 +47,18 @@ class LoptiKnobs(Knobs):
         check_number("token_selection.lopti_eta", self.lopti_eta, 0.0, 1.0, "a number in (0, 1]", open_low=True)
 
 
-@register_rule(NAME, knobs=LoptiKnobs, needs=Needs(passes=2))
+DEVIATIONS = (
+    "The passes follow verl 0.9.1's update loop (its mini-batch size in prompts, ppo_epochs, shuffling) and each "
+    "steps the lr scheduler: the released code's own two update_actor calls, on today's verl.",
+)
+
+
+@register_rule(NAME, knobs=LoptiKnobs, needs=Needs(passes=2),
+               source='Lopti (Yang et al., "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs", arXiv '
+                      "2505.12929; released code zhyang2226/AR-Lopti, ray_trainer.py)",
+               formula="pass 1 updates the tokens with pi_old < lopti_eta, pass 2 the rest; in each pass the other "
+                       "tokens' advantage, KL and entropy terms are 0 and they stay in the denominators",
+               deviations=DEVIATIONS)
 class Lopti(Rule):
     """Two whole update passes: the low-probability tokens first, then the rest."""
 

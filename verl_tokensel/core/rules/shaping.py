@@ -41,7 +41,18 @@ class ARKnobs:
         check_number("token_selection.ar_alpha", self.ar_alpha, 0.0, 1.0, "a number in [0, 1]")
 
 
-@register_shaping("ar", knobs=ARKnobs)
+AR_DEVIATIONS = (
+    "The factor is applied in each micro-batch's loss, not once per step on the driver: the same numbers (it reads "
+    "only the old log-prob), with any driver and any rule's mask.",
+)
+
+
+@register_shaping("ar", knobs=ARKnobs,
+                  source='AR, Advantage Reweighting (Yang et al., "Do Not Let Low-Probability Tokens Over-Dominate in '
+                         'RL for LLMs", arXiv 2505.12929; released code zhyang2226/AR-Lopti, ray_trainer.py, '
+                         "reweight_method=both_linear_normal)",
+                  formula="A'_t = (ar_alpha * pi_old(o_t) + 1 - ar_alpha) * A_t",
+                  deviations=AR_DEVIATIONS)
 class AdvantageReweighting(Shaping):
     """A * (ar_alpha * pi_old + 1 - ar_alpha)"""
 
@@ -72,7 +83,18 @@ class EntropyKnobs:
                                "kappa > 1 keeps the shaped advantage's sign (the paper's condition; its value is 2).")
 
 
-@register_shaping("entropy_adv", knobs=EntropyKnobs, needs=Needs(entropy=True))
+ENTROPY_ADV_DEVIATIONS = (
+    "H is each micro-batch's update-pass entropy, and where a token's loss inputs are not finite the shift is 0: the "
+    "paper's current policy; dropped tokens never reach the loss.",
+)
+
+
+@register_shaping("entropy_adv", knobs=EntropyKnobs, needs=Needs(entropy=True),
+                  source='Cheng et al., "Reasoning with Exploration: An Entropy Perspective", arXiv 2506.14758, Sec. '
+                         "3.2, Eq. 5-6 (no released code)",
+                  formula="A'_t = A_t + min(entropy_alpha * H_t.detach(), |A_t| / entropy_kappa), H_t the update "
+                          "pass's entropy",
+                  deviations=ENTROPY_ADV_DEVIATIONS)
 class EntropyShaping(Shaping):
     """A + min(entropy_alpha * H, |A| / entropy_kappa), H the update pass's entropy, detached"""
 
