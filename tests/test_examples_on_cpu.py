@@ -39,7 +39,8 @@ EXAMPLES_DIR = ROOT / "examples"
 EXAMPLES = {
     "custom_score.py": ["test_custom_score_runs_as_a_script", "test_custom_score_selects_low_probability_tokens"],
     "custom_rule.py": ["test_custom_rule_runs_one_update_and_prints_its_metrics",
-                       "test_custom_rule_is_verls_loss_with_weighted_advantages"],
+                       "test_custom_rule_is_verls_loss_with_weighted_advantages",
+                       "test_custom_rule_knob_from_the_command_line_reaches_the_loss"],
     "custom_preset.py": ["test_custom_preset_runs_as_a_script", "test_dapo_example_with_the_custom_preset",
                          "test_custom_preset_loads_from_a_verl_plugins_entry_point"],
     "run_dapo.sh": ["test_dapo_example_with_the_custom_preset", "test_dapo_example_names_a_missing_variable"],
@@ -199,6 +200,69 @@ def test_custom_rule_is_verls_loss_with_weighted_advantages(restored_registries,
         torch.testing.assert_close(grad, g, rtol=1e-6, atol=1e-9)
     with pytest.raises(TokenSelectionConfigError, match=r"surprise_max_weight.*>= 1"):
         module.SurpriseKnobs(surprise_max_weight=0.5)
+
+
+def _main_ppo(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m verl_tokensel.main_ppo`` from the checkout's root with ``examples.custom_rule`` loaded in every
+    process (``VERL_USE_EXTERNAL_MODULES``), as the example's docstring runs it."""
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="examples.custom_rule", HYDRA_FULL_ERROR="0", RAY_ADDRESS="")
+    return subprocess.run([sys.executable, "-m", "verl_tokensel.main_ppo", *args], cwd=str(ROOT), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_custom_rule_knob_from_the_command_line_reaches_the_loss(restored_registries, monkeypatch):
+    """The user rule's knob is a command-line key like a built-in one: ``token_selection.surprise_alpha=0.7``
+    composes in the real ``main_ppo --cfg job`` (no ``+``), and the composed node, converted as verl converts the
+    actor config, runs one real CPU update whose weights are the docstring's formula at alpha 0.7 (not the preset's
+    0.5). A bad value and a misspelt knob exit 2 before Ray, naming the key (and the rule's knobs). Cost: two
+    ``main_ppo`` starts (~15 s each) and one tiny update (~7 s)."""
+    job = _main_ppo("--cfg", "job", "actor_rollout_ref.actor.token_selector=surprise_weight",
+                    "actor_rollout_ref.actor.token_selection.surprise_alpha=0.7")
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    node = yaml.safe_load(job.stdout)["actor_rollout_ref"]["actor"]
+    knobs = {k: v for k, v in node["token_selection"].items() if v is not None and k != "_target_"
+             and k not in ("auto_enable_entropy", "no_grad_scores", "prepass_reuse")}
+    assert node["token_selector"] == "surprise_weight" and knobs == {"surprise_alpha": 0.7}, knobs
+
+    spec = importlib.util.spec_from_file_location("examples.custom_rule", EXAMPLES_DIR / "custom_rule.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+    from verl_tokensel_cpu import batches, worker
+
+    actor = worker.make_training_worker(ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_gpu=2)
+    config = worker.selecting_actor_config(actor, "surprise_weight", **knobs)
+    assert config.selection.knobs.surprise_alpha == 0.7
+    batch = batches.make_update_batch(actor)
+    worker.compute_old_log_probs(actor, batch)
+    seen = []
+    result = worker.run_train_step(actor, batch, loss_fn=SelectingLoss(config, observer=seen.append))
+    assert result.max_abs_param_delta > 0
+    got = {}
+    for key in ("min_weight", "max_weight"):  # per micro-batch (the mean weight is 1 whenever no bound acts)
+        values = result.metrics[f"tokensel/surprise_weight/{key}"]
+        got[key] = [worker._as_float(v) for v in (values if isinstance(values, list) else [values])]
+    assert len(seen) == len(got["max_weight"])
+    for i, obs in enumerate(seen):
+        tokens = obs["response_mask"].bool()
+        s = -obs["log_prob"].detach().float()
+        w = {a: (1 + a * (s - s[tokens].mean())).clamp(0.5, 2.0)[tokens] for a in (0.7, 0.5)}
+        assert got["max_weight"][i] == pytest.approx(w[0.7].max().item(), rel=1e-5)
+        assert got["min_weight"][i] == pytest.approx(w[0.7].min().item(), rel=1e-5)
+        assert got["max_weight"][i] != pytest.approx(w[0.5].max().item(), rel=1e-5)
+
+    run = ["actor_rollout_ref.actor.token_selector=surprise_weight", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    bad = _main_ppo(*run, "actor_rollout_ref.actor.token_selection.surprise_alpha=-1")
+    assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-3000:]
+    assert "token_selection.surprise_alpha=-1 is invalid; valid values: a number >= 0" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and "Started a local Ray instance" not in bad.stdout + bad.stderr
+    from verl_tokensel.core.config import TokenSelectionConfig, TokenSelectionConfigError, resolve_selection
+
+    with pytest.raises(TokenSelectionConfigError, match=r"surprise_alpa=0.5 is invalid; valid values: a knob of "
+                       r"token_selector=surprise_weight .*surprise_alpha, surprise_max_weight.*Did you mean "
+                       r"surprise_alpha\?"):
+        resolve_selection("surprise_weight", TokenSelectionConfig(surprise_alpa=0.5))
 
 
 # --- the DAPO launch script --------------------------------------------------------------------------------------

@@ -30,7 +30,11 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from verl_tokensel.switches import CPU_PLATFORM, SwitchConflictError, device_port, wants_cpu  # noqa: E402
-from verl_tokensel.verl_glue.install import register_v1_trainers, validate_driver_config  # noqa: E402
+from verl_tokensel.verl_glue.install import (  # noqa: E402
+    register_v1_trainers,
+    selection_error,
+    validate_driver_config,
+)
 from verl_tokensel.verl_glue.routes import our_config_args  # noqa: E402
 from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
 
@@ -52,7 +56,14 @@ def run(config: DictConfig) -> None:
             raise SystemExit(2) from None
     if config.trainer.use_v1:
         register_v1_trainers()
-    validate_driver_config(config)
+    try:
+        validate_driver_config(config)
+    except Exception as exc:  # a bad token-selection key: one line naming it, exit 2 (a usage error), before Ray
+        err = selection_error(exc)
+        if err is None:
+            raise
+        print(f"verl_tokensel: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if config.trainer.use_v1:

@@ -112,15 +112,29 @@ PRESETS: dict[str, Optional[Selection]] = {
 }
 
 
-def register_preset(name: str, selection: Selection) -> Selection:
+def register_preset(name: str, selection: Optional[Selection] = None, *, rule: Optional[str] = None,
+                    **values: Any) -> Selection:
     """Add a ``token_selector`` preset; refuses to overwrite an existing name.
 
-    The registration must run in every process that converts the actor config (driver, TaskRunner,
-    workers): put it in a module listed in ``VERL_USE_EXTERNAL_MODULES`` or in your own
-    ``verl.plugins`` entry point. Build ``selection`` with :func:`preset` (a registered rule and its knobs).
+    ``register_preset(name, rule="<rule>", **values)``: a registered rule and values of the shared keys and of its
+    knobs (as :func:`preset`, ``shaping=`` / ``shaping_knobs=`` included); or ``register_preset(name, selection)``
+    with a :class:`Selection` built by :func:`preset`. The knobs the preset leaves out take their defaults, and every
+    knob can be set on the command line (``token_selection.<knob>``).
+
+    The registration must run in every process that converts the actor config (driver, TaskRunner, workers): put it
+    in a module listed in ``VERL_USE_EXTERNAL_MODULES`` or in your own ``verl.plugins`` entry point.
     """
     if name in PRESETS:
         raise ValueError(f"token_selector preset {name!r} already exists; pick another name")
+    if selection is None:
+        if rule is None:
+            raise TypeError("register_preset needs rule='<a registered rule>' (and its knobs) or a Selection")
+        if rule not in RULE_REGISTRY:
+            raise ValueError(f"register_preset({name!r}): rule {rule!r} is not registered; registered: "
+                             f"{', '.join(RULE_REGISTRY)}")
+        selection = preset(rule, **values)
+    elif rule is not None or values:
+        raise TypeError("register_preset takes a Selection or rule= and its knobs, not both")
     if not isinstance(selection, Selection):  # a Selection validated itself when it was built
         raise TypeError(f"register_preset needs a Selection, got {type(selection).__name__}")
     PRESETS[name] = selection

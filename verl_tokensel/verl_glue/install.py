@@ -15,8 +15,11 @@ stock ``ppo_loss`` fail loudly when a selector is configured but the loss was no
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl_tokensel.core.errors import TokenSelectionConfigError
 
 from verl_tokensel.verl_glue.actor_config import resolve_actor_config
 from verl_tokensel.verl_glue.loss import SelectingLoss
@@ -31,6 +34,16 @@ logger = logging.getLogger(__name__)
 TRAINER_MODE_PREFIX = "tokensel_"
 # verl's built-in V1 trainer modes; each gets a tokensel_<mode> twin
 BASE_TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+
+
+def selection_error(exc: BaseException) -> Optional[TokenSelectionConfigError]:
+    """The token-selection error ``exc`` carries (itself, or the cause Hydra's ``instantiate`` wrapped), or None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, TokenSelectionConfigError):
+            return exc
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def validate_driver_config(config: DictConfig) -> None:

@@ -69,9 +69,48 @@ def verl_config_name(args: list[str]) -> str | None:
     return name if name in OUR_CONFIG else None
 
 
+#: the actor node's YAML (generated from the knob fields): its ``token_selection`` keys are the declared ones
+ACTOR_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "tokensel", "actor.yaml")
+KNOB_PREFIX = "actor_rollout_ref.actor.token_selection."
+
+
+def declared_knobs(path: str = ACTOR_YAML) -> set[str]:
+    """The keys the ``token_selection`` node of our actor YAML declares (read as text: no YAML parser needed)."""
+    keys, inside = set(), False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("token_selection:"):
+                inside = True
+            elif inside and line[:1] not in (" ", "\n", "#", ""):
+                break
+            elif inside and line.startswith("  ") and not line.startswith("   ") and ":" in line:
+                key = line.strip().split(":", 1)[0]
+                if not key.startswith("#"):
+                    keys.add(key)
+    return keys
+
+
+def open_knob_args(args: list[str]) -> list[str]:
+    """``args`` with Hydra's ``+`` before each ``token_selection.<knob>=...`` the YAML does not declare: the knobs of
+    a rule registered from user code (``VERL_USE_EXTERNAL_MODULES``). Hydra then adds the key; the resolution checks
+    it against the chosen rule's knobs (an unknown one is refused there, naming the rule's knobs)."""
+    declared = None
+    out = []
+    for a in args:
+        key = a.split("=", 1)[0]
+        if "=" in a and key.startswith(KNOB_PREFIX) and "." not in key[len(KNOB_PREFIX):]:
+            declared = declared_knobs() if declared is None else declared
+            if key[len(KNOB_PREFIX):] not in declared:
+                a = "+" + a
+        out.append(a)
+    return out
+
+
 def our_config_args(args: list[str]) -> tuple[list[str], str | None]:
     """``args`` of ``python -m verl_tokensel.main_ppo`` with verl's config name swapped for ours, and the line
-    that says so (None when ``args`` name no verl config, or none: they pass through untouched)."""
+    that says so (None when ``args`` name no verl config, or none: they pass through untouched); a knob the YAML
+    does not declare gets Hydra's ``+`` (:func:`open_knob_args`)."""
+    args = open_knob_args(list(args))
     opts = _config_options(args)
     if "name" not in opts:
         return list(args), None
@@ -128,5 +167,6 @@ def wrong_route_line(orig_argv: list[str] | None = None, argv: list[str] | None 
             f"--config-path={OUR_CONFIG_PATH} --config-name={ours}{plus}")
 
 
-__all__ = ["OUR_CONFIG", "OUR_CONFIG_PATH", "SELECTION_KEYS", "our_config_args", "selection_overrides",
+__all__ = ["OUR_CONFIG", "OUR_CONFIG_PATH", "SELECTION_KEYS", "declared_knobs", "open_knob_args", "our_config_args",
+           "selection_overrides",
            "verl_config_name", "wrong_route_line"]
