@@ -252,7 +252,8 @@ def test_custom_rule_knob_from_the_command_line_reaches_the_loss(restored_regist
         assert got["min_weight"][i] == pytest.approx(w[0.7].min().item(), rel=1e-5)
         assert got["max_weight"][i] != pytest.approx(w[0.5].max().item(), rel=1e-5)
 
-    run = ["actor_rollout_ref.actor.token_selector=surprise_weight", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+    run = ["actor_rollout_ref.actor.token_selector=surprise_weight",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
     bad = _main_ppo(*run, "actor_rollout_ref.actor.token_selection.surprise_alpha=-1")
     assert bad.returncode == 2, bad.stdout[-2000:] + bad.stderr[-3000:]
     assert "token_selection.surprise_alpha=-1 is invalid; valid values: a number >= 0" in bad.stderr, bad.stderr

@@ -215,7 +215,7 @@ def _m2po_rank(rank, world):
         rows = valid.shape[0] // world
         sl = slice(rank * rows, (rank + 1) * rows)
         m2 = (behav[sl] - prox[sl]) ** 2
-        out.append([m2po_kept_tokens(m2, valid[sl], tau, group=dist.group.WORLD) for tau in THRESHOLDS])
+        out.append([m2po_kept_tokens(m2, valid[sl], tau, dp_group=dist.group.WORLD) for tau in THRESHOLDS])
     return out
 
 

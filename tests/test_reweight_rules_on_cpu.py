@@ -168,7 +168,7 @@ def test_a_lopti_batch_without_its_pass_number_fails_loudly():
 
 
 def test_lopti_metrics_merge_as_the_released_code():
-    merged = RULE_REGISTRY["lopti"].merge_pass_metrics(PRESETS["lopti"].knobs, [
+    merged = RULE_REGISTRY["lopti"].merge_passes([
         {"actor/pg_loss": 1.0, "actor/lr": 0.1, "x": [1, 2]}, {"actor/pg_loss": 3.0, "actor/lr": 0.1, "x": [3]}])
     assert merged["actor/pg_loss"] == 2.0 and merged["actor/lr"] == pytest.approx(0.1) and merged["x"] == [1, 2, 3]
     assert merged["tokensel/lopti/phase1/actor/pg_loss"] == 1.0
@@ -210,7 +210,7 @@ def _stapo_rank(rank, world):
     rows = valid.shape[0] // world
     sl = slice(rank * rows, (rank + 1) * rows)
     return spurious_tokens(adv[sl], lp[sl], ent[sl], valid[sl], prob_threshold=0.05, entropy_quantile=0.75,
-                           group=dist.group.WORLD)[0]
+                           dp_group=dist.group.WORLD)[0]
 
 
 def test_stapo_over_two_ranks_picks_the_tokens_of_one_process():

@@ -5,6 +5,8 @@ token loss gives ``compute_policy_loss_vanilla``'s loss and gradient under every
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -45,8 +47,9 @@ def test_a_token_loss_is_aggregated_as_verls_own(agg, weighted):
     torch.testing.assert_close(losses["rule"][1], losses["verl"][1], rtol=1e-6, atol=1e-9)
 
 
-def test_a_transform_names_a_policy_loss_or_carries_one_not_both():
-    with pytest.raises(ValueError, match="not both"):
-        LossTransform(policy_loss="per_token_clip", token_loss=vanilla_token_losses)
+def test_a_transform_has_one_loss_mechanism():
+    """A rule changes the policy loss one way only: its own per-token ``token_loss``, aggregated by the glue (no
+    policy loss named by string from the glue)."""
+    assert not {"policy_loss", "policy_loss_args"} & {f.name for f in dataclasses.fields(LossTransform)}
     assert transform_policy_loss(LossTransform()) is None  # neither: verl's configured loss_mode runs
     assert transform_policy_loss(LossTransform(token_loss=vanilla_token_losses)).func is rule_token_loss

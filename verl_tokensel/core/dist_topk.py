@@ -105,7 +105,8 @@ def topk_mask_distributed(
     keys = ordered_keys32(values, largest)
     world = world_size(group)
     rank = dist.get_rank(group) if world > 1 else 0
-    total = int(all_reduce_sum(torch.tensor([keys.numel()], dtype=torch.int64, device=keys.device), group, world).item())
+    count = torch.tensor([keys.numel()], dtype=torch.int64, device=keys.device)
+    total = int(all_reduce_sum(count, group, world).item())
     if k <= 0 or total == 0:
         return torch.zeros_like(values, dtype=torch.bool)
     if k >= total:

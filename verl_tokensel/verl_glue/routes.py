@@ -70,7 +70,8 @@ def verl_config_name(args: list[str]) -> str | None:
 
 
 #: the actor node's YAML (generated from the knob fields): its ``token_selection`` keys are the declared ones
-ACTOR_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "tokensel", "actor.yaml")
+ACTOR_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config", "tokensel",
+                          "actor.yaml")
 KNOB_PREFIX = "actor_rollout_ref.actor.token_selection."
 
 

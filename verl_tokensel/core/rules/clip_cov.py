@@ -55,8 +55,8 @@ def select_clip_cov(advantages: torch.Tensor, log_prob: torch.Tensor, old_log_pr
                     ratio: float, draw: torch.Tensor, *, clip_low: float = 0.2, clip_high: float = 0.2, lb: float = 1.0,
                     ub: float = 5.0, dp_group: Optional[dist.ProcessGroup] = None,
                     verl_means: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(mask, cov)``: :func:`~verl_tokensel.core.rules.covariance.cov_budget` of the candidates (all of them when they fit),
-    those with the highest ``draw`` (a keyed uniform in [0, 1) per token), over the ranks of ``dp_group``."""
+    """``(mask, cov)``: :func:`~verl_tokensel.core.rules.covariance.cov_budget` of the candidates (all of them when
+    they fit), those with the highest ``draw`` (a keyed uniform in [0, 1) per token), over the ranks of ``dp_group``."""
     cov = cov_scores(advantages, log_prob, pool, group=dp_group, means="masked" if verl_means else None)
     return clip_cov_draw(cov, advantages, log_prob, old_log_prob, pool, ratio, draw, clip_low=clip_low,
                          clip_high=clip_high, lb=lb, ub=ub, dp_group=dp_group), cov

@@ -2,9 +2,9 @@
 Pure torch, no verl import.
 
 The top ``max(1, int(ratio * N))`` covariances ``(A - mean A)(log pi - mean log pi)`` of the pool
-(:mod:`~verl_tokensel.core.rules.covariance`) get ``kl_penalty_coef * |log r|`` added to an unclipped surrogate ``-A r`` that
-every token gets (verl 0.9.1's ``compute_policy_loss_kl_cov``, the tokens given instead of chosen inside each
-micro-batch). With another score, the same penalty goes to that ranking's tokens.
+(:mod:`~verl_tokensel.core.rules.covariance`) get ``kl_penalty_coef * |log r|`` added to an unclipped surrogate
+``-A r`` that every token gets (verl 0.9.1's ``compute_policy_loss_kl_cov``, the tokens given instead of chosen
+inside each micro-batch). With another score, the same penalty goes to that ranking's tokens.
 """
 
 from __future__ import annotations

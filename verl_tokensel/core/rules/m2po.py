@@ -56,12 +56,6 @@ def m2po_score(inp: ScoreInputs) -> torch.Tensor:
     return delta * delta
 
 
-def all_reduce_sum(t: torch.Tensor, dp_group: Optional[dist.ProcessGroup], world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, dp_group=dp_group)
-    return t
-
-
 def _key_value(ukey: int) -> float:
     """The float32 value whose unsigned order key (:func:`~verl_tokensel.core.dist_topk.ordered_keys32` shifted to
     ``[0, 2^32)``) is ``ukey``: the key map is its own inverse on the signed int32 bits."""
