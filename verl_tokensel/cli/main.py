@@ -5,6 +5,7 @@ distributions register in the entry-point group ``verl_tokensel.commands`` (the 
 Examples::
 
     verl-tokensel env          # versions and plugin status, for bug reports
+    verl-tokensel rules gmts   # what a preset does: its rule, knob values (default, paper), formula, source
     verl-tokensel cpu-step     # one real verl FSDP2 actor update per preset on a tiny CPU model (CPU distribution)
     verl-tokensel demo         # real verl GRPO per preset (none, forking, gmts) on CPU, table + plot (CPU distribution)
     verl-tokensel tiny-model --out /tmp/tiny          # the embedded tiny model, built locally (CPU distribution)
@@ -27,6 +28,7 @@ SUBCOMMANDS = {
     "analyze": "verl_tokensel.cli.analyze",
     "compare": "verl_tokensel.cli.compare",
     "view": "verl_tokensel.cli.view",
+    "rules": "verl_tokensel.cli.rules",
 }
 #: the CPU distribution's subcommands (entry points of ``verl_tokensel.commands``), named when it is not installed
 CPU_SUBCOMMANDS = ("cpu-step", "demo", "tiny-model")
