@@ -20,7 +20,7 @@ weights, 4 micro-batches):
 - ``rollout``: ``scope=group``; the mask arrives with the batch, computed on the driver from the
   old-policy pass verl runs anyway (entropy, old log-probs) and the advantages. Its step is the update
   alone; "extra" is the driver-side work timed separately: padding the batch's nested fields,
-  :func:`verl_tokensel.verl_glue.driver_select.select_on_driver`, and nesting the mask and scores back.
+  :func:`verl_tokensel.core.driver_select.select_on_driver`, and nesting the mask and scores back.
 
 Modes are interleaved (current, prepass, rollout, current, ...) and the medians are compared. Absolute
 times are meaningless on a shared CPU and are not printed. The tiny model makes the forward pass cheap

@@ -16,7 +16,7 @@ from verl_tokensel.analysis.stats import exact_grad_norms, gmts_scores
 from verl_tokensel.core.batch import group_ids, pad_rows, row_keys, score_batch
 from verl_tokensel.core.config import PRESETS, override, preset
 from verl_tokensel.core.scores import logit_grad_norm
-from verl_tokensel.verl_glue.driver_select import select_on_driver
+from verl_tokensel.core.driver_select import select_on_driver
 from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 
 PACKAGE = Path(__file__).resolve().parents[1] / "verl_tokensel"

@@ -16,7 +16,7 @@ import torch
 
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfig, resolve_selection
 from verl_tokensel.core.batch import group_ids as group_ids_from_uids
-from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
+from verl_tokensel.core.driver_select import score_params, select_on_driver
 
 
 def _batch(seed=0, n=12, length=9, group_size=4):

@@ -236,3 +236,25 @@ def test_ktae_refuses_bad_knobs_and_other_scopes():
     with pytest.raises(Exception, match=r"token_selection.score_source='current' is invalid; valid values: rollout"):
         actor_config("ktae", {"score_source": "current", "scope": "micro_batch"}, fresh=True)
     assert PRESETS["ktae"].needs_external  # the driver fills them (validate_rollout_config knows them)
+
+
+@pytest.mark.parametrize("preset", ["ktae", "gtpo"])
+@pytest.mark.parametrize("estimator", ["gae", "reinforce_plus_plus", "remax"])
+def test_group_rules_refuse_an_estimator_without_prompt_groups(preset, estimator):
+    """KTAE and GTPO compare the responses of each prompt group: an advantage estimator that forms no groups is
+    refused on the driver, naming algorithm.adv_estimator and the fix (GRPO, the releases' estimator, passes)."""
+    from hydra import compose, initialize_config_module
+
+    from verl_tokensel.core.config import TokenSelectionConfigError, resolve_selection
+    from verl_tokensel.verl_glue.install import validate_driver_config
+
+    with pytest.raises(TokenSelectionConfigError, match=rf"algorithm\.adv_estimator='{estimator}' is invalid .*"
+                       "Fix: set algorithm.adv_estimator=grpo"):
+        resolve_selection(preset, adv_estimator=estimator)
+    resolve_selection(preset, adv_estimator="grpo")
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        cfg = compose("tokensel_trainer", overrides=[
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", f"actor_rollout_ref.actor.token_selector={preset}",
+            f"algorithm.adv_estimator={estimator}", "trainer.v1.trainer_mode=tokensel_sync"])
+    with pytest.raises(TokenSelectionConfigError, match=r"algorithm\.adv_estimator"):
+        validate_driver_config(cfg)

@@ -97,7 +97,7 @@ def _expected_masks(sel, full, entropy_rows, order=None):
     """Row id -> mask by select_on_driver over ``full``'s own fields taken in ``order`` (the order the driver
     sees: ties are broken by position, and the tiny random model's entropies do tie)."""
     from verl_tokensel.core.batch import group_ids as group_ids_from_uids
-    from verl_tokensel.verl_glue.driver_select import select_on_driver
+    from verl_tokensel.core.driver_select import select_on_driver
 
     lens = response_lengths(full)
     width = max(lens)

@@ -216,7 +216,7 @@ def add_driver_meta(
 
 def add_driver_selection(config, batch, eos_token_id=None):
     """What verl's driver adds for ``score_source=rollout`` (``forking_paper``), in place: the mask and scores
-    that :func:`~verl_tokensel.verl_glue.driver_select.select_on_driver` computes from the batch's
+    that :func:`~verl_tokensel.core.driver_select.select_on_driver` computes from the batch's
     old-log-prob values (``old_log_probs``, ``advantages``, ``entropy``, ``uid``), as nested fields; for a score
     that reads the responses (token ids, rewards, EOS: ``ktae``, ``gtpo``), the fields the driver fills from
     ``responses``, ``token_level_rewards`` and ``eos_token_id`` (the tokenizer's).
@@ -228,7 +228,7 @@ def add_driver_selection(config, batch, eos_token_id=None):
 
     from verl_tokensel.core import fields
     from verl_tokensel.core.batch import group_ids
-    from verl_tokensel.verl_glue.driver_select import score_params, select_on_driver
+    from verl_tokensel.core.driver_select import score_params, select_on_driver
     from verl_tokensel.verl_glue.rollout_source import response_fields
 
     padded = batch.select(*fields.LOSS_INPUTS, fields.ENTROPY).to_padded_tensor()

@@ -20,8 +20,9 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.core.errors import TokenSelectionConfigError
+from verl_tokensel.core.rules.checks import check_prompt_groups
 
-from verl_tokensel.verl_glue.actor_config import resolve_actor_config
+from verl_tokensel.verl_glue.actor_config import actor_selection, resolve_actor_config
 from verl_tokensel.verl_glue.loss import SelectingLoss
 from verl_tokensel.verl_glue.rollout_source import (
     DriverSelector,
@@ -56,6 +57,9 @@ def validate_driver_config(config: DictConfig) -> None:
     if selector in (None, "none"):
         return
     validate_rollout_config(config)
+    sel = actor_selection(config)
+    if sel is not None:
+        check_prompt_groups(sel, OmegaConf.select(config, "algorithm.adv_estimator", default=None))
     _check_fused_kernels(config, selector)
     _check_rollout_log_probs(config, selector)
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
@@ -76,8 +80,6 @@ def _check_fused_kernels(config: DictConfig, selector: str) -> None:
     NotImplementedError on a worker for ``calculate_sum_pi_squared`` with fused kernels): refuse, on the
     driver, a pre-pass that would ask for it (``score_source=rollout`` is refused by
     :func:`~verl_tokensel.verl_glue.rollout_source.validate_rollout_config`)."""
-    from verl_tokensel.verl_glue.actor_config import actor_selection
-
     if not OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels", default=False):
         return
     sel = actor_selection(config)
@@ -97,8 +99,6 @@ def _check_rollout_log_probs(config: DictConfig, selector: str) -> None:
     actor's update batch, next to verl's recomputed ``old_log_probs``: the rollout must compute them
     (``rollout.calculate_log_probs``), and bypass mode must be off (it makes ``old_log_probs`` the rollout's, so the
     two would be one policy). Refused here, on the driver, rather than a score of nothing on the workers."""
-    from verl_tokensel.verl_glue.actor_config import actor_selection
-
     sel = actor_selection(config)
     if sel is None or not sel.needs_rollout_log_probs:
         return
@@ -205,6 +205,13 @@ class _TokenselTrainerMixin:
         install_actor_loss(self.actor_rollout_wg, self.config)
         return super().on_init_end()
 
+    @property
+    def tokensel_selection(self):
+        """The resolved rule (None for ``none``), resolved once per trainer: the steps never resolve it again."""
+        if "_tokensel_selection" not in self.__dict__:
+            self._tokensel_selection = actor_selection(self.config)
+        return self._tokensel_selection
+
     # score_source=rollout: the driver selects over the whole batch (verl_glue.rollout_source)
     @property
     def tokensel_driver(self):
@@ -225,10 +232,9 @@ class _TokenselTrainerMixin:
         if self.tokensel_driver is not None:
             batch = self.tokensel_driver.select_v1(batch, metrics)
         from verl_tokensel.core.fields import UPDATE_PASS
-        from verl_tokensel.verl_glue.actor_config import actor_selection
-        from verl_tokensel.verl_glue.update_passes import run_update_passes, several_passes
+        from verl_tokensel.core.update_passes import run_update_passes, several_passes
 
-        sel = actor_selection(self.config)
+        sel = self.tokensel_selection
         if not several_passes(sel):
             return super()._update_actor(batch, metrics)
 

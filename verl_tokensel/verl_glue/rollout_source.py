@@ -1,7 +1,7 @@
 """``token_selection.score_source=rollout`` in verl's two drivers: the driver selects, the workers apply.
 
 Per step, after verl's old-log-prob pass and the advantages and right before ``update_actor``, the driver reads the
-padded per-token fields of the whole batch, runs :func:`~verl_tokensel.verl_glue.driver_select.select_on_driver`
+padded per-token fields of the whole batch, runs :func:`~verl_tokensel.core.driver_select.select_on_driver`
 and sends the mask and scores as per-token fields keyed by row (:data:`~verl_tokensel.core.fields.MASK`,
 :data:`~verl_tokensel.core.fields.SCORE`), so verl's row moves (balancing, DP dispatch, shuffling, dynamic
 batching) carry the mask with its row. V1 driver: :meth:`DriverSelector.select_v1` through TransferQueue (the
@@ -26,7 +26,7 @@ from verl_tokensel.core.batch import group_ids, row_keys
 from verl_tokensel.core.errors import TokenSelectionConfigError
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.actor_config import actor_selection
-from verl_tokensel.verl_glue.driver_select import (
+from verl_tokensel.core.driver_select import (
     DriverSelection,
     score_params,
     select_on_driver,

@@ -8,7 +8,7 @@ used only by ``python -m verl_tokensel.main_ppo`` with ``trainer.use_v1=false``:
 2. the driver's selection (``score_source=rollout``): a ``RayPPOTrainer`` subclass
    (:func:`tokensel_ray_ppo_trainer_class`) keeps the old-policy entropy ``fit`` pops and adds the mask and scores
    to the ``DataProto`` in ``_update_actor`` (:func:`select_v0`), and for a rule with several update passes calls
-   the update once per pass (:mod:`~verl_tokensel.verl_glue.update_passes`);
+   the update once per pass (:mod:`~verl_tokensel.core.update_passes`);
 3. building that subclass: :func:`v0_task_runner` rebinds the global ``RayPPOTrainer`` in the globals of the
    TaskRunner's ``run`` inside the TaskRunner process (verl's module is untouched), and swaps in the pre-pass actor
    worker class for ``score_source=prepass``.
@@ -104,6 +104,9 @@ def tokensel_ray_ppo_trainer_class():
         def __init__(self, config, *args, **kwargs):
             super().__init__(config, *args, **kwargs)
             self.tokensel_driver = DriverSelector.from_config(self.config, trainer=self)
+            from verl_tokensel.verl_glue.actor_config import actor_selection
+
+            self.tokensel_selection = actor_selection(self.config)  # once: the steps never resolve it again
 
         def _compute_old_log_prob(self, batch):
             old_log_prob, mfu = super()._compute_old_log_prob(batch)
@@ -114,11 +117,10 @@ def tokensel_ray_ppo_trainer_class():
 
         def _update_actor(self, batch):
             from verl_tokensel.core.fields import UPDATE_PASS
-            from verl_tokensel.verl_glue.actor_config import actor_selection
-            from verl_tokensel.verl_glue.update_passes import run_update_passes, several_passes
+            from verl_tokensel.core.update_passes import run_update_passes, several_passes
 
             metrics = select_v0(self.tokensel_driver, batch) if self.tokensel_driver is not None else {}
-            sel = actor_selection(self.config)
+            sel = self.tokensel_selection
             if not several_passes(sel):
                 output = super()._update_actor(batch)
             else:  # the rule's update passes: whole actor updates, the pass number reaching the loss

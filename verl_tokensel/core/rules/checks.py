@@ -176,14 +176,22 @@ def check_with_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
             "engine only computes when calculate_entropy=true or entropy_coeff != 0, and "
             "token_selection.auto_enable_entropy=false. Fix: set actor_rollout_ref.actor.calculate_entropy=true or "
             "token_selection.auto_enable_entropy=true.")
-    if rule.needs.prompt_groups and actor.adv_estimator in GROUPLESS_ESTIMATORS:
+    check_prompt_groups(sel, actor.adv_estimator)
+
+
+def check_prompt_groups(sel: Any, adv_estimator: Optional[str]) -> None:
+    """A rule that reads each prompt group's responses together (``Needs(prompt_groups=True)``) needs an advantage
+    estimator that forms the groups (``algorithm.adv_estimator``; None: not known here)."""
+    rule = sel.impl
+    if rule.needs.prompt_groups and adv_estimator in GROUPLESS_ESTIMATORS:
         raise TokenSelectionConfigError(
-            f"algorithm.adv_estimator={actor.adv_estimator!r} is invalid with token_selector's rule {rule.name}; "
+            f"algorithm.adv_estimator={adv_estimator!r} is invalid with token_selector's rule {rule.name}; "
             f"valid values: an estimator with prompt groups (not {', '.join(GROUPLESS_ESTIMATORS)}). Rule "
             f"{rule.name} compares the responses of each prompt group (their rewards and group advantages), which "
-            f"adv_estimator={actor.adv_estimator} does not form. Fix: set algorithm.adv_estimator=grpo (the "
+            f"adv_estimator={adv_estimator} does not form. Fix: set algorithm.adv_estimator=grpo (the "
             "release's) with actor_rollout_ref.rollout.n > 1.")
 
 
 __all__ = ["GROUPLESS_ESTIMATORS", "OMEGA_KL_TYPES", "OMEGA_LOSS_MODES", "QUANTILE_SCOPES", "RuleCheck",
-           "check_needs", "check_no_budget", "check_scope_fits_source", "check_shared", "check_with_actor", "validate"]
+           "check_needs", "check_no_budget", "check_prompt_groups", "check_scope_fits_source", "check_shared",
+           "check_with_actor", "validate"]
