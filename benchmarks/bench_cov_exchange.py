@@ -180,7 +180,7 @@ def rank_main(rank: int, world: int, q, stage, args, log2s: list[int], deadline:
             break
         t_size = time.perf_counter()
         adv, log_prob, pool = make_batch(1 << log2, rank, log2)
-        cov = cov_scores(adv, log_prob, pool, group=dist.group.WORLD)  # for the tie statistics
+        cov = cov_scores(adv, log_prob, pool, dp_group=dist.group.WORLD)  # for the tie statistics
         n_total = pooled_count(pool, dist.group.WORLD)
 
         t_gather = []

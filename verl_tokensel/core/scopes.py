@@ -59,3 +59,8 @@ def world_size(group: Optional[dist.ProcessGroup]) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
+
+
+def dp_world(dp_group: Optional[dist.ProcessGroup]) -> int:
+    """Ranks of the data-parallel group a rule pools over (``None``: this rank alone)."""
+    return 1 if dp_group is None else world_size(dp_group)

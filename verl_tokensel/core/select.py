@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed, ordered_keys32, topk_mask_distributed
-from verl_tokensel.core.scopes import budget, invalid_rule_arg, world_size
+from verl_tokensel.core.scopes import budget, dp_world, invalid_rule_arg
 
 _PAD_KEY = -(2**31)  # below every key, NaN included
 
@@ -87,11 +87,11 @@ def select_tokens(
         if group_ids is None or group_ids.shape != valid.shape[:1]:
             raise ValueError(f"scope='group' needs group_ids of shape ({valid.shape[0]},), got "
                              f"{None if group_ids is None else tuple(group_ids.shape)}")
-        if _world(dp_group) == 1:
+        if dp_world(dp_group) == 1:
             return _select_grouped(scores, valid, group_ids, ratio, direction)
         return grouped_topk_mask_distributed(scores, valid, group_ids, ratio, dp_group,
                                              largest=direction == "top")
-    if scope == "micro_batch" or _world(dp_group) == 1:
+    if scope == "micro_batch" or dp_world(dp_group) == 1:
         return keep_first_k(scores, valid, budget(ratio, int(valid.sum())), direction)
     mask = torch.zeros_like(valid)
     mask[valid] = _select_across_ranks(scores[valid], ratio, direction, dp_group)
@@ -159,11 +159,6 @@ def _select_grouped(
     keep = rank_in_group < torch.repeat_interleave(budgets, counts)
     out[idx[order[keep]]] = True
     return out.view_as(valid)
-
-
-def _world(group: Optional[dist.ProcessGroup]) -> int:
-    """Ranks of the ``dp_group`` the engine passed; no group means this rank alone."""
-    return 1 if group is None else world_size(group)
 
 
 def _select_across_ranks(

@@ -57,7 +57,7 @@ def select_clip_cov(advantages: torch.Tensor, log_prob: torch.Tensor, old_log_pr
                     verl_means: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mask, cov)``: :func:`~verl_tokensel.core.rules.covariance.cov_budget` of the candidates (all of them when
     they fit), those with the highest ``draw`` (a keyed uniform in [0, 1) per token), over the ranks of ``dp_group``."""
-    cov = cov_scores(advantages, log_prob, pool, group=dp_group, means="masked" if verl_means else None)
+    cov = cov_scores(advantages, log_prob, pool, dp_group=dp_group, means="masked" if verl_means else None)
     return clip_cov_draw(cov, advantages, log_prob, old_log_prob, pool, ratio, draw, clip_low=clip_low,
                          clip_high=clip_high, lb=lb, ub=ub, dp_group=dp_group), cov
 
@@ -136,7 +136,7 @@ class ClipCov(CovarianceRule):
         k = x.knobs
         return clip_cov_draw(x.scores, x.weighted_advantages, x.log_prob, x.old_log_prob, x.tokens, x.ratio,
                              x.score("random"), clip_low=x.clip_ratio_low, clip_high=x.clip_ratio_high, lb=k.cov_lb,
-                             ub=k.cov_ub, dp_group=self.group(x))
+                             ub=k.cov_ub, dp_group=self.dp_group(x))
 
     def transform(self, x) -> LossTransform:
         return LossTransform(token_loss=partial(clip_cov_token_losses, loss_weight=(~x.mask).to(torch.float32)))

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from verl_tokensel.core.dist_topk import topk_mask_distributed
 from verl_tokensel.core.errors import config_error
 from verl_tokensel.core.rules.base import Needs, Rule, RuleInput
-from verl_tokensel.core.scopes import world_size
+from verl_tokensel.core.scopes import dp_world
 from verl_tokensel.core.select import keep_first_k
 
 #: scopes a covariance rule can pool over (its means need every token of the pool)
@@ -43,28 +43,24 @@ def cov_budget(ratio: float, n: int) -> int:
     return max(1, int(n * ratio))
 
 
-def _pooled(group: Optional[dist.ProcessGroup]) -> bool:
-    return group is not None and world_size(group) > 1
-
-
-def pooled_count(pool: torch.Tensor, group: Optional[dist.ProcessGroup]) -> int:
-    """Valid tokens of the pool over all ranks of ``group``."""
+def pooled_count(pool: torch.Tensor, dp_group: Optional[dist.ProcessGroup]) -> int:
+    """Valid tokens of the pool over all ranks of ``dp_group``."""
     n = pool.sum().to(torch.int64).reshape(1)
-    if _pooled(group):
-        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
+    if dp_world(dp_group) > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=dp_group)
     return int(n.item())
 
 
 def _pooled_means(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor,
-                  group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Means of A and log pi over the pool on every rank of ``group``: one all-reduce of three float64 sums."""
+                  dp_group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Means of A and log pi over the pool on every rank of ``dp_group``: one all-reduce of three float64 sums."""
     sums = torch.stack([  # summed in float64 without a float64 copy of the inputs
         torch.where(pool, advantages, 0.0).sum(dtype=torch.float64),
         torch.where(pool, log_prob.detach(), 0.0).sum(dtype=torch.float64),
         pool.sum().double(),
     ])
-    if _pooled(group):
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    if dp_world(dp_group) > 1:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=dp_group)
     n = sums[2].clamp_min(1.0)
     return (sums[0] / n).float(), (sums[1] / n).float()
 
@@ -74,10 +70,10 @@ COV_MEANS = (None, "flat", "masked")
 
 
 def cov_scores(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor, *,
-               group: Optional[dist.ProcessGroup] = None, means: Optional[str] = None) -> torch.Tensor:
+               dp_group: Optional[dist.ProcessGroup] = None, means: Optional[str] = None) -> torch.Tensor:
     """``(A_t - mean A)(log pi_t - mean log pi)`` per token, float32, 0 off the pool.
 
-    ``means=None``: float64 sums over the pool all-reduced over ``group`` (None: this rank), so one rank holding
+    ``means=None``: float64 sums over the pool all-reduced over ``dp_group`` (None: this rank), so one rank holding
     the whole pool and W ranks holding parts of it compute the same scores. ``"flat"`` / ``"masked"`` (the
     ``micro_batch`` scope, one rank): as verl's KL-Cov / Clip-Cov compute them (the two differ), for a selection
     equal to verl's bit for bit.
@@ -88,7 +84,7 @@ def cov_scores(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Ten
     lp = log_prob.detach().float()
     pool = pool.to(torch.bool)
     if means is None:
-        mean_a, mean_lp = _pooled_means(adv, lp, pool, group)
+        mean_a, mean_lp = _pooled_means(adv, lp, pool, dp_group)
     elif means == "flat":  # verl: all_valid_adv.mean() over the flattened valid values, on the host
         mean_a = adv[pool].cpu().mean().to(adv.device)
         mean_lp = lp[pool].cpu().mean().to(adv.device)
@@ -101,12 +97,12 @@ def cov_scores(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Ten
 
 
 def top_k_pooled(keys: torch.Tensor, pool: torch.Tensor, k: int,
-                 group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """The ``k`` highest ``keys`` of the pool over the ranks of ``group`` (ties: lower rank, then position)."""
-    if not _pooled(group):
+                 dp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """The ``k`` highest ``keys`` of the pool over the ranks of ``dp_group`` (ties: lower rank, then position)."""
+    if not dp_world(dp_group) > 1:
         return keep_first_k(keys, pool, k, "top")
     mask = torch.zeros_like(pool)
-    mask[pool] = topk_mask_distributed(keys[pool], k, group, largest=True)
+    mask[pool] = topk_mask_distributed(keys[pool], k, dp_group, largest=True)
     return mask
 
 
@@ -141,18 +137,18 @@ class CovarianceRule(Rule):
                                f"(with score={self.name})", f"score={self.name} follows verl's port: its budget is "
                                "max(1, int(ratio * N)) of the pool's valid tokens, highest first.")
 
-    def group(self, x: RuleInput) -> Optional[dist.ProcessGroup]:
+    def dp_group(self, x: RuleInput) -> Optional[dist.ProcessGroup]:
         return None if x.scope == "micro_batch" else x.dp_group
 
     def score(self, x: RuleInput) -> Optional[torch.Tensor]:
         if not self.own(x):
             return super().score(x)
         micro = x.scope == "micro_batch"
-        return cov_scores(x.weighted_advantages, x.log_prob, x.tokens, group=self.group(x),
+        return cov_scores(x.weighted_advantages, x.log_prob, x.tokens, dp_group=self.dp_group(x),
                           means=self.means if micro else None)
 
     def budget(self, x: RuleInput, pool: torch.Tensor) -> int:
-        return cov_budget(x.ratio, pooled_count(pool, self.group(x)))
+        return cov_budget(x.ratio, pooled_count(pool, self.dp_group(x)))
 
     def stats(self, x: RuleInput) -> dict[str, float]:
         n_sel, n_pool = int(x.mask.sum()), int(x.tokens.sum())

@@ -41,7 +41,7 @@ def select_kl_cov(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.
                   verl_means: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(mask, cov)``: the top :func:`~verl_tokensel.core.rules.covariance.cov_budget` covariances of the pool over
     the ranks of ``dp_group`` (``verl_means``: the means as verl's micro-batch function takes them)."""
-    cov = cov_scores(advantages, log_prob, pool, group=dp_group, means="flat" if verl_means else None)
+    cov = cov_scores(advantages, log_prob, pool, dp_group=dp_group, means="flat" if verl_means else None)
     return top_k_pooled(cov, pool, cov_budget(ratio, pooled_count(pool, dp_group)), dp_group), cov
 
 
@@ -96,7 +96,7 @@ class KLCov(CovarianceRule):
     def select(self, x):
         if not self.own(x):
             return super().select(x)
-        return top_k_pooled(x.scores, x.tokens, self.budget(x, x.tokens), self.group(x))
+        return top_k_pooled(x.scores, x.tokens, self.budget(x, x.tokens), self.dp_group(x))
 
     def transform(self, x) -> LossTransform:
         penalty = torch.where(x.mask, float(x.knobs.kl_penalty_coef), 0.0).to(torch.float32)

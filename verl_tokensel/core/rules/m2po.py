@@ -32,7 +32,7 @@ from verl_tokensel.core.dist_topk import all_reduce_sum, ordered_keys32, topk_ma
 from verl_tokensel.core.errors import check_number, config_error
 from verl_tokensel.core.rules.base import Knobs, Needs, Rule, knob, register_rule, share
 from verl_tokensel.core.rules.checks import check_no_budget
-from verl_tokensel.core.scopes import world_size
+from verl_tokensel.core.scopes import dp_world
 from verl_tokensel.core.scores import ScoreInputs, register_score
 from verl_tokensel.core.select import keep_first_k
 
@@ -73,7 +73,7 @@ def kept_count(values: torch.Tensor, threshold: float, dp_group: Optional[dist.P
     over the float32 order finds the value at which the running sum of ``value - threshold`` (float64, ascending)
     stops being negative, and how many of its ties still fit.
     """
-    world = world_size(dp_group) if dp_group is not None else 1
+    world = dp_world(dp_group)
     ukey = ordered_keys32(values.flatten()).to(torch.int64) - _INT32_MIN
     excess = values.detach().flatten().double() - float(threshold)
     n = int(all_reduce_sum(torch.tensor([ukey.numel()], dtype=torch.int64, device=ukey.device), dp_group, world).item())
@@ -117,7 +117,7 @@ def m2po_kept_tokens(m2: torch.Tensor, pool: torch.Tensor, threshold: float,
     (:func:`kept_count`), ties earliest first (lower rank, then row-major position)."""
     pool = pool.to(torch.bool)
     values = m2.detach().float()
-    pooled = dp_group is not None and world_size(dp_group) > 1
+    pooled = dp_world(dp_group) > 1
     kept, n = kept_count(values[pool], threshold, dp_group if pooled else None)
     if n - kept <= 0:
         return pool.clone()

@@ -26,7 +26,7 @@ from verl_tokensel.core.dist_topk import topk_mask_distributed
 from verl_tokensel.core.errors import check_number, config_error
 from verl_tokensel.core.rules.base import Knobs, Rule, knob, register_rule, share
 from verl_tokensel.core.rules.checks import check_no_budget
-from verl_tokensel.core.scopes import world_size
+from verl_tokensel.core.scopes import dp_world
 from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
 from verl_tokensel.core.select import keep_first_k
 
@@ -61,7 +61,7 @@ def spurious_tokens(advantages: torch.Tensor, log_prob: torch.Tensor, entropy: t
     cand = stapo_candidates(advantages, log_prob, pool, prob_threshold)
     k = quantile_below_count(pooled_count(cand, dp_group), entropy_quantile)
     ent = entropy.detach().float()
-    if dp_group is None or world_size(dp_group) <= 1:
+    if dp_world(dp_group) <= 1:
         return keep_first_k(ent, cand, k, "bottom"), cand
     spurious = torch.zeros_like(cand)
     spurious[cand] = topk_mask_distributed(ent[cand], k, dp_group, largest=False)
