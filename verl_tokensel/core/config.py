@@ -9,9 +9,9 @@ Two keys on ``actor_rollout_ref.actor`` drive everything:
 The knobs are one flat namespace: the shared keys of :class:`~verl_tokensel.core.selection.Selection`, the ranking
 (:class:`~verl_tokensel.core.rules.base.Knobs`) and each registered rule's and shaping's own knobs, whose
 dataclass fields (default, help, paper value) are the single source of truth: :class:`TokenSelectionConfig` is
-built from them, the YAML in ``verl_tokensel/config`` and the README's knob tables are generated from them
-(``python -m verl_tokensel.core.knob_docs``; a test holds them equal). A knob that the preset's rule does not read
-is refused, naming the rules that do.
+built from them, the YAML in ``verl_tokensel/config``, the README's knob table and ``docs/knobs.md`` are generated
+from them (``python scripts/knob_docs.py --write``; a test holds them equal). A knob that the preset's rule does not
+read is refused, naming the rules that do.
 """
 
 from __future__ import annotations
