@@ -55,3 +55,43 @@ def test_the_shared_config_holds_only_what_every_rule_shares():
     assert len(shared) <= 12, shared
     own = {f.name for _, fields in COMPONENTS.values() for f in fields}
     assert not own & set(shared), own & set(shared)
+
+
+def test_a_rule_author_imports_one_module_of_at_most_ten_names():
+    """``verl_tokensel.rules`` is the whole seam a rule author meets: at most 10 names, each importable, and the
+    example rule in user code imports nothing else of the package."""
+    import ast
+
+    import verl_tokensel.rules as public
+
+    assert len(public.__all__) <= 10, public.__all__
+    assert all(hasattr(public, name) for name in public.__all__)
+    example = Path(__file__).resolve().parents[1] / "examples" / "custom_rule.py"
+    tree = ast.parse(example.read_text(encoding="utf-8"))
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    ours = [n.module for n in top if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("verl_tokensel")]
+    assert ours == ["verl_tokensel.rules"], ours
+
+
+def test_the_rule_base_class_is_small():
+    """A rule's steps each take one input: the base class has at most 10 members of its own (name, knobs, needs,
+    about and six steps), every step one argument besides self."""
+    from verl_tokensel.rules import Rule
+
+    own = {k for k in vars(Rule) if not k.startswith("__")} | set(Rule.__annotations__)
+    assert len(own) <= 10, sorted(own)
+    for name in ("score", "select", "transform", "stats", "check", "merge_passes"):
+        params = list(inspect.signature(getattr(Rule, name)).parameters)
+        assert len(params) == 2, (name, params)
+
+
+def test_no_rule_loss_in_the_verl_glue():
+    """One loss mechanism: a rule's per-token policy loss stands in its module (``LossTransform.token_loss``); the
+    glue's policy-loss module only adapts it to verl's registry signature and aggregation."""
+    import verl_tokensel.verl_glue.policy_loss as glue
+
+    functions = {name for name, obj in vars(glue).items()
+                 if inspect.isfunction(obj) and obj.__module__ == glue.__name__}
+    assert functions == {"_bounds", "rule_token_loss", "transform_policy_loss", "register_policy_losses"}, functions
+    text = inspect.getsource(glue)
+    assert "torch.exp(" not in text and "torch.clamp(" not in text

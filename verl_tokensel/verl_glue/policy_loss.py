@@ -13,8 +13,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable, Optional
 
-from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, register_policy_loss
-
 from verl_tokensel.core.rules import LossTransform
 from verl_tokensel.core.rules.ppo_clip import ppo_clip_token_losses
 
@@ -33,6 +31,8 @@ def rule_token_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_
     """A rule's own policy loss (``LossTransform.token_loss``, pure torch, per token) in verl's registry signature:
     the actor's clip bounds and dual-clip constant in, verl's ``agg_loss`` over the rule's per-token losses (times the
     rollout importance weights) out."""
+    from verl.trainer.ppo.core_algos import agg_loss  # here: importing core_algos runs the plugin's hook
+
     if config is None:
         raise ValueError("a rule's token_loss needs the actor config (clip_ratio, clip_ratio_c)")
     low, high = _bounds(config)
@@ -59,6 +59,8 @@ def transform_policy_loss(transform: LossTransform) -> Optional[Callable]:
 def register_policy_losses() -> None:
     """Register verl's vanilla clip with per-token bounds as ``tokensel_ppo_clip`` in verl's policy-loss registry
     (idempotent; refuses to overwrite a loss of that name registered by someone else)."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
+
     existing = POLICY_LOSS_REGISTRY.get(PPO_CLIP_PER_TOKEN)
     if existing is ppo_clip_per_token:
         return
