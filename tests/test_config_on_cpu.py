@@ -105,12 +105,16 @@ def test_knob_override_wins_over_preset():
 
 
 def test_yaml_mirrors_dataclass_defaults():
+    """actor.yaml declares every knob of declared_keys() (the shared keys, the ranking, every registered rule's and
+    shaping's own knobs: null, the preset's value) and the engine switches with their defaults."""
+    from verl_tokensel.core.config import declared_keys
+
     path = ROOT / "verl_tokensel" / "config" / "tokensel" / "actor.yaml"
     text = path.read_text()
     node = yaml.safe_load(text)
     assert node["token_selector"] == "none"
     knobs = {k: v for k, v in node["token_selection"].items() if k != "_target_"}
-    assert knobs == {f.name: f.default for f in fields(TokenSelectionConfig)}
+    assert knobs == {name: default for name, default, _ in declared_keys()}
     # verl's style: every key has a comment line above it
     lines = text.splitlines()
     for i, line in enumerate(lines):
@@ -120,15 +124,27 @@ def test_yaml_mirrors_dataclass_defaults():
 
 
 def test_readme_knob_table_and_yaml_are_generated_from_the_knob_fields():
-    """One source for each knob's meaning: the README table and actor.yaml are what knob_docs renders from the rules'
-    and the shared config's fields (``python -m verl_tokensel.core.knob_docs --write`` after changing one)."""
-    from verl_tokensel.core import knob_docs
+    """One source for each knob's meaning: the README table, actor.yaml and docs/knobs.md are what
+    scripts/knob_docs.py renders from the rules' and the shared config's fields (``python scripts/knob_docs.py
+    --write`` after changing one). The README holds the shared keys, the ranking and the engine switches; each rule's
+    and shaping's own knobs are on docs/knobs.md."""
+    import importlib.util
 
+    from verl_tokensel.core.config import declared_keys
+
+    spec = importlib.util.spec_from_file_location("knob_docs", ROOT / "scripts" / "knob_docs.py")
+    knob_docs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(knob_docs)
     readme = (ROOT / "README.md").read_text()
-    assert knob_docs.readme_with_table(readme) == readme, "README knob table is stale: run knob_docs --write"
+    assert knob_docs.readme_with_table(readme) == readme, "README knob table is stale: run scripts/knob_docs.py --write"
     assert knob_docs.actor_yaml() == knob_docs.ACTOR_YAML.read_text(), "actor.yaml is stale: run knob_docs --write"
-    for name, default, paper, _ in knob_table_rows():
-        assert f"| `{name}` | {default} | {paper} |" in readme, name
+    assert knob_docs.knobs_md() == knob_docs.KNOBS_MD.read_text(), "docs/knobs.md is stale: run knob_docs --write"
+    page = knob_docs.KNOBS_MD.read_text()
+    rows = {row[0]: row[1] for row in knob_table_rows()}
+    for name, default, meta in declared_keys():
+        own = meta.get("group") != "engine" and meta.get("declared") not in (["shared"], ["ranking"])
+        assert (f"| `token_selection.{name}` |" in page) == own, name
+        assert (f"| `token_selection.{name}` | {rows[f'token_selection.{name}']} |" in readme) != own, name
 
 
 def _cli(*args, timeout=240):
@@ -294,18 +310,22 @@ def test_readme_recipe_snippet_composes(tmp_path):
 
 
 def test_selection_fields_are_the_knob_set():
-    """TokenSelectionConfig declares the knobs: the shared keys, the ranking, every registered rule's and shaping's
-    own, the earlier keys and the engine switches; every resolved Selection's flat view is among them, and the shared
-    config keeps at most 12 fields (the README table and the YAML are checked against the same dataclass above)."""
-    from verl_tokensel.core.config import ENGINE_SWITCHES, LEGACY_KEYS, SHARED_KEYS, Selection
+    """declared_keys() (what actor.yaml declares and TokenSelectionConfig takes) is the knob set: the shared keys,
+    the ranking, every registered rule's and shaping's own knobs and the engine switches; every resolved Selection's
+    flat view is among them, and the shared config keeps at most 12 fields."""
+    from verl_tokensel.core.config import ENGINE_SWITCHES, SHARED_KEYS, Selection, declared_keys
     from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Knobs
 
     assert set(ENGINE_SWITCHES) == {"auto_enable_entropy", "no_grad_scores", "prepass_reuse"}
     assert len(fields(Selection)) <= 12
-    declared = {"rule", *SHARED_KEYS, *(f.name for f in fields(Knobs)), *LEGACY_KEYS, *ENGINE_SWITCHES}
+    declared = {"rule", *SHARED_KEYS, *(f.name for f in fields(Knobs)), *ENGINE_SWITCHES}
     declared |= {f.name for r in RULE_REGISTRY.values() for f in fields(r.Knobs)}
     declared |= {f.name for s in SHAPING_REGISTRY.values() for f in fields(s.Knobs)}
-    assert {f.name for f in fields(TokenSelectionConfig)} == declared
+    names = [name for name, _, _ in declared_keys()]
+    assert len(names) == len(set(names)) and set(names) == declared
+    assert {n for n, _, m in declared_keys() if m.get("group") == "engine"} == set(ENGINE_SWITCHES)
+    defaults = TokenSelectionConfig()
+    assert all(getattr(defaults, n) == d for n, d, _ in declared_keys())
     for sel in PRESETS.values():
         assert sel is None or set(sel.as_knobs()) <= declared
 
