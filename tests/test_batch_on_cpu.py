@@ -11,7 +11,7 @@ import torch
 from helpers.loss_inputs import make_micro_batch
 
 from verl_tokensel.analysis.scorer import TokenScores
-from verl_tokensel.analysis.selection import scored_batch, select_preset
+from verl_tokensel.analysis.training_masks import scored_batch, select_preset
 from verl_tokensel.analysis.stats import exact_grad_norms, gmts_scores
 from verl_tokensel.core.batch import group_ids, pad_rows, row_keys, score_batch
 from verl_tokensel.core.config import PRESETS, override, preset

@@ -254,7 +254,8 @@ def test_group_rules_refuse_an_estimator_without_prompt_groups(preset, estimator
     resolve_selection(preset, adv_estimator="grpo")
     with initialize_config_module("verl_tokensel.config", version_base=None):
         cfg = compose("tokensel_trainer", overrides=[
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", f"actor_rollout_ref.actor.token_selector={preset}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            f"actor_rollout_ref.actor.token_selector={preset}",
             f"algorithm.adv_estimator={estimator}", "trainer.v1.trainer_mode=tokensel_sync"])
     with pytest.raises(TokenSelectionConfigError, match=r"algorithm\.adv_estimator"):
         validate_driver_config(cfg)

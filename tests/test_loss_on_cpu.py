@@ -603,7 +603,7 @@ def test_kl_weight_scales_the_kl_term_per_token(monkeypatch):
 
 
 def test_every_rule_selection_goes_through_the_rule_step():
-    """Only the rule seam turns a ranking into a mask (core/rules/base.py, whose rules core/rule.py's apply_rule
+    """Only the rule seam turns a ranking into a mask (core/rules/base.py, whose rules core/step.py's apply_rule
     runs; analysis/stats.top_mask ranks one report column, not a rule)."""
     import ast
     from pathlib import Path

@@ -19,7 +19,7 @@ from verl.utils import tensordict_utils as tu
 from verl_tokensel.core import fields
 from verl_tokensel.core.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override
-from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.rules.m2po import kept_count, m2po_kept_tokens
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 from verl_tokensel.verl_glue.prepass import PREPASS_METRIC_PREFIX, prepass_select

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from verl_tokensel.core.batch import score_batch
-from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.config import TokenSelectionConfig, TokenSelectionConfigError, resolve_selection
 from verl_tokensel.core.select import select_tokens
 

@@ -27,7 +27,7 @@ from verl.workers.utils.losses import ppo_loss
 from verl_tokensel.core.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, preset, resolve_selection
 from verl_tokensel.core.fields import UPDATE_PASS
-from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.rules import RULE_REGISTRY
 from verl_tokensel.core.rules.stapo import quantile_below_count, spurious_tokens
 from verl_tokensel.verl_glue import loss as loss_mod

@@ -22,7 +22,7 @@ from verl.workers.utils.losses import ppo_loss
 from verl_tokensel.core.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, resolve_selection
 from verl_tokensel.core.rules.covariance import cov_budget, cov_scores
-from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.rules.clip_cov import candidates as clip_cov_candidates
 from verl_tokensel.core.rules.clip_cov import clipped_by_ratio, select_clip_cov
 from verl_tokensel.core.rules.kl_cov import select_kl_cov
@@ -395,7 +395,7 @@ def test_a_knob_the_rule_does_not_read_is_refused(preset, knob):
 def test_the_analysis_tools_select_as_the_rule_does(preset):
     """view / analyze / the demo's report rank a preset's tokens with select_preset: for the toolbox presets its
     mask is the rule step's and its budgets are the counts the rule kept (a quantile, verl's count, a draw)."""
-    from verl_tokensel.analysis.selection import select_preset
+    from verl_tokensel.analysis.training_masks import select_preset
 
     valid, adv, lp, old, _ = _pool_data(seed=8, rows=6, length=12)
     sel = PRESETS[preset]

@@ -1,6 +1,6 @@
 """The HTML page of scored responses with a preset's selection marked (``verl-tokensel view``, the demo).
 
-The selection is the training code's (:mod:`verl_tokensel.analysis.selection`); the page itself is rendered
+The selection is the training code's (:mod:`verl_tokensel.analysis.training_masks`); the page itself is rendered
 by :mod:`verl_tokensel.analysis.html`.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from verl_tokensel.analysis.html import PageInfo, ResponseView, TokenView, render_page
-from verl_tokensel.analysis.selection import scored_batch, select_preset
+from verl_tokensel.analysis.training_masks import scored_batch, select_preset
 from verl_tokensel.core.scopes import budget
 
 SHADE_HELP = {

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from verl_tokensel.analysis.selection import per_response, scored_batch
+from verl_tokensel.analysis.training_masks import per_response, scored_batch
 from verl_tokensel.core.scopes import budget
 from verl_tokensel.core.select import select_tokens
 

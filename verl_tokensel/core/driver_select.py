@@ -18,7 +18,7 @@ import torch
 from verl_tokensel.core import fields
 from verl_tokensel.core.batch import score_batch
 from verl_tokensel.core.selection import Selection
-from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.scores import score_params
 
 DRIVER_METRIC_PREFIX = "tokensel/driver_"

@@ -1,7 +1,7 @@
 """The selecting actor loss, called by verl's engines exactly like ``verl.workers.utils.losses.ppo_loss``.
 
 ``tokensel_ppo_loss(config, model_output, data, dp_group=None) -> (loss, metrics)``: per micro-batch, the rule step
-(:func:`verl_tokensel.core.rule.apply_rule`) picks the tokens, then verl's registered policy loss of
+(:func:`verl_tokensel.core.step.apply_rule`) picks the tokens, then verl's registered policy loss of
 ``policy_loss.loss_mode`` runs on inputs that carry the selection (the clip maths stays verl's):
 
 - ``normaliser=all``: the policy loss gets ``where(mask, log_prob, log_prob.detach())``: forward values and every
@@ -32,8 +32,8 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.rule import Selected, apply_rule
-from verl_tokensel.core.rule import LossContext
+from verl_tokensel.core.step import StepResult, apply_rule
+from verl_tokensel.core.step import LossContext
 from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.announce import announce_loss
@@ -130,7 +130,7 @@ def _context(config, sel: Selection, data: TensorDict) -> LossContext:
                        global_rows=None if rows is None else int(rows))
 
 
-def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, Selected]:
+def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, StepResult]:
     """The micro-batch and the rule step on it (or, for a selection measured before the update, its fields)."""
     context = _context(config, sel, data)
     if sel.score_source == "current":
@@ -148,7 +148,7 @@ def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group)
     return mb, apply_rule(sel, mb.scores, measured=(mb.padded[fields.MASK], scores), context=context)
 
 
-def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: Selected) -> dict:
+def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: StepResult) -> dict:
     """verl's loss inputs carrying the selection: the gated log-prob, the rule's per-token outputs applied, and
     finite stand-ins on dropped tokens (masked out; verl's masked sums would turn NaN x 0 into NaN)."""
     log_prob, entropy, mask, t = mb.log_prob, mb.entropy, selected.mask, selected.transform

@@ -29,7 +29,7 @@ from verl.workers.utils.padding import response_to_nested
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.dist_topk import global_group_ids
-from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch

@@ -63,7 +63,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     from verl_tokensel.analysis import io
     from verl_tokensel.analysis.scorer import score_responses
     from verl_tokensel.analysis.page import build_page, token_texts
-    from verl_tokensel.analysis.selection import scored_batch, select_preset
+    from verl_tokensel.analysis.training_masks import scored_batch, select_preset
     from verl_tokensel.analysis.stats import advantages_or_unit
     from verl_tokensel.core.config import PRESETS
     from verl_tokensel_cpu.demo.tasks import get_task

@@ -15,7 +15,7 @@ import torch
 
 from verl_tokensel.core.batch import ScoreBatch, pad_rows, score_batch
 from verl_tokensel.core.scopes import budget
-from verl_tokensel.core.rule import apply_rule
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import selection_ranks
 

@@ -3,7 +3,7 @@
 The loss (each micro-batch), the pre-pass (each rank's mini-batch), the driver (the whole batch) and the analysis
 tools all call :func:`apply_rule` on a :class:`~verl_tokensel.core.batch.ScoreBatch`, so a rule means the same
 thing wherever it runs. The steps are the registered rule's (:mod:`~verl_tokensel.core.rules`); this module only
-orders them. Its result, :class:`Selected`, carries the mask, the tokens the loss runs over and the rule's
+orders them. Its result, :class:`StepResult`, carries the mask, the tokens the loss runs over and the rule's
 :class:`~verl_tokensel.core.rules.base.LossTransform`, which the loss applies as it is.
 """
 
@@ -41,7 +41,7 @@ class LossContext:
 
 
 @dataclass
-class Selected:
+class StepResult:
     """What :func:`apply_rule` returns; every tensor is ``(batch, response_len)``.
 
     Attributes:
@@ -84,7 +84,7 @@ def apply_rule(
     ratio: Optional[float] = None,
     scope: Optional[str] = None,
     context: Optional[LossContext] = None,
-) -> Selected:
+) -> StepResult:
     """Apply the rule ``sel`` to ``batch``.
 
     1. score: the rule's :meth:`~verl_tokensel.core.rules.base.Rule.score` (after the shaping, for a score that
@@ -128,7 +128,7 @@ def apply_rule(
     own = rule.transform(x)
     transform = own.after(shaping)
     x.transform = transform
-    out = Selected(mask=mask, scores=scores, loss_tokens=tokens, dropped=dropped, transform=transform)
+    out = StepResult(mask=mask, scores=scores, loss_tokens=tokens, dropped=dropped, transform=transform)
     if stats:
         entropy = batch.inputs.entropy
         if entropy is not None and dropped:
@@ -158,4 +158,4 @@ def rule_stats(sel: Selection, x: RuleInput, own: LossTransform,
     return stats
 
 
-__all__ = ["LossContext", "Selected", "apply_rule", "rule_stats"]
+__all__ = ["LossContext", "StepResult", "apply_rule", "rule_stats"]
