@@ -110,7 +110,7 @@ def make_batch(n: int, rank: int, log2: int) -> tuple[torch.Tensor, torch.Tensor
 # --------------------------------------------------------------------------------------------
 def project_mask(adv: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor, ratio: float) -> torch.Tensor:
     """This project: pooled means by one all-reduce, exact distributed top-k; nothing of size N leaves the rank."""
-    return select_kl_cov(adv, log_prob, pool, ratio, group=dist.group.WORLD)[0]
+    return select_kl_cov(adv, log_prob, pool, ratio, dp_group=dist.group.WORLD)[0]
 
 
 def gather_valid(adv: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor):
