@@ -11,10 +11,12 @@ three normalisers (``forking`` ranks them, ``forking_paper`` and ``stapo`` recei
 Also: every loss at ratio 1.0 (``normaliser=all``) is stock verl bit for bit; the losses with no token-mean refuse
 ``selected`` / ``kept`` before Ray, naming the key; GSPO with a selection is TRL's GSPO-token with its entropy mask
 (``importance_sampling_level="sequence_token"``, ``top_entropy_quantile``; huggingface/trl
-``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``), restated below. Tensors only: ~10 s on 2 cores.
+``trl/trainer/grpo_trainer.py``, ``GRPOTrainer._compute_loss``), restated below. Tensors only: ~20 s on 2 cores.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
@@ -70,8 +72,6 @@ def the_batch(seed: int):
     mo, data, lp = micro_batch(seed, batch=8, resp_len=20, noise=0.3, dp_size=2, batch_num_tokens=300)
     tu.assign_non_tensor(data, global_batch_size=20)
     seen = []
-    from functools import partial
-
     partial(tokensel_ppo_loss, observer=seen.append)(actor_config("forking"), mo, data)
     return mo, data, lp, seen[-1]["mask"]
 
@@ -92,9 +92,10 @@ def reference(case: str, mo, data, mask, normaliser, seed=0):
     its value; ``selected`` / ``kept`` sum the per-token losses it aggregates over ``mask`` and divide by their
     denominator (selected: n_sel x the mini-batch's responses / the micro-batch's; kept: batch_num_tokens), x dp."""
     mode = settings(case)["policy_loss.loss_mode"]
-    cfg = actor_config(None, fresh=True, **settings(case))
+    cfg = actor_config(None, **settings(case))
     info = {k: tu.get_non_tensor_data(data=data, key=k, default=None)
             for k in ("dp_size", "batch_num_tokens", "global_batch_size")}
+    cfg.global_batch_info.clear()  # what verl's ppo_loss writes there before it calls the policy loss
     cfg.global_batch_info.update(info, loss_scale_factor=cfg.loss_scale_factor)
     lp = mo["log_probs"]
     lp_pad = padded(lp, data)
