@@ -1,9 +1,10 @@
 """GTPO (``token_selector=gtpo``) restated: the released ``build_conflict_mask`` (winstonsmith1897/GTPO's
 ``gtpo_training.py``: position-id keys counted with ``bincount``, the leading run by ``cumprod``, the trailing run on
 responses rotated to end-align) and its loss (the entropy filter and ``A - 0.1 H``, ``-(ratio * A * delta)``
-token-mean per response, divided by its conflict count, mean over responses), written out here, against the preset:
-the driver (verl's v0 layout through ``select_v0``) measures the new advantages, the selecting loss applies them
-(``loss_agg_mode=seq-mean-token-mean``, the release's aggregation); loss and gradient 1e-6 at ratio 1 (the release's
+token-mean per response, divided by its conflict count; the release sums these over the responses, here their mean,
+the release's loss / N), written out here, against the preset: the driver (verl's v0 layout through ``select_v0``)
+measures the new advantages, the selecting loss applies them (``loss_agg_mode=seq-mean-token-mean``: the release's
+per-response weighting, 1 / N of its scale); loss and gradient 1e-6 at ratio 1 (the release's
 single on-policy step), on groups with shared prefixes and suffixes, both advantage signs and a filtered response."""
 
 from __future__ import annotations

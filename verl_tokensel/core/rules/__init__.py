@@ -10,21 +10,19 @@ import pkgutil
 
 from verl_tokensel.core.rules.base import (
     RULE_REGISTRY,
-    SHAPING_REGISTRY,
     ActorSettings,
     Knobs,
     LossTransform,
     Needs,
     Rule,
     RuleInput,
-    Shaping,
     knob,
     register_rule,
-    register_shaping,
 )
+from verl_tokensel.core.rules.shaping import SHAPING_REGISTRY, Shaping, register_shaping
 
 #: modules of this package that hold helpers shared by rules, not rules
-HELPERS = ("base", "checks", "covariance", "ppo_clip")
+HELPERS = ("base", "checks", "covariance", "group_shift", "ppo_clip", "shaping")
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in HELPERS):
     importlib.import_module(f"{__name__}.{_module}")

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from functools import partial
 import torch
 
-from verl_tokensel.core.errors import check_number
 from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule, share
 
 NAME = "aspo"
@@ -33,16 +32,10 @@ NAME = "aspo"
 class AspoKnobs(Knobs):
     aspo_clip_ratio_low: float = knob(
         0.4, "The high-entropy tokens' lower clip ratio (A < 0: r is clipped below at 1 - this); the others keep "
-        "the actor's clip_ratio_low.", "0.4 (Archer2.0, its compute_policy_loss_archer call)")
+        "the actor's clip_ratio_low.", "0.4 (Archer2.0, its compute_policy_loss_archer call)", ge=0, lt=1)
     aspo_clip_ratio_high: float = knob(
         0.4, "The high-entropy tokens' upper clip ratio (A > 0: r is clipped above at 1 + this); the others keep "
-        "the actor's clip_ratio_high.", "0.4 (Archer2.0, its compute_policy_loss_archer call)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("aspo_clip_ratio_low", "aspo_clip_ratio_high"):
-            check_number(f"token_selection.{key}", getattr(self, key), 0.0, 1.0, "a number in [0, 1)",
-                         open_high=True)
+        "the actor's clip_ratio_high.", "0.4 (Archer2.0, its compute_policy_loss_archer call)", ge=0, lt=1)
 
 
 

@@ -7,8 +7,10 @@ selected tokens get in the loss) or a :class:`Rule` subclass for a rule that als
 update passes its own way. Every step receives one :class:`RuleInput` ``x`` (the micro-batch's tensors by name, the
 knobs, the pool and where the step stands) and returns one value: scores, a mask, a :class:`LossTransform`.
 
-An advantage shaping (:func:`register_shaping`) is a smaller component of the same kind with one job, the
-advantages' affine map; it runs before any rule (``token_selection.shaping``): AR's factor ahead of Lopti's passes.
+An advantage shaping (:mod:`~verl_tokensel.core.rules.shaping`) is a smaller component of the same kind with one job,
+the advantages' affine map; it runs before any rule (``token_selection.shaping``): AR's factor ahead of Lopti's passes.
+The rules that shift each token's advantage by what its whole prompt group determines share
+:mod:`~verl_tokensel.core.rules.group_shift`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.errors import check_choice, config_error
+from verl_tokensel.core.errors import check_bool, check_choice, config_error
 from verl_tokensel.core.scopes import DIRECTIONS, POOLS, SOURCE_SCOPES, invalid_rule_arg
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import above_quantile, select_tokens
@@ -50,6 +52,12 @@ def knob(default: Any, help: str, paper: str, *, ge: Optional[float] = None, gt:
 
 
 def _valid_range(bounds: dict[str, float]) -> str:
+    """``a number >= 0``, ``a number in (0, 1]``: the valid values a knob's bounds name."""
+    low = [(k, v) for k, v in bounds.items() if k in ("ge", "gt")]
+    high = [(k, v) for k, v in bounds.items() if k in ("le", "lt")]
+    if low and high:
+        (lk, lv), (hk, hv) = low[0], high[0]
+        return f"a number in {'[' if lk == 'ge' else '('}{lv:g}, {hv:g}{']' if hk == 'le' else ')'}"
     words = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
     return "a number " + " and ".join(f"{words[k]} {v:g}" for k, v in bounds.items())
 
@@ -86,6 +94,8 @@ class Knobs:
         check_choice("token_selection.budget", self.budget, BUDGETS)
         for f in dataclasses.fields(self):
             value, bounds, choices = getattr(self, f.name), f.metadata.get("bounds"), f.metadata.get("choices")
+            if f.type in ("bool", bool):
+                check_bool(f"token_selection.{f.name}", value)
             if choices:
                 check_choice(f"token_selection.{f.name}", value, tuple(choices))
             if bounds and not (value is None and f.default is None):
@@ -315,62 +325,7 @@ class Rule:
         raise NotImplementedError(f"rule {self.name!r} has one update pass")
 
 
-class GroupShiftRule(Rule):
-    """A rule that changes each token's advantage by a quantity only the whole prompt group determines (KTAE's
-    key-token score, GTPO's conflict weights): its own score computes the change on the driver (``score_source
-    =rollout``, ``scope=group``), every token is kept, and the loss adds the measured score back to verl's
-    advantages. Subclasses override :meth:`score` (and ``stats``); register with ``needs=GROUP_SHIFT``."""
-
-    def check(self, c: Any) -> None:
-        if c.knobs.score != self.name:
-            raise config_error("token_selection.score", c.knobs.score, f"{self.name} (with token_selector's rule "
-                               f"{self.name})", f"rule {self.name} sets each token's advantage itself; it ranks "
-                               "nothing.")
-
-    def select(self, x: RuleInput) -> torch.Tensor:
-        return x.tokens.clone()
-
-    def transform(self, x: RuleInput) -> LossTransform:
-        if x.scores is None:
-            raise RuntimeError(f"rule {self.name} adds the advantage change the driver measured to the loss's "
-                               "advantages; none reached the loss")
-        return LossTransform(advantage_shift=torch.where(x.tokens, x.scores, 0.0))
-
-
-#: what a :class:`GroupShiftRule` needs: the driver's whole prompt groups, every token in the denominator
-GROUP_SHIFT = Needs(sources={"rollout": ("group",)}, normalisers=("all",), prompt_groups=True)
-
-
-class Shaping:
-    """An advantage shaping: ``A' = weight * A + shift`` on every token, nothing ranked. Runs before the rule
-    (``token_selection.shaping``), so a score that reads the advantage (omega) ranks by the shaped one.
-    Register with :func:`register_shaping`; its knobs are a frozen dataclass of its own (``x.knobs``)."""
-
-    name: ClassVar[str] = ""
-    Knobs: ClassVar[type] = type(None)
-    needs: ClassVar[Needs] = Needs()
-    #: where it comes from (paper, released code), for the knob docs
-    source: ClassVar[str] = ""
-
-    def shape(self, x: RuleInput, advantages: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``(weight, shift)`` on every token (None where it leaves A as is)."""
-        raise NotImplementedError
-
-    def transform(self, x: RuleInput, tokens: torch.Tensor) -> LossTransform:
-        """The shaping as a transform; off ``tokens`` (padding, dropped tokens) A stays as is, so a NaN input
-        there never reaches a masked sum."""
-        adv = x.advantages if x.advantages is not None else torch.zeros_like(x.log_prob)
-        weight, shift = self.shape(x, adv)
-        return LossTransform(advantage_weight=None if weight is None else torch.where(tokens, weight, 1.0),
-                             advantage_shift=None if shift is None else torch.where(tokens, shift, 0.0))
-
-    def stats(self, x: RuleInput) -> dict[str, float]:
-        """Its own metrics (keys without the ``tokensel/`` prefix; ``x.tokens`` and ``x.transform`` set)."""
-        return {}
-
-
 RULE_REGISTRY: dict[str, Rule] = {}
-SHAPING_REGISTRY: dict[str, Shaping] = {}
 
 
 def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Needs] = None, source: str = "",
@@ -408,27 +363,6 @@ def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Ne
     return deco
 
 
-def register_shaping(name: str, *, knobs: type, needs: Optional[Needs] = None, source: str = "", formula: str = "",
-                     deviations: tuple[str, ...] = ()) -> Callable[[type], type]:
-    """Class decorator: register a :class:`Shaping` subclass as ``name`` (a ``token_selection.shaping`` value) with
-    its ``knobs`` (a frozen dataclass of :func:`knob` fields), ``needs`` and what the docs say of it (as
-    :func:`register_rule`); refuses to overwrite a name."""
-
-    def deco(cls: type) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, Shaping)):
-            raise TypeError(f"register_shaping({name!r}) needs a subclass of Shaping, got {cls!r}")
-        if name in SHAPING_REGISTRY or name == "none":
-            raise ValueError(f"shaping {name!r} is already registered; pick another name")
-        if not dataclasses.is_dataclass(knobs):
-            raise TypeError(f"shaping {name!r}: knobs must be a dataclass")
-        cls.name, cls.Knobs, cls.needs = name, knobs, needs if needs is not None else Needs()
-        cls.about = About(source=source or cls.source, formula=formula, deviations=tuple(deviations))
-        SHAPING_REGISTRY[name] = cls()
-        return cls
-
-    return deco
-
-
 def knob_fields(knobs_cls: type) -> list[dataclasses.Field]:
     """A knobs class's own fields (those :class:`Knobs` does not declare)."""
     shared = {f.name for f in dataclasses.fields(Knobs)} if issubclass(knobs_cls, Knobs) else set()
@@ -444,6 +378,5 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / (mask.sum() + 1e-8)
 
 
-__all__ = ["About", "ActorSettings", "BUDGETS", "GROUP_SHIFT", "GroupShiftRule", "Knobs", "LossTransform", "Needs",
-           "OWN_LOSS_MODES", "RULE_REGISTRY", "Rule", "RuleInput", "SHAPING_REGISTRY", "Shaping", "knob",
-           "knob_fields", "masked_mean", "register_rule", "register_shaping", "share"]
+__all__ = ["About", "ActorSettings", "BUDGETS", "Knobs", "LossTransform", "Needs", "OWN_LOSS_MODES", "RULE_REGISTRY",
+           "Rule", "RuleInput", "knob", "knob_fields", "masked_mean", "register_rule", "share"]

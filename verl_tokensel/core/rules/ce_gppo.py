@@ -21,7 +21,6 @@ from functools import partial
 
 import torch
 
-from verl_tokensel.core.errors import check_number
 from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule, share
 
 NAME = "ce_gppo"
@@ -31,16 +30,10 @@ NAME = "ce_gppo"
 class CeGppoKnobs(Knobs):
     ce_gppo_beta1: float = knob(
         0.75, "Gradient scale of the clipped tokens with A < 0 and r < 1 - clip_ratio_low (0: PPO's zero gradient).",
-        "0.75 (the released README and 7B script; 0.5 in its 1.5B script, 0.25 its YAML default)")
+        "0.75 (the released README and 7B script; 0.5 in its 1.5B script, 0.25 its YAML default)", ge=0)
     ce_gppo_beta2: float = knob(
         1.0, "Gradient scale of the clipped tokens with A > 0 and r > 1 + clip_ratio_high (0: PPO's zero gradient).",
-        "1.0 (every released script)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("ce_gppo_beta1", "ce_gppo_beta2"):
-            check_number(f"token_selection.{key}", getattr(self, key), 0.0, None, "a number >= 0")
-
+        "1.0 (every released script)", ge=0)
 
 
 def clipped_classes(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,

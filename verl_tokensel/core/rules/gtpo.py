@@ -28,8 +28,8 @@ from typing import Optional
 import torch
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.errors import check_bool, check_number
-from verl_tokensel.core.rules.base import GROUP_SHIFT, GroupShiftRule, Knobs, knob, register_rule, share
+from verl_tokensel.core.rules.base import Knobs, knob, register_rule, share
+from verl_tokensel.core.rules.group_shift import GROUP_SHIFT, GroupShiftRule
 from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
 
 NAME = "gtpo"
@@ -39,21 +39,13 @@ NAME = "gtpo"
 class GtpoKnobs(Knobs):
     gtpo_conflict_weight: float = knob(2.0, "Weight of a positive response's conflict tokens (a negative one's get 0); "
                                        "a token in both the leading and the trailing run gets its square.",
-                                       "2.0 (the release's W_RAW)")
+                                       "2.0 (the release's W_RAW)", ge=0)
     gtpo_entropy_threshold: float = knob(0.7, "A response whose mean token entropy (nats, old policy) is above this "
-                                         "gets no update.", "0.7 (the release's ENT_THRESHOLD)")
+                                         "gets no update.", "0.7 (the release's ENT_THRESHOLD)", gt=0)
     gtpo_entropy_scale: float = knob(0.1, "The other responses' advantage is A - scale * their mean entropy.",
-                                     "0.1 (the release's ENT_SCALE)")
+                                     "0.1 (the release's ENT_SCALE)", ge=0)
     gtpo_conflict_normalise: bool = knob(True, "Divide each response's tokens by its number of conflict tokens (at "
                                          "least 1).", "true (the release's loss / n_conflict)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("gtpo_conflict_weight", "gtpo_entropy_scale"):
-            check_number(f"token_selection.{key}", getattr(self, key), 0.0, None, "a number >= 0")
-        check_number("token_selection.gtpo_entropy_threshold", self.gtpo_entropy_threshold, 0.0, None,
-                     "a number > 0 (nats)", open_low=True)
-        check_bool("token_selection.gtpo_conflict_normalise", self.gtpo_conflict_normalise)
 
 
 def _position_keys(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

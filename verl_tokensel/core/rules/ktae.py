@@ -29,8 +29,9 @@ from typing import Optional
 import torch
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.errors import check_bool, check_number, config_error
-from verl_tokensel.core.rules.base import GROUP_SHIFT, GroupShiftRule, Knobs, knob, register_rule, share
+from verl_tokensel.core.errors import check_number, config_error
+from verl_tokensel.core.rules.base import Knobs, knob, register_rule, share
+from verl_tokensel.core.rules.group_shift import GROUP_SHIFT, GroupShiftRule
 from verl_tokensel.core.scores import ScoreInputs, register_score
 
 NAME = "ktae"
@@ -42,12 +43,13 @@ TF_EPS, SHARE_EPS = 1e-5, 1e-10
 @dataclass(frozen=True)
 class KtaeKnobs(Knobs):
     ktae_alpha: float = knob(1.0, "Weight of the Fisher exact test's exp(-2 p) in the key-token statistic.",
-                             "1.0 (the released ComputeKeyTokens call)")
+                             "1.0 (the released ComputeKeyTokens call)", ge=0)
     ktae_beta: float = knob(1.0, "Weight of the information gain in the key-token statistic.",
-                            "1.0 (the released call's beta_ig)")
+                            "1.0 (the released call's beta_ig)", ge=0)
     ktae_tf: bool = knob(True, "Add the BM25 term-frequency contrast of correct and wrong responses to the effect "
                          "size (false: Cohen's h alone).", "true (the released call's gamma_tf=1.0)")
-    ktae_top: float = knob(1.0, "Bound of the bonus: key(v) lies in (-top, top).", "1.0 (the released call's top)")
+    ktae_top: float = knob(1.0, "Bound of the bonus: key(v) lies in (-top, top).", "1.0 (the released call's top)",
+                           gt=0)
     ktae_correct_above: float = knob(0.0, "A response is correct when its outcome reward (token_level_rewards "
                                      "summed) is above this.", "0.0 (the release: reward > 0)")
     ktae_exclude_eos: bool = knob(True, "The tokenizer's eos_token_id gets no bonus.",
@@ -55,15 +57,10 @@ class KtaeKnobs(Knobs):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for key in ("ktae_alpha", "ktae_beta"):
-            check_number(f"token_selection.{key}", getattr(self, key), 0.0, None, "a number >= 0")
         if not self.ktae_alpha + self.ktae_beta > 0:
             raise config_error("token_selection.ktae_beta", self.ktae_beta, "a number > 0 when ktae_alpha is 0",
                                "the statistic is divided by ktae_alpha + ktae_beta. Fix: set one of them > 0.")
-        check_number("token_selection.ktae_top", self.ktae_top, 0.0, None, "a number > 0", open_low=True)
         check_number("token_selection.ktae_correct_above", self.ktae_correct_above, None, None, "a finite number")
-        for key in ("ktae_tf", "ktae_exclude_eos"):
-            check_bool(f"token_selection.{key}", getattr(self, key))
 
 
 def _log_comb(n: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from verl_tokensel.core.errors import check_number
 from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, register_rule
 
 NAME = "lopti"
@@ -40,11 +39,7 @@ def active_tokens(old_log_prob: torch.Tensor, eta: float, update_pass: int) -> t
 @dataclass(frozen=True)
 class LoptiKnobs(Knobs):
     lopti_eta: float = knob(0.5, "The first pass updates the tokens with pi_old < eta (strict).",
-                            "0.5 (paper; AR-Lopti script); 0.4 (Lopti-only script)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_number("token_selection.lopti_eta", self.lopti_eta, 0.0, 1.0, "a number in (0, 1]", open_low=True)
+                            "0.5 (paper; AR-Lopti script); 0.4 (Lopti-only script)", gt=0, le=1)
 
 
 DEVIATIONS = (

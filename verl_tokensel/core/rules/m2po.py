@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.dist_topk import all_reduce_sum, ordered_keys32, topk_mask_distributed
-from verl_tokensel.core.errors import check_number, config_error
+from verl_tokensel.core.errors import config_error
 from verl_tokensel.core.rules.base import Knobs, Needs, Rule, knob, register_rule, share
 from verl_tokensel.core.rules.checks import check_no_budget
 from verl_tokensel.core.scopes import dp_world
@@ -133,12 +133,7 @@ class M2poKnobs(Knobs):
     m2po_threshold: float = knob(
         0.04, "tau_M2: the largest (log pi_rollout - log pi_old)^2 tokens of the mini-batch (over all data-parallel "
         "ranks) are masked until the mean of the rest is under tau; a number > 0.",
-        "0.04 (M2PO paper, every experiment; AReaL examples/math/gsm8k_m2po.yaml; AReaL's default None = off)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_number("token_selection.m2po_threshold", self.m2po_threshold, 0.0, None, "a number > 0",
-                     open_low=True)
+        "0.04 (M2PO paper, every experiment; AReaL examples/math/gsm8k_m2po.yaml; AReaL's default None = off)", gt=0)
 
 
 DEVIATIONS = (

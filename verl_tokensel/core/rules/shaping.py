@@ -6,19 +6,75 @@ torch, no verl import.
   ``A'_t = (alpha * pi_old(o_t) + 1 - alpha) * A_t``, ``pi_old = exp(old_log_prob)`` of the sampled token (a
   constant: no gradient). The released code applies it once per step on the driver; the weight reads only the old
   log-prob, so applying it in each micro-batch's loss gives the same numbers.
-- ``entropy_adv`` (earlier value ``entropy``; Cheng et al., "Reasoning with Exploration: An Entropy Perspective",
+- ``entropy_adv`` (Cheng et al., "Reasoning with Exploration: An Entropy Perspective",
   arXiv 2506.14758, Sec. 3.2, Eq. 5-6): ``A'_t = A_t + min(alpha * H_t.detach(), |A_t| / kappa)``, ``H_t`` the
   current policy's entropy at the token (the update pass's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
 
 import torch
 
 from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import Needs, Shaping, knob, register_shaping
+from verl_tokensel.core.rules.base import About, LossTransform, Needs, RuleInput, knob
+
+
+class Shaping:
+    """An advantage shaping: ``A' = weight * A + shift`` on every token, nothing ranked. Runs before the rule
+    (``token_selection.shaping``), so a score that reads the advantage (omega) ranks by the shaped one.
+    Register with :func:`register_shaping`; its knobs are a frozen dataclass of its own (``x.knobs``)."""
+
+    name: ClassVar[str] = ""
+    Knobs: ClassVar[type] = type(None)
+    needs: ClassVar[Needs] = Needs()
+    #: where it comes from (paper, released code), for the knob docs
+    source: ClassVar[str] = ""
+
+    def shape(self, x: RuleInput, advantages: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(weight, shift)`` on every token (None where it leaves A as is)."""
+        raise NotImplementedError
+
+    def transform(self, x: RuleInput, tokens: torch.Tensor) -> LossTransform:
+        """The shaping as a transform; off ``tokens`` (padding, dropped tokens) A stays as is, so a NaN input
+        there never reaches a masked sum."""
+        adv = x.advantages if x.advantages is not None else torch.zeros_like(x.log_prob)
+        weight, shift = self.shape(x, adv)
+        return LossTransform(advantage_weight=None if weight is None else torch.where(tokens, weight, 1.0),
+                             advantage_shift=None if shift is None else torch.where(tokens, shift, 0.0))
+
+    def stats(self, x: RuleInput) -> dict[str, float]:
+        """Its own metrics (keys without the ``tokensel/`` prefix; ``x.tokens`` and ``x.transform`` set)."""
+        return {}
+
+
+SHAPING_REGISTRY: dict[str, Shaping] = {}
+
+
+def register_shaping(name: str, *, knobs: type, needs: Optional[Needs] = None, source: str = "", formula: str = "",
+                     deviations: tuple[str, ...] = ()) -> Callable[[type], type]:
+    """Class decorator: register a :class:`Shaping` subclass as ``name`` (a ``token_selection.shaping`` value) with
+    its ``knobs`` (a frozen dataclass of :func:`knob` fields), ``needs`` and what the docs say of it (as
+    :func:`register_rule`); refuses to overwrite a name."""
+
+    def deco(cls: type) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, Shaping)):
+            raise TypeError(f"register_shaping({name!r}) needs a subclass of Shaping, got {cls!r}")
+        if name in SHAPING_REGISTRY or name == "none":
+            raise ValueError(f"shaping {name!r} is already registered; pick another name")
+        if not dataclasses.is_dataclass(knobs):
+            raise TypeError(f"shaping {name!r}: knobs must be a dataclass")
+        cls.name, cls.Knobs, cls.needs = name, knobs, needs if needs is not None else Needs()
+        cls.about = About(source=source or cls.source, formula=formula, deviations=tuple(deviations))
+        SHAPING_REGISTRY[name] = cls()
+        return cls
+
+    return deco
+
+
 
 
 def ar_weight(old_log_prob: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -118,4 +174,5 @@ class EntropyShaping(Shaping):
         return out
 
 
-__all__ = ["ARKnobs", "AdvantageReweighting", "EntropyKnobs", "EntropyShaping", "ar_weight", "entropy_shift"]
+__all__ = ["SHAPING_REGISTRY", "ARKnobs", "AdvantageReweighting", "EntropyKnobs", "EntropyShaping", "Shaping",
+           "ar_weight", "entropy_shift", "register_shaping"]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from verl_tokensel.core.rules.covariance import pooled_count
 from verl_tokensel.core.dist_topk import topk_mask_distributed
-from verl_tokensel.core.errors import check_number, config_error
+from verl_tokensel.core.errors import config_error
 from verl_tokensel.core.rules.base import Knobs, Rule, knob, register_rule, share
 from verl_tokensel.core.rules.checks import check_no_budget
 from verl_tokensel.core.scopes import dp_world
@@ -70,17 +70,12 @@ def spurious_tokens(advantages: torch.Tensor, log_prob: torch.Tensor, entropy: t
 
 @dataclass(frozen=True)
 class StapoKnobs(Knobs):
-    stapo_prob: float = knob(0.002, "tau_p: a spurious token has pi < tau_p (and A > 0).", "0.002 (STAPO, Sec. 5.1)")
+    stapo_prob: float = knob(0.002, "tau_p: a spurious token has pi < tau_p (and A > 0).", "0.002 (STAPO, Sec. 5.1)",
+                             gt=0, le=1)
     stapo_entropy_quantile: float = knob(
         0.75, "q: a candidate (A > 0, pi < tau_p) is spurious when its entropy is under the q quantile of the "
         "mini-batch's candidates (exact over the data-parallel ranks).",
-        "0.75 (STAPO Sec. 5.1 and its hyperparameter table, the latest text; early summaries: 0.8)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_number("token_selection.stapo_prob", self.stapo_prob, 0.0, 1.0, "a number in (0, 1]", open_low=True)
-        check_number("token_selection.stapo_entropy_quantile", self.stapo_entropy_quantile, 0.0, 1.0,
-                     "a number in [0, 1]")
+        "0.75 (STAPO Sec. 5.1 and its hyperparameter table, the latest text; early summaries: 0.8)", ge=0, le=1)
 
 
 DEVIATIONS = (
