@@ -146,7 +146,7 @@ def test_selection_means_the_reference_under_every_normaliser(case):
                 continue
             n_kept = int(mask.sum()) * 2
             d = data if preset == "forking" else with_measured(data, mask, n_kept if normaliser == "kept" else None)
-            cfg = actor_config(preset, {"stapo_prob": 0.5} if preset == "stapo" else None, **settings(case))
+            cfg = actor_config(preset, **settings(case))
             loss, grad, _ = run(cfg, mo, d, lp, seed)
             want_loss, want_grad = reference(case, mo, d, mask, normaliser, seed)
             torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
