@@ -370,13 +370,16 @@ def megatron_postprocess(loss_function, model_output, data, dp_group=None):
     return scaled_loss, {"loss": loss.detach().item(), "metrics": metrics}
 
 
-@pytest.mark.parametrize("preset", ["forking", "gmts"])
+@pytest.mark.parametrize("preset,loss_mode", [("forking", "vanilla"), ("gmts", "vanilla"), ("forking", "gspo")])
 @pytest.mark.parametrize("num_micro_batch", [3, 4])
-def test_megatron_call_two_tp_ranks(preset, num_micro_batch, masks):
+def test_megatron_call_two_tp_ranks(preset, loss_mode, num_micro_batch, masks):
+    """The Megatron call agrees with FSDP2's, under verl's vanilla loss and under GSPO (its sequence ratio over every
+    valid token, the unselected tokens out of the sum: docs/loss-modes.md)."""
+    actor = {"policy_loss.loss_mode": loss_mode}
     # each TP rank has its own config object (its own process), built from verl's megatron tree
     per_rank = []
     for tp_rank in range(2):
-        cfg = actor_config(preset, in_loss(preset), megatron=True, fresh=True)
+        cfg = actor_config(preset, in_loss(preset), megatron=True, fresh=True, **actor)
         loss_function = partial(tokensel_ppo_loss, config=cfg)  # as engine_workers binds ppo_loss
         mo, data, lp = micro_batch(7, batch=8, resp_len=20, dp_size=2, batch_num_tokens=400)
         tu.assign_non_tensor(data, num_micro_batch=num_micro_batch)
@@ -388,7 +391,8 @@ def test_megatron_call_two_tp_ranks(preset, num_micro_batch, masks):
     assert _metric(o0["metrics"], "tokensel/selected_fraction") == _metric(o1["metrics"], "tokensel/selected_fraction")
 
     # FSDP-style: the engine back-propagates the loss itself; Megatron's loss is num_micro_batch x that
-    fsdp_cfg = actor_config(preset, in_loss(preset))
+    fsdp_cfg = actor_config(preset, in_loss(preset), **actor)
+    assert fsdp_cfg.policy_loss.loss_mode == cfg.policy_loss.loss_mode == loss_mode
     mo, data, lp = micro_batch(7, batch=8, resp_len=20, dp_size=2, batch_num_tokens=400)
     loss, g_fsdp, _ = run(tokensel_ppo_loss, fsdp_cfg, mo, data, lp)
     assert torch.equal(masks[-1], m0)

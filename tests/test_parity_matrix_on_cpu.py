@@ -1,29 +1,32 @@
 """Stock parity: whatever stock verl runs, every preset runs; whatever it refuses, every preset refuses alike.
 
-A seeded pairwise design (:func:`helpers.parity.pairwise`) over the actor settings users vary: mini-batch size
-and count, micro-batch size, the log-prob micro-batch size (smaller than, equal to, larger than a mini-batch),
+A seeded pairwise design (:func:`helpers.parity.pairwise`) over the actor settings users vary: mini-batch size and
+count, micro-batch size, the log-prob micro-batch size (smaller than, equal to, larger than a mini-batch),
 ``use_dynamic_bsz`` with a tight and a loose token limit, ``use_remove_padding``, ``ppo_epochs``, ``rollout.n``
-(prompt groups split across micro-batches and, under DP 2, across ranks), the four ``loss_agg_mode``\\ s,
-data parallelism 1 and 2 (two spawned gloo ranks), dual-clip ``clip_ratio_c``, the KL loss and ``entropy_coeff``;
-plus a row every loss must refuse (``clip_ratio_c=1``). Each row runs on verl's real FSDP2 ``TrainingWorker``:
-stock ``ppo_loss`` first, then every preset for one update (old log-probs from the real log-prob pass, moved off
-the policy so that clipping acts). Stock refuses -> each preset raises the same exception type. Stock runs ->
-each preset runs with a finite loss and its selection at the budget of its scope: ``ceil(ratio n)`` of every
-micro-batch (``micro_batch``; ``tokensel/selected_tokens`` their mean per mini-batch), of every prompt group of a
-mini-batch over the ranks (``gmts``, ``tokensel/prepass/*``), of the batch (``forking_paper``, the driver's
+(prompt groups split across micro-batches and, under DP 2, across ranks), the four ``loss_agg_mode``\\ s, data
+parallelism 1 and 2 (two spawned gloo ranks), dual-clip ``clip_ratio_c``, the KL loss and ``entropy_coeff``; every
+one of verl's 12 policy losses (``policy_loss.loss_mode``, with DRO's beta and bypass mode's REINFORCE with sequence
+IS) on one row at least; plus a row every loss must refuse (``clip_ratio_c=1``). Each row runs on verl's real FSDP2
+``TrainingWorker``: stock ``ppo_loss`` first, then every preset for one update (old log-probs from the real log-prob
+pass, moved off the policy so that clipping acts). Stock refuses -> each preset raises the same exception type.
+Stock runs -> each preset runs with a finite loss and its selection at the budget of its scope: ``ceil(ratio n)`` of
+every micro-batch (``micro_batch``; ``tokensel/selected_tokens`` their mean per mini-batch), of every prompt group
+of a mini-batch over the ranks (``gmts``, ``tokensel/prepass/*``), of the batch (``forking_paper``, the driver's
 ``tokensel/driver_*``, applied as is by the loss), ``max(1, int(ratio N))`` of each mini-batch over the ranks
 (``kl_cov_global``; ``clip_cov_global`` at most that many, its candidates may be fewer; the loss applies the
 pre-pass's tokens), every response's tokens strictly above its 0.8 entropy quantile (``archer``), every valid token
-(``ar``, ``entropy_adv``, ``ar_lopti`` as its first Lopti pass), and for ``stapo`` the pre-pass's kept tokens of each
-mini-batch over the ranks, applied as they are by the loss. A preset that
-cannot serve a combination (``normaliser=selected`` with a seq-mean ``loss_agg_mode``; ``archer`` without the KL
-loss) must be refused by our config validation, naming the keys. ``kl_cov_global`` and ``clip_cov_global`` have
+(``ar``, ``entropy_adv``, ``ar_lopti`` as its first Lopti pass), and for ``stapo`` the pre-pass's kept tokens of
+each mini-batch over the ranks, applied as they are by the loss. A preset that cannot serve a combination
+(``normaliser=selected`` with a seq-mean ``loss_agg_mode``; ``archer`` without the KL loss; a rule with its own
+policy loss or an omega score under a loss other than vanilla; ``sapo`` / ``geo_mean`` with ``normaliser`` selected
+or kept) must be refused by our config validation, naming the keys. ``kl_cov_global`` and ``clip_cov_global`` have
 no dual clip (as verl's ``loss_mode=kl_cov`` / ``clip_cov``), so they must run on the refusal row.
 
 Default suite: a fixed subset (two worker builds of ~4-11 s, ~2 s a row with its ten updates, of which
 ``kl_cov_global``, ``clip_cov_global`` and ``archer`` take ~0.6 s, on 2 cores; 25 s in all on a loaded machine, 18 s
-before those three). The whole matrix (plus two DP 2 spawns for three rows, one Megatron spawn for three rows; 200 s
-in all on a loaded machine), which rewrites ``benchmarks/results/parity_matrix_cpu.md``::
+before those three; 31 s with three of the rows under gspo, dro and clip_cov). The whole matrix (plus two DP 2
+spawns for three rows, one Megatron spawn for three rows; 200 s in all on a loaded machine), which rewrites
+``benchmarks/results/parity_matrix_cpu.md``::
 
     TOKENSEL_PARITY_FULL=1 flock /tmp/heavy.lock \
         python -m pytest tests/test_parity_matrix_on_cpu.py -q -p no:cacheprovider
@@ -117,6 +120,14 @@ def test_the_design_covers_every_pair_of_levels():
             missing = [(x, y) for x in P.FACTORS[a] for y in P.FACTORS[b] if (x, y) not in seen]
             assert not missing, f"{a} x {b}: {missing}"
     assert len(rows) < 30, len(rows)
+
+
+def test_the_matrix_runs_every_policy_loss():
+    """``loss_mode`` is a factor: each of verl 0.9.1's registered losses on a row at least."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    seen = {r["loss_mode"] for r in P.matrix()}
+    assert seen == set(P.LOSS_MODES) == set(POLICY_LOSS_REGISTRY) - {"tokensel_ppo_clip"}
 
 
 @pytest.mark.parametrize("row", [_param(r) for r in ROWS])

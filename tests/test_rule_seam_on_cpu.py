@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from verl_tokensel.core.loss_modes import LOSS_MODES
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY
 from verl_tokensel.core.rules.base import knob_fields
 
@@ -19,6 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "verl_tokensel"
 PRODUCT = sorted(p for p in PACKAGE.rglob("*.py")
                  if p.relative_to(PACKAGE).parts[0] in ("core", "verl_glue", "plugin.py", "main_ppo.py"))
 PRESETS_FILE = PACKAGE / "core" / "presets.py"
+LOSS_MODES_FILE = PACKAGE / "core" / "loss_modes.py"
 COMPONENTS = {**{("rule", n): (r, knob_fields(r.Knobs)) for n, r in RULE_REGISTRY.items()},
               **{("shaping", n): (s, dataclasses.fields(s.Knobs)) for n, s in SHAPING_REGISTRY.items()}}
 
@@ -44,6 +46,8 @@ def test_a_rule_stands_in_its_module_and_the_preset_table_only(kind, name):
         pytest.skip(f"{kind} {name} is not the package's")
     where = files_naming(name, [f.name for f in own])
     allowed = {module.relative_to(PACKAGE).as_posix(), PRESETS_FILE.relative_to(PACKAGE).as_posix()}
+    if name in LOSS_MODES:  # verl's policy loss of that name (kl_cov, clip_cov) in the table of verl's losses
+        allowed.add(LOSS_MODES_FILE.relative_to(PACKAGE).as_posix())
     assert set(where) <= allowed, f"{kind} {name} stands outside its module and the preset table: {where}"
 
 

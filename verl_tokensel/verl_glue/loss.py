@@ -7,8 +7,12 @@
 - ``normaliser=all``: the policy loss gets ``where(mask, log_prob, log_prob.detach())``: forward values and every
   aggregation's denominator unchanged, zero gradient off the mask (the 80/20 paper's objective, the GMTS code's
   "zero the advantage"); ``actor/pg_loss`` is the full-token surrogate;
-- ``normaliser=selected`` (token-mean only, the 80/20 released code): the selected tokens are the loss mask and the
-  denominator is the micro-batch's selected tokens, weighted by its share of the mini-batch's responses;
+- ``normaliser=selected`` (token-mean only, the 80/20 released code): only the selected tokens' per-token losses
+  enter the sum and the denominator is the micro-batch's selected tokens, weighted by its share of the mini-batch's
+  responses; ``normaliser=kept``: only the kept tokens' enter, over the pre-pass's count of them;
+- under every normaliser ``loss_mode``'s own sequence- and batch-level quantities (GSPO's sequence ratio, the
+  covariance pools, bypass mode's sequence weights) run over every valid token, as stock verl's: how the unselected
+  tokens leave the sum is the loss's route (:mod:`~verl_tokensel.core.loss_modes`, docs/loss-modes.md);
 - the entropy bonus and KL loss see the mask only with ``mask_entropy_bonus`` / ``mask_kl_loss``;
 - the rule's :class:`~verl_tokensel.core.rules.base.LossTransform` is applied as it is: its gate (None: every
   token keeps the gradient), the advantages' affine map, the KL and entropy weights, and the per-token policy loss
@@ -32,6 +36,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core import fields
+from verl_tokensel.core.loss_modes import loss_mode
 from verl_tokensel.core.step import StepResult, apply_rule
 from verl_tokensel.core.step import LossContext
 from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
@@ -176,6 +181,23 @@ def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: StepResult) -
     return inputs
 
 
+def _leave_the_sum(route: str, mode: str, mask: torch.Tensor, kwargs: dict) -> dict:
+    """The policy loss's inputs with the unselected tokens' per-token losses out of its sum (normaliser selected /
+    kept), by the loss's route (:mod:`~verl_tokensel.core.loss_modes`): the selected tokens as ``response_mask``, or
+    every valid token as ``response_mask`` (its own sequence and batch quantities over all of them, as stock) and the
+    selection multiplying the per-token loss's ``rollout_is_weights`` or the advantages (0 on an unselected token)."""
+    if route == "mask":
+        return {"response_mask": mask}
+    weight = mask.to(kwargs["log_prob"].dtype)
+    if route == "weight":
+        w = kwargs["rollout_is_weights"]
+        return {"rollout_is_weights": weight if w is None else w * weight}
+    if route == "advantage":
+        return {"advantages": kwargs["advantages"] * weight}
+    raise RuntimeError(f"policy_loss.loss_mode={mode} serves only token_selection.normaliser=all (docs/loss-modes.md); "
+                       "the config validation refuses the pair, so this config was not validated")
+
+
 def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group, observer=None):
     mb, selected = _rule_step(config, sel, model_output, data, dp_group)
     mask, tokens = selected.mask, selected.loss_tokens
@@ -185,21 +207,25 @@ def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_g
     inputs = _loss_inputs(config, sel, mb, selected)
 
     def policy_loss(info):  # verl's registered loss for loss_mode (only its inputs are ours), or the rule's
-        policy_loss_fn = (transform_policy_loss(selected.transform)
-                          or get_policy_loss_fn(config.policy_loss.get("loss_mode", "vanilla")))
-        loss_mask = mask if sel.normaliser == "kept" else tokens
+        rule_loss = transform_policy_loss(selected.transform)
+        mode = config.policy_loss.get("loss_mode", "vanilla")
+        policy_loss_fn = rule_loss or get_policy_loss_fn(mode)
         saved = info["batch_num_tokens"]
+        leave = sel.normaliser == "kept"  # the unselected tokens' per-token losses leave the sum
         if sel.normaliser == "selected":
             n_sel = int(mask.sum())
             if n_sel > 0:
-                loss_mask = mask
+                leave = True
                 # token-mean divides by batch_num_tokens: n_sel * G / rows makes it the selected mean x rows / G
                 info["batch_num_tokens"] = n_sel * _global_responses(data) / int(mb.response_mask.shape[0])
+        kwargs = dict(old_log_prob=inputs[fields.OLD_LOG_PROBS], log_prob=inputs["log_prob"],
+                      advantages=inputs[fields.ADVANTAGES], response_mask=tokens, loss_agg_mode=config.loss_agg_mode,
+                      config=config, rollout_is_weights=inputs[fields.ROLLOUT_IS_WEIGHTS])
+        if leave:
+            kwargs.update(_leave_the_sum("mask" if rule_loss is not None else loss_mode(mode).route, mode, mask,
+                                         kwargs))
         try:
-            return policy_loss_fn(old_log_prob=inputs[fields.OLD_LOG_PROBS], log_prob=inputs["log_prob"],
-                                  advantages=inputs[fields.ADVANTAGES], response_mask=loss_mask,
-                                  loss_agg_mode=config.loss_agg_mode, config=config,
-                                  rollout_is_weights=inputs[fields.ROLLOUT_IS_WEIGHTS])
+            return policy_loss_fn(**kwargs)
         finally:
             info["batch_num_tokens"] = saved
 

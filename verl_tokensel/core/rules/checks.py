@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import TokenSelectionConfigError, config_error
+from verl_tokensel.core.loss_modes import LOSS_MODES, loss_mode
 from verl_tokensel.core.rules.base import OWN_LOSS_MODES, ActorSettings
 from verl_tokensel.core.scores import SCORE_REGISTRY
 
@@ -141,8 +142,8 @@ def check_scope_fits_source(sel: Any, rule: Any) -> None:
 
 def check_with_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
     """The checks that need the actor's other settings (``actor_rollout_ref.actor.*``, ``algorithm.adv_estimator``):
-    the denominator's aggregation, the rule's own policy loss, omega's loss and KL type, the entropy the rule reads,
-    the KL loss and the prompt groups it needs."""
+    the denominator's aggregation, the rule's own policy loss, the normaliser verl's loss_mode can serve, omega's loss
+    and KL type, the entropy the rule reads, the KL loss and the prompt groups it needs."""
     if sel.normaliser == "selected" and actor.loss_agg_mode != "token-mean":
         raise config_error(
             "token_selection.normaliser", "selected",
@@ -157,6 +158,7 @@ def check_with_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
             "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla (verl's default)."
             + (f" The preset already is the global version of verl's loss_mode={actor.loss_mode}."
                if actor.loss_mode == rule.name else ""))
+    check_loss_mode_serves_normaliser(sel, rule, actor.loss_mode)
     spec = SCORE_REGISTRY[sel.knobs.score]
     if spec.needs_omega:
         if actor.loss_mode not in OMEGA_LOSS_MODES:
@@ -179,6 +181,19 @@ def check_with_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
     check_prompt_groups(sel, actor.adv_estimator)
 
 
+def check_loss_mode_serves_normaliser(sel: Any, rule: Any, mode: str) -> None:
+    """verl's policy loss ``mode`` can serve the normaliser (:mod:`~verl_tokensel.core.loss_modes`): a loss without a
+    token-mean (SAPO, GMPO) serves only ``normaliser=all``, where the selection gates the gradient and nothing else."""
+    if rule.needs.policy_loss or sel.normaliser in loss_mode(mode).normalisers:
+        return
+    serving = [m for m, spec in LOSS_MODES.items() if sel.normaliser in spec.normalisers]
+    raise config_error(
+        "policy_loss.loss_mode", mode, f"{', '.join(serving)} (with token_selection.normaliser={sel.normaliser})",
+        f"{loss_mode(mode).refusal}. Fix: keep loss_mode={mode} with a preset whose normaliser is all "
+        "(forking_paper, ar, entropy_adv, fipo, ...) or token_selection.normaliser=all where the rule allows it "
+        "(the selection then only gates the gradient), or pick another loss_mode.")
+
+
 def check_prompt_groups(sel: Any, adv_estimator: Optional[str]) -> None:
     """A rule that reads each prompt group's responses together (``Needs(prompt_groups=True)``) needs an advantage
     estimator that forms the groups (``algorithm.adv_estimator``; None: not known here)."""
@@ -193,5 +208,5 @@ def check_prompt_groups(sel: Any, adv_estimator: Optional[str]) -> None:
 
 
 __all__ = ["GROUPLESS_ESTIMATORS", "OMEGA_KL_TYPES", "OMEGA_LOSS_MODES", "QUANTILE_SCOPES", "RuleCheck",
-           "check_needs", "check_no_budget", "check_prompt_groups", "check_scope_fits_source", "check_shared",
-           "check_with_actor", "validate"]
+           "check_loss_mode_serves_normaliser", "check_needs", "check_no_budget", "check_prompt_groups",
+           "check_scope_fits_source", "check_shared", "check_with_actor", "validate"]
