@@ -7,6 +7,17 @@ drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sy
 ``trainer.use_v1=false`` runs verl's v0 TaskRunner with the hooks that install the selecting loss
 and select on the driver (all fenced in :mod:`verl_tokensel.verl_glue.v0`).
 
+Imports: composing (``--cfg job``) needs only Hydra and our configs; verl's trainer, checkpoint and rollout modules
+are imported when a run starts, after a check that names, in one line, any package they import that ``pip install
+verl`` does not bring (uvicorn, fastapi, TransferQueue, cachetools: verl's ``verl-core`` extra), with its install
+command (exit 2; :func:`verl_tokensel.stack.missing_run_packages`).
+
+Signals: none of ours. SIGINT / SIGTERM do what they do to verl's own ``python -m verl.trainer.main_ppo``
+(``docs/reliability.md``): the first SIGINT raises ``KeyboardInterrupt`` in the driver, which leaves ``ray.get``
+of its TaskRunner and exits 1 (Ray ends the local instance the driver started); SIGTERM ends the driver at once
+and Ray's own processes notice it. A whole run, Ray included, is ended by the launcher
+(``verl_tokensel_cpu.launch``), which signals the run's process group and every process marked as the run's.
+
 CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update, or Megatron with
 ``model_engine=megatron``) on CPU; it fills every CPU setting and refuses conflicting ones
 (the CPU distribution ``verl-tokensel-cpu``, found through its entry point only then; manual: ``docs/cpu.md``).
@@ -30,13 +41,12 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from verl_tokensel.switches import CPU_PLATFORM, SwitchConflictError, device_port, wants_cpu  # noqa: E402
-from verl_tokensel.verl_glue.install import register_v1_trainers, validate_driver_config  # noqa: E402
-from verl_tokensel.verl_glue.routes import our_config_args  # noqa: E402
-from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
 
 
 def run(config: DictConfig) -> None:
     """Validate on the driver, then hand over to verl's ``run_ppo``."""
+    from verl_tokensel.stack import exit_if_missing_run_packages
+
     # TaskRunnerV1 (and the V1 trainer package behind it) only on the V1 path: verl's announced branch without
     # it (use_v1 false by default) keeps the v0 route whole
     from verl.trainer.main_ppo import run_ppo
@@ -44,15 +54,19 @@ def run(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
+    from verl_tokensel.verl_glue.install import register_v1_trainers, validate_driver_config
+
     if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
         try:  # the CPU port is its own distribution, found by its entry point (none installed: the install line)
             device_port(CPU_PLATFORM)(config)
         except SwitchConflictError as err:  # every conflict, one per line, without a traceback; exit 2: usage error
             print(err, file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+    validate_driver_config(config)  # a bad token-selection key is named first
+    # what verl imports to run but `pip install verl` does not install: one line, before any traceback
+    exit_if_missing_run_packages(use_v1=bool(config.trainer.use_v1))
     if config.trainer.use_v1:
         register_v1_trainers()
-    validate_driver_config(config)
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if config.trainer.use_v1:
@@ -60,6 +74,8 @@ def run(config: DictConfig) -> None:
 
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
+        from verl_tokensel.verl_glue.v0 import v0_task_runner
+
         run_ppo(config, task_runner_class=v0_task_runner())
 
 
@@ -72,6 +88,8 @@ if __name__ == "__main__":
     # verl's example scripts name verl's config (--config-path=config --config-name=ppo_megatron_trainer): ours
     # compose it, so a script swaps only the module. Rewritten before Hydra parses: a file of ours named like
     # verl's would shadow the one our configs list in their defaults.
+    from verl_tokensel.verl_glue.routes import our_config_args
+
     sys.argv[1:], swapped = our_config_args(sys.argv[1:])
     if swapped:
         print(swapped, file=sys.stderr, flush=True)
