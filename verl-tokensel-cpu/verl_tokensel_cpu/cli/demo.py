@@ -19,7 +19,9 @@ The embedded-default main job. With no network and no GPU it:
 steps per answer, each with its own route word, all of which must be right; its own warm start, dataset and
 reward, :mod:`verl_tokensel_cpu.demo.tasks`).
 
-Exits 1 naming the preset, its log and the log's last lines if a run fails. Measured results:
+Exits 1 naming the preset, its log and the log's last lines if a run fails; SIGINT (Ctrl-C) and SIGTERM (``kill``,
+a scheduler, ``timeout``) end the run in progress and its Ray processes, print one line and exit 130 / 143.
+Measured results:
 ``docs/benchmarks.md``.
 
 Examples::
@@ -275,6 +277,20 @@ def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, pro
 
 
 def run(args) -> int:
+    """The demo; SIGINT / SIGTERM (Ctrl-C, ``kill``, a scheduler) end the run in progress and the Ray processes it
+    started (:func:`verl_tokensel_cpu.launch.stop_on_signals`), then one line and exit 130 / 143."""
+    from verl_tokensel_cpu import launch
+
+    with launch.stop_on_signals():
+        try:
+            return _run(args)
+        except launch.Interrupted as stop:
+            print(f"\nverl-tokensel demo: stopped by {stop.name}; the verl run in progress and the Ray processes it "
+                  f"started were ended (partial output: {Path(args.out).resolve()})", file=sys.stderr, flush=True)
+            return stop.exit_code
+
+
+def _run(args) -> int:
     from verl_tokensel_cpu import launch
     from verl_tokensel_cpu.demo import report
     from verl_tokensel_cpu.demo.rollouts import analyse_rollouts, last_step_file
