@@ -62,7 +62,7 @@ PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
     (r"Started a local Ray instance|Connecting to existing Ray cluster",
      "waiting for the TaskRunner (Ray resources: CPU)"),
     (r"colocated worker base class|create worker group",
-     "waiting for Ray resources (GPU bundles) and building the actor workers (FSDP2 or Megatron)"),
+     "waiting for Ray resources ({resources}) and building the actor workers (FSDP2 or Megatron)"),
     (r"actor and ref model engine initialized", "starting the reward workers"),
     (r"reward loop manager initialized|vLLMHttpServer pid=\d+\)\s+\['serve'", "waiting for the vLLM server"),
     (r"LLMServerManager:|checkpoint engine manager initialized", "initial weight sync (actor -> vLLM)"),
@@ -76,6 +76,11 @@ PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
      "weight sync (actor -> vLLM) failed in the vLLM worker; the trainer then waits forever"),
 )
 
+
+#: what verl's resource pools wait for, by device (``{resources}`` in :data:`PIPELINE_STAGES`): on a CPU host the
+#: "GPU" of verl's placement-group bundles is a logical Ray resource that the CPU switch declares
+STAGE_RESOURCES = {"cpu": "CPU cores and the logical GPUs trainer.device=cpu declares on this host",
+                   "gpu": "GPU bundles"}
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its "(Actor pid=N)" prefixes
 
@@ -205,15 +210,16 @@ def default_metrics_path(log_path: Path) -> Path:
     return log_path.with_name(log_path.stem + ".metrics.jsonl")
 
 
-def last_stage(log_text: str) -> Optional[str]:
-    """The stage of :data:`PIPELINE_STAGES` whose pattern matched the latest line of ``log_text``."""
+def last_stage(log_text: str, device: str = "gpu") -> Optional[str]:
+    """The stage of :data:`PIPELINE_STAGES` whose pattern matched the latest line of ``log_text``, naming the
+    resources of ``device`` (``cpu`` or ``gpu``, :data:`STAGE_RESOURCES`) that Ray waits for."""
     compiled = [(re.compile(p), s) for p, s in PIPELINE_STAGES]
     found = None
     for line in _ANSI.sub("", log_text).splitlines():
         for rx, stage in compiled:
             m = rx.search(line)
             if m:
-                found = stage.format(None, *m.groups())
+                found = stage.format(None, *m.groups(), resources=STAGE_RESOURCES.get(device, device))
     return found
 
 
@@ -608,8 +614,8 @@ def run_main_ppo(
     log_text = log_path.read_text(errors="replace")
     return RunResult(returncode=returncode, timed_out=timed_out, wall_s=wall_s, log_path=log_path,
                      metrics_path=metrics_path, command=cmd, steps=read_metrics(metrics_path),
-                     last_stage=last_stage(log_text), died=what_died(log_text) if returncode != 0 else None,
-                     run_id=marker)
+                     last_stage=last_stage(log_text, "cpu" if cpu else "gpu"),
+                     died=what_died(log_text) if returncode != 0 else None, run_id=marker)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

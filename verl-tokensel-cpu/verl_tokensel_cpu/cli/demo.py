@@ -20,7 +20,9 @@ steps per answer, each with its own route word, all of which must be right; its 
 reward, :mod:`verl_tokensel_cpu.demo.tasks`).
 
 Exits 1 naming the preset, its log and the log's last lines if a run fails; SIGINT (Ctrl-C) and SIGTERM (``kill``,
-a scheduler, ``timeout``) end the run in progress and its Ray processes, print one line and exit 130 / 143.
+a scheduler, ``timeout``) end the run in progress and its Ray processes, print one line and exit 130 / 143. Known
+third-party notices (thread counts, Apex / TransformerEngine, Triton) stay off the console
+(:mod:`verl_tokensel_cpu.demo.console`; ``<out>/logs/console_noise.log`` and each run's log keep them).
 Measured results:
 ``docs/benchmarks.md``.
 
@@ -227,9 +229,12 @@ class _Progress:
 
 
 def _log_tail(path: Path, n: int = 25) -> str:
+    """The last ``n`` lines of a run's log but the known third-party notices (the log keeps them)."""
+    from verl_tokensel_cpu.demo.console import drop_noise
+
     try:
         with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
+            return "".join(deque(drop_noise(f), maxlen=n))
     except OSError as e:
         return f"(log not readable: {e})\n"
 
@@ -253,7 +258,7 @@ def _watch(launch, log_path: Path, metrics_path: Path, steps: int, timeout_s: fl
         if time.monotonic() - last_note >= 20:
             last_note = time.monotonic()
             try:
-                stage = launch.last_stage(log_path.read_text(errors="replace"))
+                stage = launch.last_stage(log_path.read_text(errors="replace"), "cpu")
             except OSError:
                 stage = None
             progress(f"{label}: {stage or 'starting'} ({time.monotonic() - t0:.0f} s into the run, "
@@ -280,8 +285,9 @@ def run(args) -> int:
     """The demo; SIGINT / SIGTERM (Ctrl-C, ``kill``, a scheduler) end the run in progress and the Ray processes it
     started (:func:`verl_tokensel_cpu.launch.stop_on_signals`), then one line and exit 130 / 143."""
     from verl_tokensel_cpu import launch
+    from verl_tokensel_cpu.demo.console import quiet_console
 
-    with launch.stop_on_signals():
+    with launch.stop_on_signals(), quiet_console(Path(args.out).resolve() / "logs" / "console_noise.log"):
         try:
             return _run(args)
         except launch.Interrupted as stop:
