@@ -43,7 +43,6 @@ import shutil
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from verl_tokensel_cpu.demo.tasks import DEFAULT_TASK, TASK_NAMES, get_task
@@ -219,58 +218,14 @@ def final_model_dir(out: Path, preset: str, steps: int, engine: str = "fsdp2") -
     return out / "checkpoints" / preset / f"global_step_{steps}" / HF_CHECKPOINT_DIRS[engine]
 
 
-class _Progress:
-    def __init__(self):
-        self.t0 = time.monotonic()
-
-    def __call__(self, msg: str) -> None:
-        el = int(time.monotonic() - self.t0)
-        print(f"[demo {el // 60:d}m{el % 60:02d}s] {msg}", file=sys.stderr, flush=True)
-
-
-def _log_tail(path: Path, n: int = 25) -> str:
-    """The last ``n`` lines of a run's log but the known third-party notices (the log keeps them)."""
-    from verl_tokensel_cpu.demo.console import drop_noise
-
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(drop_noise(f), maxlen=n))
-    except OSError as e:
-        return f"(log not readable: {e})\n"
-
-
-def _watch(launch, log_path: Path, metrics_path: Path, steps: int, timeout_s: float, progress, label: str,
-           stop: threading.Event) -> None:
-    """Report each step as verl's file logger writes it, and the pipeline stage every 20 s meanwhile."""
-    from verl_tokensel_cpu.demo.report import REWARD_KEYS, metric
-
-    t0 = last_note = time.monotonic()
-    seen = 0
-    while not stop.wait(2.0):
-        logged = launch.read_metrics(metrics_path)
-        for m in logged[seen:]:
-            reward = metric(m, *REWARD_KEYS)
-            reward = "-" if reward is None else f"{reward:.3f}"
-            progress(f"{label}: step {m.get('step', seen + 1)}/{steps} done, reward {reward} "
-                     f"({time.monotonic() - t0:.0f} s into the run)")
-            seen += 1
-            last_note = time.monotonic()
-        if time.monotonic() - last_note >= 20:
-            last_note = time.monotonic()
-            try:
-                stage = launch.last_stage(log_path.read_text(errors="replace"), "cpu")
-            except OSError:
-                stage = None
-            progress(f"{label}: {stage or 'starting'} ({time.monotonic() - t0:.0f} s into the run, "
-                     f"timeout {timeout_s:.0f} s)")
-
-
 def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, progress, label: str, steps: int):
-    """One pipeline run in this thread (Ctrl-C reaches the launcher, which kills the run); a watcher
+    """One pipeline run in this thread (a signal reaches the launcher, which kills the run); a watcher
     thread reports progress from the run's metrics file and log."""
+    from verl_tokensel_cpu.demo.console import watch_run
+
     metrics_path = log_path.with_name(log_path.stem + ".metrics.jsonl")
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(launch, log_path, metrics_path, steps, timeout_s, progress,
+    watcher = threading.Thread(target=watch_run, args=(launch, log_path, metrics_path, steps, timeout_s, progress,
                                                     label, stop), name=f"demo-{label}", daemon=True)
     watcher.start()
     try:
@@ -299,6 +254,7 @@ def run(args) -> int:
 def _run(args) -> int:
     from verl_tokensel_cpu import launch
     from verl_tokensel_cpu.demo import report
+    from verl_tokensel_cpu.demo.console import Progress
     from verl_tokensel_cpu.demo.rollouts import analyse_rollouts, last_step_file
     from verl_tokensel_cpu.demo.warmup import warm_model_dir
 
@@ -312,7 +268,7 @@ def _run(args) -> int:
     spec = get_task(args.task)
     args.steps = spec.default_steps if args.steps is None else args.steps
     args.lr = spec.default_lr if args.lr is None else args.lr
-    progress = _Progress()
+    progress = Progress()
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     cfg = spec.warmup_config(args.seed)
@@ -405,7 +361,9 @@ def launch_problem(result, want_steps: int) -> str | None:
 
 
 def _fail(preset: str, log_path, why: str) -> int:
+    from verl_tokensel_cpu.demo.console import log_tail
+
     log_path = Path(log_path)
     print(f"\nerror: token_selector={preset} failed: {why}\nlog: {log_path}\n--- last lines of the log ---\n"
-          f"{_log_tail(log_path)}--- end ---", file=sys.stderr)
+          f"{log_tail(log_path)}--- end ---", file=sys.stderr)
     return 1

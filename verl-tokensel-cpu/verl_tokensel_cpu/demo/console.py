@@ -1,4 +1,5 @@
-"""The demo's console without the known third-party noise: notices that say nothing about the run.
+"""The demo's console: its progress lines (:class:`Progress`, :func:`watch_run`), without the known third-party
+noise, notices that say nothing about the run.
 
 vLLM's and TransferQueue's thread-count and Triton notices, Megatron's Apex / TransformerEngine fallbacks, verl's
 missing optional engines and its accelerator probe, transformers' deprecation and weight-loading bars. On the
@@ -14,6 +15,9 @@ import io
 import logging
 import re
 import sys
+import threading
+import time
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -121,4 +125,51 @@ def quiet_console(noise_log: Path) -> Iterator[None]:
             sys.stdout, sys.stderr = saved
 
 
-__all__ = ["NOISE_PATTERNS", "drop_noise", "is_noise", "quiet_console"]
+class Progress:
+    """The demo's progress lines: ``[demo 1m05s] message`` on stderr."""
+
+    def __init__(self):
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        el = int(time.monotonic() - self.t0)
+        print(f"[demo {el // 60:d}m{el % 60:02d}s] {msg}", file=sys.stderr, flush=True)
+
+
+def log_tail(path: Path, n: int = 25) -> str:
+    """The last ``n`` lines of a run's log but the known third-party notices (the log keeps them)."""
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(deque(drop_noise(f), maxlen=n))
+    except OSError as e:
+        return f"(log not readable: {e})\n"
+
+
+def watch_run(launch, log_path: Path, metrics_path: Path, steps: int, timeout_s: float, progress, label: str,
+              stop: threading.Event) -> None:
+    """Report each step as verl's file logger writes it, and the pipeline stage every 20 s meanwhile (``launch``:
+    the launcher module, for its ``read_metrics`` and ``last_stage``)."""
+    from verl_tokensel_cpu.demo.report import REWARD_KEYS, metric
+
+    t0 = last_note = time.monotonic()
+    seen = 0
+    while not stop.wait(2.0):
+        logged = launch.read_metrics(metrics_path)
+        for m in logged[seen:]:
+            reward = metric(m, *REWARD_KEYS)
+            reward = "-" if reward is None else f"{reward:.3f}"
+            progress(f"{label}: step {m.get('step', seen + 1)}/{steps} done, reward {reward} "
+                     f"({time.monotonic() - t0:.0f} s into the run)")
+            seen += 1
+            last_note = time.monotonic()
+        if time.monotonic() - last_note >= 20:
+            last_note = time.monotonic()
+            try:
+                stage = launch.last_stage(log_path.read_text(errors="replace"), "cpu")
+            except OSError:
+                stage = None
+            progress(f"{label}: {stage or 'starting'} ({time.monotonic() - t0:.0f} s into the run, "
+                     f"timeout {timeout_s:.0f} s)")
+
+
+__all__ = ["NOISE_PATTERNS", "Progress", "drop_noise", "is_noise", "log_tail", "quiet_console", "watch_run"]
