@@ -48,7 +48,8 @@ from pathlib import Path
 from verl_tokensel_cpu.demo.tasks import DEFAULT_TASK, TASK_NAMES, get_task
 from verl_tokensel_cpu.launch import ENGINE_OVERRIDES, HF_CHECKPOINT_DIRS
 
-HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
+HELP = ("warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU; 9 min on an idle 2-core "
+        "machine, 20 on a loaded one)")
 DEFAULT_PRESETS = ("none", "forking", "gmts")
 _ROUTE = get_task(DEFAULT_TASK)  # the default task's settings (demo/tasks.py is their home)
 REWARD_FN = _ROUTE.reward_fn
