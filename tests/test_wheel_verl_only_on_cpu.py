@@ -13,10 +13,10 @@ Two venvs run the same checks:
 - default: the wheel in a venv whose dependencies are exactly the requirement closure of ``verl``, ``torch`` and
   ``transformers`` in this run's pinned stack (:func:`helpers.wheel.requirement_closure`, the same 124
   distributions that ``pip install torch==2.13.0 verl==0.9.1 'transformers<5.11'`` installs, linked, not
-  copied): no download, ~35 s of commands;
-- ``slow``: that ``pip install`` itself into a fresh venv (64 s from a warm pip cache on a 2-core machine; minutes
-  and ~1.9 GB from a cold one, and it needs the package index), so it stays out of the default suite; the
-  default test above covers the same commands on the same set of packages.
+  copied): no download, 35-55 s of commands on 2 cores;
+- ``slow``: that ``pip install`` itself into a fresh venv (101 s in all from a warm pip cache on 2 cores, the
+  install alone 64 s; minutes and ~1.9 GB from a cold cache, and it needs the package index), so it stays out of
+  the default suite; the default test above runs the same commands on the same set of packages.
 """
 
 from __future__ import annotations
