@@ -151,3 +151,15 @@ def test_the_demo_console_drops_known_third_party_notices_and_keeps_them_in_a_lo
     tail = ["step 3\n", "x.py:1: UserWarning: torchtitan engine is not available: no\n", "  warnings.warn(\n",
             "Traceback (most recent call last):\n"]
     assert drop_noise(tail) == ["step 3\n", "Traceback (most recent call last):\n"]
+
+
+def test_an_unknown_knob_on_the_command_line_gets_the_closest_one():
+    """Hydra would say "Key 'ratoi' is not in struct" (or, with +, our config class would list every key)."""
+    from verl_tokensel.main_ppo import unknown_knob_line
+
+    line = unknown_knob_line(["actor_rollout_ref.actor.token_selector=gmts",
+                              "+actor_rollout_ref.actor.token_selection.ratoi=0.3"])
+    assert line.startswith("verl-tokensel: actor_rollout_ref.actor.token_selection.ratoi is not a token-selection knob "
+                           "(did you mean ratio?); valid knobs: rule, "), line
+    assert unknown_knob_line(["actor_rollout_ref.actor.token_selection.ratio=0.3", "trainer.device=cpu"]) is None
+    assert "did you mean" not in unknown_knob_line(["actor_rollout_ref.actor.token_selection.zzzz=1"])

@@ -80,6 +80,33 @@ def run(config: DictConfig) -> None:
         run_ppo(config, task_runner_class=v0_task_runner())
 
 
+KNOB_PREFIX = "actor_rollout_ref.actor.token_selection."
+
+
+def unknown_knob_line(args: list[str]) -> str | None:
+    """One line for a command-line override of a token-selection knob that does not exist (Hydra would stop on it
+    with "Key '...' is not in struct", or, with ``+``, our config class later), naming the closest knob; None when
+    every such override names one. The knobs are those of our actor node (``config/tokensel/actor.yaml``)."""
+    keys = [a.lstrip("+~").split("=", 1)[0][len(KNOB_PREFIX):].split(".")[0] for a in args
+            if a.lstrip("+~").startswith(KNOB_PREFIX)]
+    if not keys:
+        return None
+    from importlib.resources import files
+
+    from omegaconf import OmegaConf
+
+    from verl_tokensel.core.errors import suggest
+
+    knobs = [k for k in OmegaConf.load(files("verl_tokensel.config") / "tokensel" / "actor.yaml").token_selection
+             if k != "_target_"]
+    for key in keys:
+        if key not in knobs:
+            near = suggest(key, knobs)
+            return (f"verl-tokensel: {KNOB_PREFIX}{key} is not a token-selection knob"
+                    + (f" (did you mean {near}?)" if near else "") + f"; valid knobs: {', '.join(knobs)}.")
+    return None
+
+
 @hydra.main(config_path="config", config_name="tokensel_trainer", version_base=None)
 def main(config: DictConfig) -> None:
     run(config)
@@ -94,4 +121,8 @@ if __name__ == "__main__":
     sys.argv[1:], swapped = our_config_args(sys.argv[1:])
     if swapped:
         print(swapped, file=sys.stderr, flush=True)
+    unknown = unknown_knob_line(sys.argv[1:])
+    if unknown:  # exit 2: a usage error, before Hydra composes
+        print(unknown, file=sys.stderr, flush=True)
+        raise SystemExit(2)
     main()
