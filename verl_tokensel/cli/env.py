@@ -96,7 +96,7 @@ def collect(import_verl: bool = True, noise: list[str] | None = None) -> dict[st
     from verl_tokensel.stack import missing_run_packages
 
     missing = missing_run_packages(use_v1=True)
-    v1_missing = [n for n, used_by in missing if "verl.trainer.ppo.v1" in used_by]
+    v1_missing = [n for n, u in missing if (n, u) not in missing_run_packages(use_v1=False)]  # the V1 trainer's
     with _quiet(noise if noise is not None else []):
         try:
             import verl  # noqa: F401  (loads the plugin entry point)
