@@ -382,7 +382,8 @@ def _fake_launch(fail_preset: str | None = None):
                                 last_stage=launch.last_stage(Path(log_path).read_text()))
 
     fake = types.SimpleNamespace(run_main_ppo=run_main_ppo, read_metrics=launch.read_metrics,
-                                 last_stage=launch.last_stage)
+                                 last_stage=launch.last_stage, stop_on_signals=launch.stop_on_signals,
+                                 Interrupted=launch.Interrupted)
     return fake, calls
 
 

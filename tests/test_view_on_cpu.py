@@ -135,6 +135,8 @@ def test_forking_page_has_every_token_and_the_micro_batch_selection(assets, fork
     # the page says what it did
     html = out.read_text()
     assert "scope micro_batch" in html and "ONE pool" in html and "On-policy: ratio r = 1" in html
+    # how forking trains (test_front_door: every preset's line)
+    assert "scope micro_batch: the pool is each micro-batch on each rank; score_source current" in html
     assert "GRPO from the rewards" in html
     assert "wrote" in res.stdout and "scoring" in res.stderr  # tqdm progress bar
 

@@ -112,6 +112,26 @@ def test_the_cpu_wheel_holds_the_cpu_distribution(built_cpu_wheel):
                                    "tiny-model": "verl_tokensel_cpu.cli.tiny_model"}}
 
 
+def test_both_wheels_and_the_sdist_carry_the_license(built, built_cpu_wheel):
+    """The Apache-2.0 text that setup.cfg's ``license`` names: at the repository root, in the CPU distribution's
+    folder (its own build root; the same text), in both wheels' dist-info and in the sdist."""
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"], text[:200]
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert (CPU_ROOT / "LICENSE").read_text() == text
+    for wheel in (built[0], built_cpu_wheel):
+        with zipfile.ZipFile(wheel) as zf:
+            names = [n for n in zf.namelist() if re.fullmatch(r"[^/]+\.dist-info/licenses/LICENSE", n)]
+            assert len(names) == 1, (wheel.name, zf.namelist()[-10:])
+            assert zf.read(names[0]).decode() == text
+            meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        assert "License-File: LICENSE" in meta and "Apache-2.0" in meta, meta[:1500]
+    import tarfile
+
+    with tarfile.open(built[1]) as tf:
+        assert any(n.endswith("/LICENSE") and n.count("/") == 1 for n in tf.getnames())
+
+
 def test_wheel_env_imports_the_wheel_not_the_checkout(wheel_env):
     py, _, _, site = wheel_env
     code = ("import json, importlib.metadata as m, verl_tokensel; "

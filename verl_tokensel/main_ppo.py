@@ -7,6 +7,18 @@ drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sy
 ``trainer.use_v1=false`` runs verl's v0 TaskRunner with the hooks that install the selecting loss
 and select on the driver (all fenced in :mod:`verl_tokensel.verl_glue.v0`).
 
+Imports: composing (``--cfg job``) needs only Hydra and our configs; verl's trainer, checkpoint and rollout modules
+are imported when a run starts, after a check that names, in one line, any package they import that ``pip install
+verl`` does not bring (uvicorn, fastapi, TransferQueue, cachetools: verl's ``verl-core`` extra), with its install
+command (exit 2; :func:`verl_tokensel.stack.missing_run_packages`).
+
+Signals: none of ours, so SIGINT / SIGTERM do what they do to verl's own ``run_ppo`` (measured on the CPU
+pipeline, Ray 2.60, with the run's Ray instance up and its TaskRunner building workers): SIGINT raises
+``KeyboardInterrupt`` in the driver's ``ray.get``, which exits 1 within ~6 s and takes the local Ray instance down
+with it; SIGTERM ends the driver within ~3 s (killed by SIGABRT in Ray's core worker) and the Ray processes follow
+within 30 s. Neither is a clean stop of a job on a shared cluster: ``verl-tokensel demo`` and
+``python -m verl_tokensel_cpu.launch`` end the whole run themselves (its process group and marked processes).
+
 CPU: ``trainer.device=cpu`` runs the whole pipeline (Ray, vLLM-CPU rollout, FSDP2 update, or Megatron with
 ``model_engine=megatron``) on CPU; it fills every CPU setting and refuses conflicting ones
 (the CPU distribution ``verl-tokensel-cpu``, found through its entry point only then; manual: ``docs/cpu.md``).
@@ -30,17 +42,12 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from verl_tokensel.switches import CPU_PLATFORM, SwitchConflictError, device_port, wants_cpu  # noqa: E402
-from verl_tokensel.verl_glue.install import (  # noqa: E402
-    register_v1_trainers,
-    selection_error,
-    validate_driver_config,
-)
-from verl_tokensel.verl_glue.routes import our_config_args  # noqa: E402
-from verl_tokensel.verl_glue.v0 import v0_task_runner  # noqa: E402
 
 
 def run(config: DictConfig) -> None:
     """Validate on the driver, then hand over to verl's ``run_ppo``."""
+    from verl_tokensel.stack import exit_if_missing_run_packages
+
     # TaskRunnerV1 (and the V1 trainer package behind it) only on the V1 path: verl's announced branch without
     # it (use_v1 false by default) keeps the v0 route whole
     from verl.trainer.main_ppo import run_ppo
@@ -48,22 +55,26 @@ def run(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
+    from verl_tokensel.verl_glue.install import register_v1_trainers, selection_error, validate_driver_config
+
     if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
         try:  # the CPU port is its own distribution, found by its entry point (none installed: the install line)
             device_port(CPU_PLATFORM)(config)
         except SwitchConflictError as err:  # every conflict, one per line, without a traceback; exit 2: usage error
             print(err, file=sys.stderr, flush=True)
             raise SystemExit(2) from None
-    if config.trainer.use_v1:
-        register_v1_trainers()
-    try:
+    try:  # a bad token-selection key is named first: one line, exit 2 (a usage error), before Ray
         validate_driver_config(config)
-    except Exception as exc:  # a bad token-selection key: one line naming it, exit 2 (a usage error), before Ray
+    except Exception as exc:
         err = selection_error(exc)
         if err is None:
             raise
         print(f"verl_tokensel: {err}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    # what verl imports to run but `pip install verl` does not install: one line, before any traceback
+    exit_if_missing_run_packages(use_v1=bool(config.trainer.use_v1))
+    if config.trainer.use_v1:
+        register_v1_trainers()
     auto_set_device(config)
     validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     if config.trainer.use_v1:
@@ -71,7 +82,44 @@ def run(config: DictConfig) -> None:
 
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
+        from verl_tokensel.verl_glue.v0 import v0_task_runner
+
         run_ppo(config, task_runner_class=v0_task_runner())
+
+
+KNOB_PREFIX = "actor_rollout_ref.actor.token_selection."
+
+
+def unknown_knob_line(args: list[str]) -> str | None:
+    """One line for a command-line override of a token-selection knob that no registered rule, shaping or shared key
+    reads (Hydra would stop on it with "Key '...' is not in struct"), naming the closest knob; None when every such
+    override names one. The knobs are those of our actor node (``config/tokensel/actor.yaml``) and, for a key it does
+    not declare, those of the rules registered by the modules of ``VERL_USE_EXTERNAL_MODULES`` (a user's rule: its
+    knobs are command-line keys too, given Hydra's ``+`` by :func:`~verl_tokensel.verl_glue.routes.our_config_args`)."""
+    keys = [a.lstrip("+~").split("=", 1)[0][len(KNOB_PREFIX):].split(".")[0] for a in args
+            if a.lstrip("+~").startswith(KNOB_PREFIX)]
+    if not keys:
+        return None
+    import importlib
+    import os
+
+    from verl_tokensel.core.errors import suggest
+    from verl_tokensel.verl_glue.routes import declared_knobs
+
+    knobs = sorted(declared_knobs() - {"_target_"})
+    if all(key in knobs for key in keys):
+        return None
+    for module in filter(None, (m.strip() for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(","))):
+        importlib.import_module(module)  # a user's rules register their knobs (verl imports them the same way)
+    from verl_tokensel.core.config import knob_sources
+
+    knobs = sorted({*knobs, *knob_sources()})
+    for key in keys:
+        if key not in knobs:
+            near = suggest(key, knobs)
+            return (f"verl-tokensel: {KNOB_PREFIX}{key} is not a token-selection knob of any registered rule"
+                    + (f" (did you mean {near}?)" if near else "") + f"; valid knobs: {', '.join(knobs)}.")
+    return None
 
 
 @hydra.main(config_path="config", config_name="tokensel_trainer", version_base=None)
@@ -83,7 +131,13 @@ if __name__ == "__main__":
     # verl's example scripts name verl's config (--config-path=config --config-name=ppo_megatron_trainer): ours
     # compose it, so a script swaps only the module. Rewritten before Hydra parses: a file of ours named like
     # verl's would shadow the one our configs list in their defaults.
+    from verl_tokensel.verl_glue.routes import our_config_args
+
     sys.argv[1:], swapped = our_config_args(sys.argv[1:])
     if swapped:
         print(swapped, file=sys.stderr, flush=True)
+    unknown = unknown_knob_line(sys.argv[1:])
+    if unknown:  # exit 2: a usage error, before Hydra composes
+        print(unknown, file=sys.stderr, flush=True)
+        raise SystemExit(2)
     main()

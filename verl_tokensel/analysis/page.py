@@ -20,6 +20,45 @@ SHADE_HELP = {
     "random": "the seeded uniform draw of the random control",
 }
 
+#: where a preset's budget is taken from in training (``token_selection.scope``), in words
+TRAINING_SCOPE = {
+    "micro_batch": "each micro-batch on each rank",
+    "micro_batch_dp": "each micro-batch, exact over all data-parallel ranks",
+    "sequence": "each response on its own",
+    "mini_batch": "the whole PPO mini-batch, exact over all data-parallel ranks",
+    "group": "each prompt group (the responses sharing a prompt)",
+    "batch": "the whole training batch of a step",
+}
+#: when the scores are measured in training (``token_selection.score_source``)
+TRAINING_SOURCE = {
+    "current": "the update forward of each micro-batch",
+    "prepass": "a no-grad forward at the start of each PPO mini-batch, before its updates",
+    "rollout": "verl's old-policy pass, ranked on the driver over the whole batch",
+}
+#: the token-mean's denominator in training (``token_selection.normaliser``)
+TRAINING_NORMALISER = {
+    "all": "all valid tokens (the paper formula; the others contribute zero)",
+    "selected": "each micro-batch's selected tokens, weighted by its share of the mini-batch's responses",
+    "kept": "the kept tokens of the whole mini-batch over all ranks",
+}
+
+
+def training_pool(sel) -> str:
+    """The pool a preset's budget comes from in training, in words (``sel.scope``; a prompt group of the
+    mini-batch with the pre-pass, of the training batch on the driver)."""
+    words = TRAINING_SCOPE.get(sel.scope, f"scope {sel.scope}")
+    if sel.scope == "group":
+        words += " of the PPO mini-batch" if sel.score_source == "prepass" else " of the training batch"
+    return words
+
+
+def training_line(sel) -> str:
+    """The scope, score source and normaliser a preset trains with (:class:`~verl_tokensel.core.config.
+    Selection`), one line of the page: what the page's single pool stands in for."""
+    source = TRAINING_SOURCE.get(sel.score_source, sel.score_source)
+    norm = TRAINING_NORMALISER.get(sel.normaliser, sel.normaliser)
+    return (f"scope {sel.scope}: the pool is {training_pool(sel)}; score_source {sel.score_source}: scores from "
+            f"{source}; normaliser {sel.normaliser}: token-mean over {norm}")
 
 
 def token_texts(tokenizer, prompt_ids, response_ids, window: int = 6) -> list[str]:
@@ -107,13 +146,15 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
     if sel is not None:
         rows.append(("selection", f"score {sel.knobs.score}, {sel.knobs.direction} {ratio:g} (ceil(ratio*N) tokens), "
                                   f"scope {scope}, normaliser {sel.normaliser}"))
+        rows.append(("in training", training_line(sel)))
         if scope == "sequence":
             notes.append(f"Scope sequence: each response is its own pool; ceil({ratio:g} * n) of its n tokens "
-                         "are selected.")
+                         "are selected" + ("." if sel.scope == "sequence" else
+                                           f"; in training the pool is {training_pool(sel)}."))
         else:
             notes.append(f"Scope micro_batch: all {b} rendered responses form ONE pool of {n_tok} tokens, as if "
                          f"they were one micro-batch; ceil({ratio:g} * {n_tok}) = {budget(ratio, n_tok)} are "
-                         "selected. In training the pool is each micro-batch on each rank.")
+                         f"selected. In training the pool is {training_pool(sel)} (scope {sel.scope}).")
         notes.append("On-policy: ratio r = 1 (old log-prob = current log-prob), so no token is clipped and "
                      "omega = A.")
     else:

@@ -17,11 +17,10 @@ read is refused, naming the rules that do.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import field, replace
 from typing import Any, Optional
 
-from verl_tokensel.core.errors import TokenSelectionConfigError, check_bool, config_error
+from verl_tokensel.core.errors import TokenSelectionConfigError, check_bool, config_error, suggest
 from verl_tokensel.core.presets import PRESETS, preset, register_preset
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, ActorSettings, Knobs
 from verl_tokensel.core.rules.base import knob_fields
@@ -198,19 +197,14 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
             raise config_error(
                 f"token_selection.{key}", given[key], f"a knob of token_selector={token_selector} (rule {rule}"
                 f"{'' if shaping == 'none' else ', shaping ' + shaping}): {', '.join(own)}",
-                f"no registered rule or shaping has a knob {key}. {suggest(key, own)}".rstrip())
+                f"no registered rule or shaping has a knob {key}." + (
+                    f" Did you mean {suggest(key, own)}?" if suggest(key, own) else ""))
         raise config_error(
             f"token_selection.{key}", given[key], f"null (with token_selector={token_selector}, rule {rule}, "
             f"shaping {shaping})", f"only {readers} reads it, so it would be ignored. Fix: remove "
             f"token_selection.{key} (a recipe may set it for its own preset: override it with "
             f"token_selection.{key}=null) or pick a preset that reads it.")
     return sel
-
-
-def suggest(name: str, valid: Any) -> str:
-    """``"Did you mean X?"`` for the closest of ``valid`` to ``name``, or ``""``."""
-    close = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1)
-    return f"Did you mean {close[0]}?" if close else ""
 
 
 def override(sel: Selection, **values: Any) -> Selection:
@@ -239,4 +233,4 @@ def knob_table_rows() -> list[tuple[str, str, str, str]]:
 
 __all__ = ["ENGINE_SWITCHES", "NORMALISERS", "PRESETS", "SHARED_KEYS", "Selection", "TokenSelectionConfig",
            "TokenSelectionConfigError", "apply_overrides", "check_with_actor", "declared_keys", "knob_sources",
-           "knob_table_rows", "override", "preset", "register_preset", "resolve_selection", "suggest"]
+           "knob_table_rows", "override", "preset", "register_preset", "resolve_selection"]

@@ -14,7 +14,7 @@ import dataclasses
 import textwrap
 from typing import Any, Optional
 
-from verl_tokensel.core.config import suggest
+from verl_tokensel.core.errors import suggest
 from verl_tokensel.core.presets import PRESETS
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Knobs
 from verl_tokensel.core.rules.base import About, knob_fields
@@ -173,8 +173,8 @@ def unknown_preset(name: str) -> str:
         if name in registry:
             using = presets_using(kind, name)
             msg += f" {name} is a {kind}" + (f"; presets of it: {', '.join(using)}." if using else ".")
-    hint = suggest(name, PRESETS)
-    return msg + (f" {hint}" if hint else "")
+    near = suggest(name, PRESETS)
+    return msg + (f" Did you mean {near}?" if near else "")
 
 
 __all__ = ["about", "describe_preset", "describe_rules", "own_fields", "preset_line", "preset_values",

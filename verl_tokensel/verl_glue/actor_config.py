@@ -146,8 +146,9 @@ class TokenselFSDPActorConfig(_TokenSelectMixin, FSDPActorConfig):
     token_selection: TokenSelectionConfig = field(default_factory=TokenSelectionConfig)
 
     def __post_init__(self):
-        super().__post_init__()
+        # ours first: a bad token-selection key is named before verl's assertions on the rest of the node
         self._tokensel_post_init()
+        super().__post_init__()
 
 
 @dataclass
@@ -158,8 +159,9 @@ class TokenselMcoreActorConfig(_TokenSelectMixin, McoreActorConfig):
     token_selection: TokenSelectionConfig = field(default_factory=TokenSelectionConfig)
 
     def __post_init__(self):
-        super().__post_init__()
+        # ours first: a bad token-selection key is named before verl's assertions on the rest of the node
         self._tokensel_post_init()
+        super().__post_init__()
 
 
 # Names the YAML's `_target_: ...${model_engine}_actor_config` resolves to.

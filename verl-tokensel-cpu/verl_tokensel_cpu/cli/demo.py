@@ -19,7 +19,11 @@ The embedded-default main job. With no network and no GPU it:
 steps per answer, each with its own route word, all of which must be right; its own warm start, dataset and
 reward, :mod:`verl_tokensel_cpu.demo.tasks`).
 
-Exits 1 naming the preset, its log and the log's last lines if a run fails. Measured results:
+Exits 1 naming the preset, its log and the log's last lines if a run fails; SIGINT (Ctrl-C) and SIGTERM (``kill``,
+a scheduler, ``timeout``) end the run in progress and its Ray processes, print one line and exit 130 / 143. Known
+third-party notices (thread counts, Apex / TransformerEngine, Triton) stay off the console
+(:mod:`verl_tokensel_cpu.demo.console`; ``<out>/logs/console_noise.log`` and each run's log keep them).
+Measured results:
 ``docs/benchmarks.md``.
 
 Examples::
@@ -39,13 +43,13 @@ import shutil
 import sys
 import threading
 import time
-from collections import deque
 from pathlib import Path
 
 from verl_tokensel_cpu.demo.tasks import DEFAULT_TASK, TASK_NAMES, get_task
 from verl_tokensel_cpu.launch import ENGINE_OVERRIDES, HF_CHECKPOINT_DIRS
 
-HELP = "warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU, ~10 min)"
+HELP = ("warm-start a tiny local model, run real verl GRPO per preset and compare them (CPU; 9 min on an idle 2-core "
+        "machine, 20 on a loaded one)")
 DEFAULT_PRESETS = ("none", "forking", "gmts")
 _ROUTE = get_task(DEFAULT_TASK)  # the default task's settings (demo/tasks.py is their home)
 REWARD_FN = _ROUTE.reward_fn
@@ -215,55 +219,14 @@ def final_model_dir(out: Path, preset: str, steps: int, engine: str = "fsdp2") -
     return out / "checkpoints" / preset / f"global_step_{steps}" / HF_CHECKPOINT_DIRS[engine]
 
 
-class _Progress:
-    def __init__(self):
-        self.t0 = time.monotonic()
-
-    def __call__(self, msg: str) -> None:
-        el = int(time.monotonic() - self.t0)
-        print(f"[demo {el // 60:d}m{el % 60:02d}s] {msg}", file=sys.stderr, flush=True)
-
-
-def _log_tail(path: Path, n: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(deque(f, maxlen=n))
-    except OSError as e:
-        return f"(log not readable: {e})\n"
-
-
-def _watch(launch, log_path: Path, metrics_path: Path, steps: int, timeout_s: float, progress, label: str,
-           stop: threading.Event) -> None:
-    """Report each step as verl's file logger writes it, and the pipeline stage every 20 s meanwhile."""
-    from verl_tokensel_cpu.demo.report import REWARD_KEYS, metric
-
-    t0 = last_note = time.monotonic()
-    seen = 0
-    while not stop.wait(2.0):
-        logged = launch.read_metrics(metrics_path)
-        for m in logged[seen:]:
-            reward = metric(m, *REWARD_KEYS)
-            reward = "-" if reward is None else f"{reward:.3f}"
-            progress(f"{label}: step {m.get('step', seen + 1)}/{steps} done, reward {reward} "
-                     f"({time.monotonic() - t0:.0f} s into the run)")
-            seen += 1
-            last_note = time.monotonic()
-        if time.monotonic() - last_note >= 20:
-            last_note = time.monotonic()
-            try:
-                stage = launch.last_stage(log_path.read_text(errors="replace"))
-            except OSError:
-                stage = None
-            progress(f"{label}: {stage or 'starting'} ({time.monotonic() - t0:.0f} s into the run, "
-                     f"timeout {timeout_s:.0f} s)")
-
-
 def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, progress, label: str, steps: int):
-    """One pipeline run in this thread (Ctrl-C reaches the launcher, which kills the run); a watcher
+    """One pipeline run in this thread (a signal reaches the launcher, which kills the run); a watcher
     thread reports progress from the run's metrics file and log."""
+    from verl_tokensel_cpu.demo.console import watch_run
+
     metrics_path = log_path.with_name(log_path.stem + ".metrics.jsonl")
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(launch, log_path, metrics_path, steps, timeout_s, progress,
+    watcher = threading.Thread(target=watch_run, args=(launch, log_path, metrics_path, steps, timeout_s, progress,
                                                     label, stop), name=f"demo-{label}", daemon=True)
     watcher.start()
     try:
@@ -275,8 +238,24 @@ def _run_one(launch, overrides: list[str], log_path: Path, timeout_s: float, pro
 
 
 def run(args) -> int:
+    """The demo; SIGINT / SIGTERM (Ctrl-C, ``kill``, a scheduler) end the run in progress and the Ray processes it
+    started (:func:`verl_tokensel_cpu.launch.stop_on_signals`), then one line and exit 130 / 143."""
+    from verl_tokensel_cpu import launch
+    from verl_tokensel_cpu.demo.console import quiet_console
+
+    with launch.stop_on_signals(), quiet_console(Path(args.out).resolve() / "logs" / "console_noise.log"):
+        try:
+            return _run(args)
+        except launch.Interrupted as stop:
+            print(f"\nverl-tokensel demo: stopped by {stop.name}; the verl run in progress and the Ray processes it "
+                  f"started were ended (partial output: {Path(args.out).resolve()})", file=sys.stderr, flush=True)
+            return stop.exit_code
+
+
+def _run(args) -> int:
     from verl_tokensel_cpu import launch
     from verl_tokensel_cpu.demo import report
+    from verl_tokensel_cpu.demo.console import Progress
     from verl_tokensel_cpu.demo.rollouts import analyse_rollouts, last_step_file
     from verl_tokensel_cpu.demo.warmup import warm_model_dir
 
@@ -290,7 +269,7 @@ def run(args) -> int:
     spec = get_task(args.task)
     args.steps = spec.default_steps if args.steps is None else args.steps
     args.lr = spec.default_lr if args.lr is None else args.lr
-    progress = _Progress()
+    progress = Progress()
     out = Path(args.out).resolve()
     (out / "logs").mkdir(parents=True, exist_ok=True)
     cfg = spec.warmup_config(args.seed)
@@ -383,7 +362,9 @@ def launch_problem(result, want_steps: int) -> str | None:
 
 
 def _fail(preset: str, log_path, why: str) -> int:
+    from verl_tokensel_cpu.demo.console import log_tail
+
     log_path = Path(log_path)
     print(f"\nerror: token_selector={preset} failed: {why}\nlog: {log_path}\n--- last lines of the log ---\n"
-          f"{_log_tail(log_path)}--- end ---", file=sys.stderr)
+          f"{log_tail(log_path)}--- end ---", file=sys.stderr)
     return 1

@@ -202,8 +202,24 @@ def to_json(rows: Sequence[PresetSummary]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
+#: (marker, line style, marker size, filled) per line, in order: lines that coincide (forking and gmts both select
+#: 0.2) stay visible, a hollow larger marker around a filled smaller one, dashes over a solid line
+LINE_STYLES = (("o", "-", 9, True), ("s", "--", 7, False), ("^", ":", 6, True), ("D", "-.", 5, False),
+               ("v", (0, (5, 1)), 8, True), ("x", (0, (1, 2)), 8, True), ("P", (0, (3, 1, 1, 1)), 6, False))
+
+
+def line_style(i: int) -> dict:
+    """Matplotlib keywords of the ``i``-th line of :func:`plot` (:data:`LINE_STYLES`, cycled)."""
+    marker, linestyle, size, filled = LINE_STYLES[i % len(LINE_STYLES)]
+    style = {"marker": marker, "linestyle": linestyle, "markersize": size}
+    if not filled:
+        style["markerfacecolor"] = "none"
+    return style
+
+
 def plot(runs: Mapping[str, Sequence[StepMetrics]], path: str | os.PathLike) -> str:
-    """PNG with two panels, reward and selected fraction per step, one line per preset; returns the path."""
+    """PNG with two panels, reward and selected fraction per step, one line per preset, each with its own marker
+    and dashes (:func:`line_style`); returns the path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -211,14 +227,15 @@ def plot(runs: Mapping[str, Sequence[StepMetrics]], path: str | os.PathLike) -> 
     from matplotlib.ticker import MaxNLocator
 
     fig, (ax_r, ax_f) = plt.subplots(1, 2, figsize=(10, 4))
-    for preset, steps in runs.items():
+    for i, (preset, steps) in enumerate(runs.items()):
+        style = line_style(i)
         x = list(range(1, len(steps) + 1))
         rewards = [metric(s, *REWARD_KEYS) for s in steps]
         fractions = [metric(s, SELECTED_FRACTION_KEY) for s in steps]
         if all(f is None for f in fractions):
             fractions = [1.0] * len(steps)
-        ax_r.plot(x, [math.nan if r is None else r for r in rewards], marker="o", label=preset)
-        ax_f.plot(x, [math.nan if f is None else f for f in fractions], marker="o", label=preset)
+        ax_r.plot(x, [math.nan if r is None else r for r in rewards], label=preset, **style)
+        ax_f.plot(x, [math.nan if f is None else f for f in fractions], label=preset, **style)
     ax_r.set(title="reward (critic/score/mean)", xlabel="step", ylabel="mean reward")
     ax_f.set(title="selected fraction of response tokens", xlabel="step", ylabel="fraction", ylim=(0, 1.05))
     for ax in (ax_r, ax_f):
