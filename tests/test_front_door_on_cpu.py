@@ -160,6 +160,7 @@ def test_an_unknown_knob_on_the_command_line_gets_the_closest_one():
     line = unknown_knob_line(["actor_rollout_ref.actor.token_selector=gmts",
                               "+actor_rollout_ref.actor.token_selection.ratoi=0.3"])
     assert line.startswith("verl-tokensel: actor_rollout_ref.actor.token_selection.ratoi is not a token-selection knob "
-                           "(did you mean ratio?); valid knobs: rule, "), line
+                           "of any registered rule (did you mean ratio?); valid knobs: "), line
+    assert ", ratio, " in line and ", gtpo_entropy_scale, " in line, line  # the shared keys and every rule's
     assert unknown_knob_line(["actor_rollout_ref.actor.token_selection.ratio=0.3", "trainer.device=cpu"]) is None
     assert "did you mean" not in unknown_knob_line(["actor_rollout_ref.actor.token_selection.zzzz=1"])
