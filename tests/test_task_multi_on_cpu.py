@@ -319,7 +319,8 @@ def fake_multi_pipeline(monkeypatch, tmp_path):
                                 last_stage=None)
 
     fake = types.SimpleNamespace(run_main_ppo=run_main_ppo, read_metrics=launch.read_metrics,
-                                 last_stage=launch.last_stage)
+                                 last_stage=launch.last_stage, stop_on_signals=launch.stop_on_signals,
+                                 Interrupted=launch.Interrupted)
     monkeypatch.setitem(sys.modules, "verl_tokensel_cpu.launch", fake)
     monkeypatch.setattr("verl_tokensel_cpu.launch", fake, raising=False)
     return launched

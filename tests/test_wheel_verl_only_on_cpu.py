@@ -82,10 +82,11 @@ def check_product_next_to_verl(venv) -> None:
     assert len(lines) == 1 and f"python -m pip install {' '.join(RUN_PACKAGES)}" in lines[0], res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "ray init kwargs" not in res.stdout + res.stderr, res.stderr[-3000:]
 
-    # a misspelt preset without verl's micro-batch overrides: our error first, with the closest name
-    res = _run(venv, ["PY", "-m", "verl_tokensel.main_ppo", f"{SEL}=gmtss"], rc=1)
-    assert "token_selector='gmtss' is invalid (did you mean gmts?)" in res.stderr, res.stderr[-3000:]
-    assert "ppo_micro_batch_size" not in res.stderr, res.stderr[-3000:]
+    # a misspelt preset without verl's micro-batch overrides: our error first, one line with the closest name, exit 2
+    res = _run(venv, ["PY", "-m", "verl_tokensel.main_ppo", f"{SEL}=gmtss"], rc=2)
+    assert "verl_tokensel: actor_rollout_ref.actor.token_selector='gmtss' is invalid (did you mean gmts?)" in \
+        res.stderr, res.stderr[-3000:]
+    assert "ppo_micro_batch_size" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 def test_the_wheel_next_to_verl_alone(built_wheel, tmp_path):
