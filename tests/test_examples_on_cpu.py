@@ -319,8 +319,14 @@ def test_dapo_example_names_a_missing_variable():
     assert "TOKENSEL_MODEL_PATH" not in res.stderr
 
 
+@pytest.mark.slow
 def test_dapo_example_with_the_custom_preset(tiny_run_inputs, tmp_path):
-    """``run_dapo.sh`` as ``custom_preset.py`` says to run it, plus the CPU sizes: one DAPO step."""
+    """``run_dapo.sh`` as ``custom_preset.py`` says to run it, plus the CPU sizes: one DAPO step.
+
+    ``slow`` (~100 s, the largest default-suite run after the e2e resume): the default suite keeps a user's module
+    through ``VERL_USE_EXTERNAL_MODULES`` in ``main_ppo`` on the driver and a real update with its knob
+    (``test_custom_rule_knob_from_the_command_line_reaches_the_loss``) and the whole pipeline (``test_e2e_on_cpu.py``);
+    only here does a user's preset reach the Ray workers of a real run."""
     _requires_pipeline()
     from helpers.pipeline import loss_announcements
     from helpers.scripts import run_script
