@@ -194,11 +194,11 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
         readers = _readers(key)
         own = sorted({*SHARED_KEYS, "rule", *rule_keys, *shaping_keys, *ENGINE_SWITCHES})
         if not readers:
+            near = suggest(key, own)
             raise config_error(
                 f"token_selection.{key}", given[key], f"a knob of token_selector={token_selector} (rule {rule}"
                 f"{'' if shaping == 'none' else ', shaping ' + shaping}): {', '.join(own)}",
-                f"no registered rule or shaping has a knob {key}." + (
-                    f" Did you mean {suggest(key, own)}?" if suggest(key, own) else ""))
+                f"no registered rule or shaping has a knob {key}." + (f" Did you mean {near}?" if near else ""))
         raise config_error(
             f"token_selection.{key}", given[key], f"null (with token_selector={token_selector}, rule {rule}, "
             f"shaping {shaping})", f"only {readers} reads it, so it would be ignored. Fix: remove "

@@ -51,6 +51,10 @@ def knob(default: Any, help: str, paper: str, *, ge: Optional[float] = None, gt:
     return field(default=default, metadata=meta)
 
 
+#: a knob bound's comparison: value ``op`` bound
+_COMPARE = {"ge": operator.ge, "gt": operator.gt, "le": operator.le, "lt": operator.lt}
+
+
 def _valid_range(bounds: dict[str, float]) -> str:
     """``a number >= 0``, ``a number in (0, 1]``: the valid values a knob's bounds name."""
     low = [(k, v) for k, v in bounds.items() if k in ("ge", "gt")]
@@ -99,10 +103,8 @@ class Knobs:
             if choices:
                 check_choice(f"token_selection.{f.name}", value, tuple(choices))
             if bounds and not (value is None and f.default is None):
-                limits = {"ge": (operator.ge, False), "gt": (operator.gt, True), "le": (operator.le, False),
-                          "lt": (operator.lt, True)}
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                if not ok or not all(limits[k][0](value, v) for k, v in bounds.items()):
+                if not ok or not all(_COMPARE[k](value, v) for k, v in bounds.items()):
                     raise config_error(f"token_selection.{f.name}", value,
                                        ("null or " if f.default is None else "") + _valid_range(bounds))
 
