@@ -21,13 +21,15 @@ then ``actor_rollout_ref.actor.token_selection.surprise_alpha=0.7`` on the comma
 ``VERL_USE_EXTERNAL_MODULES``). A rule that scores, selects, checks or runs update passes its own way subclasses
 :class:`Rule` (its steps ``score``, ``select``, ``transform``, ``stats``, ``check``, ``merge_passes`` each receive
 one :class:`RuleInput`); what it needs from the pipeline (entropy, a pre-pass or the driver's pass, its own policy
-loss, update passes, prompt groups) is one :class:`Needs`. Errors in a check: ``raise config_error(key, value,
-valid, fix)``. ``verl-tokensel rules <preset>`` prints what a preset resolves to.
+loss, update passes, prompt groups, passes over the last hidden states: a :class:`HiddenStates`) is one
+:class:`Needs`. Errors in a check: ``raise config_error(key, value, valid, fix)``. ``verl-tokensel rules <preset>``
+prints what a preset resolves to.
 """
 
 from verl_tokensel.core.errors import config_error
 from verl_tokensel.core.presets import register_preset
 from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, RuleInput, knob, register_rule
+from verl_tokensel.core.rules.hidden import HiddenStates
 
-__all__ = ["Knobs", "LossTransform", "Needs", "Rule", "RuleInput", "config_error", "knob", "register_preset",
-           "register_rule"]
+__all__ = ["HiddenStates", "Knobs", "LossTransform", "Needs", "Rule", "RuleInput", "config_error", "knob",
+           "register_preset", "register_rule"]

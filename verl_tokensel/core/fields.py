@@ -43,6 +43,10 @@ RESPONSE_EXTERNAL = (RESPONSE_IDS, SEQUENCE_REWARD, EOS_TOKEN)
 #: pre-pass (score_source=prepass)
 MASK = "token_select_mask"
 SCORE = "token_select_score"
+#: the per-token values of a rule's passes over the last hidden states (``Needs(hidden_states=...)``), laid out like
+#: ``response_mask``, written before the update; and the row index those passes give each response of the batch
+HIDDEN = "tokensel_hidden_values"
+ROW = "tokensel_row"
 #: the non-tensor key the drivers set on each update pass of a rule with several (its ``update_passes``)
 UPDATE_PASS = "tokensel_update_pass"
 

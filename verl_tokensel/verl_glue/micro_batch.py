@@ -65,7 +65,7 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     ``rank=False`` skips the row keys and group ids (the mask was measured before the update).
     ``extra_fields``: more per-token fields of ``data`` to pad (the pre-measured mask and scores).
     """
-    names = [*fields.LOSS_INPUTS, *fields.OPTIONAL_LOSS_INPUTS, *extra_fields]
+    names = [*fields.LOSS_INPUTS, *fields.OPTIONAL_LOSS_INPUTS, *extra_fields, fields.HIDDEN]
     if sel.needs_rollout_log_probs:
         names.append(fields.ROLLOUT_LOG_PROBS)
     if model_output is None:
@@ -86,8 +86,9 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
                     fields.SUM_PI_SQUARED: sum_pi_squared})
     if config.use_kl_loss:  # read by the KL part of omega, and a finite input of the loss
         tensors[fields.REF_LOG_PROB] = padded.get(fields.REF_LOG_PROB, None)
+    external = {fields.HIDDEN: padded[fields.HIDDEN]} if fields.HIDDEN in padded.keys() else None
     sb = score_batch(sel.scores, tensors, input_ids=ids, attention_mask=attn, uids=uids, scope=sel.scope,
-                     seed=sel.seed, params=score_params(config))
+                     seed=sel.seed, params=score_params(config), external=external)
     return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
 
 

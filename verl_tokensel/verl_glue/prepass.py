@@ -31,6 +31,7 @@ from verl_tokensel.core import fields
 from verl_tokensel.core.dist_topk import global_group_ids
 from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.selection import Selection
+from verl_tokensel.verl_glue.hidden import hidden_states_of, hidden_sweeps
 from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 from verl_tokensel.verl_glue.no_graph import install_no_graph_scores
@@ -185,11 +186,14 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
     the worker's engine, installed at the first ``train_batch`` or ``infer_batch`` under a selecting loss, so
     the old-log-prob pass's entropy comes from the same function); and, when its selection has
     ``score_source=prepass``, :func:`prepass_select` on the mini-batch before it trains, its
-    ``tokensel/prepass/*`` metrics added to the mini-batch's metrics. Any other loss passes through untouched.
+    ``tokensel/prepass/*`` metrics added to the mini-batch's metrics. And ``train_mini_batch`` (the step's update)
+    runs first, for a rule with ``Needs(hidden_states=...)``, its passes over the last hidden states
+    (:func:`~verl_tokensel.verl_glue.hidden.hidden_sweeps`). Any other loss passes through untouched.
     """
     if getattr(worker, _WRAPPED, None) is not None:
         return worker
     base = worker.train_batch
+    base_mini = worker.train_mini_batch
     base_infer = worker.infer_batch
     base_load = getattr(worker, "load_checkpoint", None)
     setattr(worker, _WEIGHTS_VERSION, 0)
@@ -209,6 +213,17 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
             tu.get(output, "metrics").update(metrics)
         return output
 
+    def train_mini_batch(data: TensorDict, *args, **kwargs):
+        loss_fn = worker.loss_fn
+        states = hidden_states_of(loss_fn.config) if isinstance(loss_fn, SelectingLoss) else None
+        if states is None:
+            return base_mini(data, *args, **kwargs)
+        metrics = hidden_sweeps(worker, data, loss_fn.config, states)
+        output = base_mini(data, *args, **kwargs)
+        if output is not None:
+            tu.get(output, "metrics").update({k: [v] for k, v in metrics.items()})
+        return output
+
     def infer_batch(data: TensorDict, *args, **kwargs):
         if isinstance(worker.loss_fn, SelectingLoss):  # the old-log-prob pass's entropy: the selectors' function
             install_no_graph_scores(worker)
@@ -220,6 +235,7 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
 
     setattr(worker, _WRAPPED, base)
     worker.train_batch = train_batch
+    worker.train_mini_batch = train_mini_batch
     worker.infer_batch = infer_batch
     if base_load is not None:
         def load_checkpoint(*args, **kwargs):

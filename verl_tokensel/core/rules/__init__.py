@@ -22,7 +22,7 @@ from verl_tokensel.core.rules.base import (
 from verl_tokensel.core.rules.shaping import SHAPING_REGISTRY, Shaping, register_shaping
 
 #: modules of this package that hold helpers shared by rules, not rules
-HELPERS = ("base", "checks", "covariance", "group_shift", "ppo_clip", "shaping")
+HELPERS = ("base", "checks", "covariance", "group_shift", "hidden", "ppo_clip", "shaping")
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in HELPERS):
     importlib.import_module(f"{__name__}.{_module}")

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from verl_tokensel.core import fields
 from verl_tokensel.core.errors import check_bool, check_choice, config_error
 from verl_tokensel.core.scopes import DIRECTIONS, POOLS, SOURCE_SCOPES, invalid_rule_arg
+from verl_tokensel.core.rules.hidden import HiddenStates
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import above_quantile, select_tokens
 
@@ -124,6 +126,9 @@ class Needs:
         kl_loss: it weights the KL loss per token (``LossTransform.kl_weight``): recipes turn ``use_kl_loss`` on.
         passes: whole update passes per step (Lopti: 2; each micro-batch sees its ``update_pass``).
         prompt_groups: it reads the responses of each prompt together (an advantage estimator with groups).
+        hidden_states: a :class:`~verl_tokensel.core.rules.hidden.HiddenStates` subclass: the rule reads the last
+            hidden states (the output layer's input) of no-grad passes over the step's batch before the update;
+            the last pass's per-token values reach its steps as ``x.hidden``. None: nothing is kept or run.
     """
 
     entropy: bool = False
@@ -134,6 +139,7 @@ class Needs:
     kl_loss: bool = False
     passes: int = 1
     prompt_groups: bool = False
+    hidden_states: Optional[type] = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +233,8 @@ class RuleInput:
             scopes (None: this process alone).
         group_ids: ``(batch,)`` int64 prompt-group ids (``scope=group``), or None.
         external: the per-token fields the driver filled (``response_ids``, ``sequence_reward``, ...).
+        hidden: float32, the per-token values of the rule's hidden-state passes (``Needs(hidden_states=...)``), or
+            None where they did not run.
         clip_ratio_low / clip_ratio_high / clip_ratio_c: the actor's PPO clip.
         update_pass: the driver's update pass (``Needs(passes=...)``; None: the one pass, or outside the loss).
         denominator / global_rows: verl's token-mean denominator (``batch_num_tokens``) and the mini-batch's
@@ -268,6 +276,7 @@ class RuleInput:
     finite = property(lambda self: self.batch.finite)
     group_ids = property(lambda self: self.batch.group_ids)
     external = property(lambda self: self.batch.inputs.external)
+    hidden = property(lambda self: self.batch.inputs.external.get(fields.HIDDEN))
     clip_ratio_low = property(lambda self: float(self.batch.inputs.clip_ratio_low))
     clip_ratio_high = property(lambda self: float(self.batch.inputs.clip_ratio_high))
     clip_ratio_c = property(lambda self: float(self.batch.inputs.clip_ratio_c))
@@ -359,6 +368,9 @@ def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Ne
         cls.about = About(source=source, formula=formula, deviations=tuple(deviations))
         if not isinstance(cls.needs, Needs):
             raise TypeError(f"rule {name!r}: needs must be a Needs(...)")
+        states = cls.needs.hidden_states
+        if states is not None and not (isinstance(states, type) and issubclass(states, HiddenStates)):
+            raise TypeError(f"rule {name!r}: Needs(hidden_states=...) must be a HiddenStates subclass, got {states!r}")
         RULE_REGISTRY[name] = cls()
         return obj
 
