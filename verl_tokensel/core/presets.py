@@ -109,6 +109,11 @@ PRESETS: dict[str, Optional[Selection]] = {
     # data-parallel ranks (AReaL: each rank's micro-batch); the loss is the token-mean over the kept tokens
     "m2po_global": preset("m2po", score="m2po", ratio=1.0, scope="mini_batch", normaliser="kept",
                           score_source="prepass", m2po_threshold=0.04),
+    # DelTA (arXiv 2605.21467, released code RUCBM/DelTA): every token's advantage times a weight in [0.8, 1.2] (mean
+    # 1) from how close v = (1 - p) h (h the last hidden state) lies to the positive vs the negative tokens' centroid,
+    # measured before the update by K + 3 passes over the step's batch, summed over every data-parallel rank
+    "delta": preset("delta", **_KEEP_ALL, delta_k=1, delta_lam_min=0.8, delta_lam_max=1.2, delta_impl="Normal",
+                    delta_stats="global"),
 }
 
 
