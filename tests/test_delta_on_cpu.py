@@ -8,7 +8,8 @@ RUCBM/DelTA @cf048bd ``verl-DelTA/verl/workers/actor/dp_actor.py``: its K + 3 lo
 - the preset's loss and gradient through the selecting loss (1e-6) against the release's loss (verl's dual-clip PPO on
   ``A * w``, clip 0.2 / 0.28, clip_ratio_c 10, token-mean);
 - ``delta_stats=global`` on two gloo ranks against one process over the union (1e-6), and ``rank`` against each rank's
-  own release weights;
+  own release weights; on the same two ranks as a Ulysses sequence-parallel group, each rank's slice of the packed
+  output-layer input (verl's ``ulysses_pad_and_slice_inputs``) laid out again by the glue's gather (exact);
 - the passes inside a real FSDP2 ``TrainingWorker`` update (``train_mini_batch``): with and without remove-padding,
   with dynamic batch sizes and with the hidden states kept between passes (``delta_cache_gib``: one forward), the
   weights the loss received equal the release's computed from the model's own last hidden states (read independently
@@ -273,7 +274,42 @@ def _rank_weights(rank: int, world_size: int):
         knobs = DeltaKnobs(score="all", ratio=1.0, delta_stats=stats)
         got, valid, states = stream_weights(split(mine, (3, 5)), knobs, dp_group=dist.group.WORLD)
         out[stats] = {"weights": got, "valid": valid, "metrics": states.metrics}
+    out["ulysses"] = _ulysses_layout(rank, world_size)
     return out
+
+
+def _ulysses_layout(rank: int, world_size: int):
+    """The glue's layout of a Ulysses rank's slice of the output layer's input: verl pads the packed sequence to a
+    multiple of the SP size and slices it (``ulysses_pad_and_slice_inputs``); ``packed_hidden`` must give back every
+    token's state in the log-probs' order, on each rank."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.ulysses import set_ulysses_sequence_parallel_group, ulysses_pad_and_slice_inputs
+    from verl_tokensel.verl_glue.hidden import packed_hidden
+
+    lengths = torch.tensor([5, 9, 3])  # 17 tokens: one of padding on the last SP rank
+    nnz = int(lengths.sum())
+    full = torch.randn(nnz, 6, generator=torch.Generator().manual_seed(3))
+    set_ulysses_sequence_parallel_group(dist.group.WORLD)
+    try:
+        ids = torch.arange(nnz).unsqueeze(0)
+        local_ids, _, pad = ulysses_pad_and_slice_inputs(ids, None, sp_size=world_size)
+        width = local_ids.shape[1]
+        padded_full = torch.cat([full, torch.zeros(pad, full.shape[1])])
+        local = padded_full[rank * width:(rank + 1) * width].unsqueeze(0)
+        assert torch.equal(local_ids[0], torch.cat([ids[0], torch.zeros(pad, dtype=ids.dtype)])[
+            rank * width:(rank + 1) * width])  # our slice is verl's
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        micro = TensorDict({"input_ids": torch.nested.nested_tensor_from_jagged(ids[0], offsets)}, batch_size=[3])
+        tu.assign_non_tensor(micro, use_remove_padding=True)
+        got = packed_hidden(SimpleNamespace(ulysses_sequence_parallel_size=world_size), local, micro)
+    finally:
+        set_ulysses_sequence_parallel_group(None)
+    return {"got": got, "want": full}
 
 
 def test_global_statistics_over_two_ranks_equal_one_process():
@@ -293,6 +329,9 @@ def test_global_statistics_over_two_ranks_equal_one_process():
         torch.testing.assert_close(r["weights"][r["valid"]], want[r["valid"]], rtol=2e-5, atol=2e-6)
     rank_all = torch.cat([r["weights"] for r in per_rank])
     assert float((rank_all[valid] - one[valid]).abs().max()) > 1e-3
+    # Ulysses sequence parallel: each rank holds a slice of the packed output-layer input; the glue gathers it
+    for r in results:
+        torch.testing.assert_close(r["ulysses"]["got"], r["ulysses"]["want"], rtol=0, atol=0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -132,6 +132,7 @@ REWEIGHT_CASES = {
     # the tiny run's rollout and trainer share the weights: their log-probs differ by rounding only, so a tiny
     # threshold makes M2PO mask; verl's rollout.yaml computes the rollout log-probs (said explicitly here)
     "m2po_global": [f"{A}.token_selection.m2po_threshold=1e-12", "actor_rollout_ref.rollout.calculate_log_probs=true"],
+    "delta": [],
 }
 
 
@@ -152,7 +153,8 @@ def _run_reweight(preset, model_dir, work, engine="fsdp2", use_v1=True):
                                                   ("ar_lopti", "megatron", True), ("ce_gppo", "fsdp2", True),
                                                   ("aspo", "fsdp2", True), ("ktae", "fsdp2", True),
                                                   ("gtpo", "fsdp2", False), ("fipo", "fsdp2", True),
-                                                  ("m2po_global", "fsdp2", True)])
+                                                  ("m2po_global", "fsdp2", True), ("delta", "fsdp2", True),
+                                                  ("delta", "fsdp2", False)])
 def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1):
     t = "actor/tokensel/"
     for s in _run_reweight(preset, model_dir, tmp_path, engine, use_v1):
@@ -185,6 +187,14 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
             p = t + "prepass/"
             assert s[p + "reused_old_pass"] == 1.0 and 0 < s[p + "selected_tokens"] <= s[p + "valid_tokens"], s
             assert s[t + "m2po/masked_tokens"] >= 0 and s[t + "m2po/kept_m2_mean"] <= s[t + "m2po/m2_mean"], s
+        if preset == "delta":  # K + 3 passes before each update; every token weighted, the weights' mean 1
+            d = t + "delta/"
+            assert s[t + "selected_fraction"] == 1.0 and s[d + "forwards"] == 4.0 and s[d + "tokens"] > 0, s
+            assert 0.5 < s[d + "scale"] < 1.5 and 0.0 < s[d + "gamma_positive"] and 0.0 < s[d + "gamma_negative"], s
+            for side in ("positive", "negative"):  # within the scaled [lam_min, lam_max]
+                if s[d + f"{side}_tokens"] > 0:
+                    assert 0.8 * s[d + "scale"] - 1e-6 <= s[d + f"weight_{side}_mean"] <= 1.2 * s[d + "scale"] + 1e-6, s
+            assert 0.5 < s[d + "weight_mean"] < 1.5, s
         if preset in ("lopti", "ar_lopti"):  # two whole update passes, each reported
             assert 0.0 < s[t + "lopti/low_share"] <= 1.0, s
             for phase in (1, 2):
@@ -196,5 +206,6 @@ def test_reweighting_preset_pipeline(model_dir, tmp_path, preset, engine, use_v1
                                                                             or "ce_gppo/" in k or "aspo/" in k
                                                                             or "ktae/" in k or "gtpo/" in k
                                                                             or "fipo/" in k or "m2po/" in k
+                                                                            or "delta/" in k
                                                                             or "prepass/selected" in k)))
               + f" actor/pg_loss={s['actor/pg_loss']:.4f}")
