@@ -380,3 +380,28 @@ def test_the_passes_in_a_real_update_give_the_released_weights(rmpad, dyn, cache
     assert m["tokensel/delta/forwards"] == (1.0 if cache_gib else 4.0)  # K + 3, or one with the hidden states kept
     assert m["tokensel/delta/tokens"] == float(mask.sum())
     assert m["tokensel/delta/weight_positive_mean"] != pytest.approx(1.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("config_name", ["tokensel_trainer", "tokensel_megatron_trainer"])
+def test_the_preset_composes_and_the_driver_refuses_fused_kernels(config_name):
+    """``token_selector=delta`` composes for FSDP and Megatron with the release's knobs; fused kernels (which never
+    call lm_head) are refused on the driver, before Ray, naming the key."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl_tokensel.verl_glue.install import validate_driver_config
+
+    overrides = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+                 "actor_rollout_ref.actor.token_selector=delta"]
+    with initialize_config_module("verl_tokensel.config", version_base=None):
+        cfg = compose(config_name, overrides=overrides)
+        fused = compose(config_name, overrides=[*overrides, "actor_rollout_ref.model.use_fused_kernels=true"])
+    sel = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor).selection
+    assert (sel.rule, sel.knobs.delta_k, sel.knobs.delta_lam_min, sel.knobs.delta_lam_max, sel.knobs.delta_impl,
+            sel.knobs.delta_stats, sel.normaliser) == ("delta", 1, 0.8, 1.2, "Normal", "global", "all")
+    validate_driver_config(cfg)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.use_fused_kernels=true is invalid with "
+                                         r"actor_rollout_ref.actor.token_selector=delta; valid values: false"):
+        validate_driver_config(fused)
+    assert OmegaConf.select(cfg, "model_engine") == ("megatron" if "megatron" in config_name else "dp")

@@ -77,12 +77,18 @@ def validate_driver_config(config: DictConfig) -> None:
 
 def _check_fused_kernels(config: DictConfig, selector: str) -> None:
     """verl's fused linear-cross-entropy returns log-probs and entropy, never sum_j p_j^2 (verl raises
-    NotImplementedError on a worker for ``calculate_sum_pi_squared`` with fused kernels): refuse, on the
-    driver, a pre-pass that would ask for it (``score_source=rollout`` is refused by
+    NotImplementedError on a worker for ``calculate_sum_pi_squared`` with fused kernels), nor call the output layer
+    (a rule with ``Needs(hidden_states=...)`` reads its input): refuse, on the driver, a rule reading hidden states and
+    a pre-pass that would ask for sum p^2 (``score_source=rollout`` is refused by
     :func:`~verl_tokensel.verl_glue.rollout_source.validate_rollout_config`)."""
     if not OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels", default=False):
         return
     sel = actor_selection(config)
+    if sel is not None and sel.impl.needs.hidden_states is not None:
+        raise ValueError(
+            f"actor_rollout_ref.model.use_fused_kernels=true is invalid with actor_rollout_ref.actor.token_selector="
+            f"{selector}; valid values: false. Its rule ({sel.rule}) reads the input of the output layer (lm_head), "
+            "which verl's fused kernels never call. Fix: actor_rollout_ref.model.use_fused_kernels=false.")
     if sel is None or sel.score_source != "prepass" or not sel.uses_sum_pi_squared:
         return
     raise ValueError(
