@@ -185,7 +185,8 @@ DEVIATIONS = (
                        "mu+|^2) / gamma) on the token's side (lam_min where A = 0), mean 1 over the valid tokens",
                deviations=DEVIATIONS)
 class Delta(Rule):
-    """Every token keeps its gradient; its advantage is scaled by the weight the hidden-state passes measured."""
+    """The selected tokens (every token under the preset's score ``all``) keep their gradient; each advantage is scaled
+    by the weight the hidden-state passes measured."""
 
     def transform(self, x) -> LossTransform:
         w = x.hidden
@@ -196,7 +197,7 @@ class Delta(Rule):
                 "update_actor (installed by python -m verl_tokensel.main_ppo, trainer modes tokensel_*).")
         w = torch.where(x.valid, w.float(), 1.0)
         n = x.tokens.sum().clamp_min(1)
-        return LossTransform(advantage_weight=w, metrics={"weight_mean": (w * x.tokens).sum() / n})
+        return LossTransform(gate=x.mask, advantage_weight=w, metrics={"weight_mean": (w * x.tokens).sum() / n})
 
     def check(self, c) -> None:
         k = c.knobs
