@@ -12,6 +12,8 @@ responses of 4..24 tokens, the packed ``thd`` layout on both, micro-batches of 4
   model; the test reports the count);
 - the selecting loss and the gradient of the LM head and the embedding agree (rtol 1e-4; measured at
   most 2.2e-8 absolute, on entries up to 0.09).
+- ``delta``: its passes over the last hidden states (FSDP's ``lm_head`` input, Megatron's packed sequence-first
+  ``output_layer`` input) give every response token the same weight (measured: 5.4e-7; weights 0.79..1.17).
 
 So a recipe moves between ``model_engine=dp`` and ``megatron`` with the same selection.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 if importlib.util.find_spec("verl") is None:  # pragma: no cover
     pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
@@ -40,7 +43,10 @@ KW = dict(use_dynamic_bsz=False, use_remove_padding=True, ppo_mini_batch_size=16
 BATCH_KW = dict(n=16, seed=9, resp_len=(4, 24), group_size=4)
 #: (name, preset, knobs): what each engine selects
 CASES = [("forking_sequence", "forking", {"scope": "sequence"}), ("forking_paper", "forking_paper", {}),
-         ("gmts", "gmts", {"scope": "sequence"})]
+         ("gmts", "gmts", {"scope": "sequence"}), ("delta", "delta", {})]
+#: the cases whose rule reads the last hidden states: the per-token weights their passes wrote are compared too
+HIDDEN_CASES = ("delta",)
+WEIGHT_TOL = 1e-5  # DelTA's weights, per token (measured on this machine: 5.4e-7)
 
 
 def _per_row(field, batch):
@@ -51,6 +57,7 @@ def _per_row(field, batch):
 
 def _engine_run(actor) -> dict:
     from verl_tokensel_cpu import batches as B, worker as H
+    from verl_tokensel.core import fields
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     from helpers.grad_probe import row_ids
@@ -73,9 +80,11 @@ def _engine_run(actor) -> dict:
 
         r = H.run_train_step(actor, case_batch, loss_fn=SelectingLoss(cfg, observer=observe), capture_grads=True,
                              capture_params=False)
-        out["cases"][name] = dict(masks=masks, scores=scores, loss=r.loss,
+        out["cases"][name] = dict(masks=masks, scores=scores, loss=r.loss, metrics=r.metrics,
                                   grads={k: v for k, v in r.grads.items() if k in SAME_PARAMS or k in
                                          SAME_PARAMS.values()})
+        if name in HIDDEN_CASES:  # the passes' per-token values, written into the update's batch
+            out["cases"][name]["weights"] = _per_row(case_batch[fields.HIDDEN], case_batch)
     return out
 
 
@@ -134,3 +143,20 @@ def test_loss_and_gradient_agree(runs, case):
     m, f = runs["megatron"]["cases"][case], runs["fsdp"]["cases"][case]
     assert m["loss"] == pytest.approx(f["loss"], rel=1e-5)
     assert_grads_agree(m["grads"], f["grads"], case)
+
+
+@pytest.mark.parametrize("case", HIDDEN_CASES)
+def test_hidden_state_passes_give_the_same_weights(runs, case):
+    """The rule's passes over the last hidden states (the output layer's input: HF's ``lm_head``, Megatron's
+    ``output_layer`` from its packed sequence-first layout) give every response token the same weight."""
+    m, f = runs["megatron"]["cases"][case], runs["fsdp"]["cases"][case]
+    assert m["weights"].keys() == f["weights"].keys() and len(m["weights"]) == BATCH_KW["n"]
+    worst = max(float((m["weights"][row] - f["weights"][row]).abs().max()) for row in m["weights"])
+    w = torch.cat(list(f["weights"].values()))
+    print(f"{case}: max |megatron - fsdp| weight = {worst:.2e} over {w.numel()} tokens (weights {float(w.min()):.3f}"
+          f"..{float(w.max()):.3f})")
+    assert worst <= WEIGHT_TOL
+    assert float(w.std()) > 1e-3, "the weights must not all be equal"
+    for run in (m, f):
+        metrics = {k: v[-1] if isinstance(v, list) else v for k, v in run["metrics"].items()}
+        assert metrics[f"tokensel/{case}/forwards"] == 4.0 and metrics[f"tokensel/{case}/tokens"] == w.numel()

@@ -1,13 +1,14 @@
 """Every preset's loss and gradient, through verl's real FSDP2 and Megatron ``TrainingWorker`` on fixed seeded
 batches, equal the values recorded on main at 8b11462, before the rule seam in ten names
 (``tests/data/rules_golden.json``, written by :mod:`helpers.rules_golden`), to 1e-6 (relative where the value exceeds
-1). The record covers every preset of ``PRESETS`` (:data:`helpers.rules_golden.RUNS`: 24 runs, 21 presets).
+1). The record covers every preset of ``PRESETS`` (:data:`helpers.rules_golden.RUNS`: 25 runs, 22 presets; ``delta``,
+added after the seam, recorded at f24a104 with the other runs reproduced to the tolerance on the same machine).
 
 Every run was recorded on 8b11462 on the CI's machine type (2-core x86_64, torch 2.13.0+cpu); the first record
 (2e9923f, another machine) differed from it by up to 8e-7 relative, close to the tolerance, so the whole record was
 made again on one machine. ``archer`` is the released per-class KL term; ``archer_kl_mean_all`` the earlier one.
 
-Cost on 2 cores: one spawned process, a Megatron and an FSDP2 build, two old passes and 48 updates of a 131k-parameter
+Cost on 2 cores: one spawned process, a Megatron and an FSDP2 build, two old passes and 50 updates of a 131k-parameter
 model: ~25 s.
 """
 

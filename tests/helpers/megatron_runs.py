@@ -7,10 +7,14 @@ per process, so each layout gets its own processes)::
 
 Each rank returns, per preset, what the loss saw per micro-batch (mask, rows, the log-prob gradient),
 the logits' gradient norms per response token, what the pre-pass wrote per mini-batch, the driver's mask
-per row (``forking_paper``) and, for ``none``, the loss and every parameter gradient next to stock verl's.
+per row (``forking_paper``), the per-token values the hidden-state passes wrote per row (``delta``, with and
+without its cache: :data:`HIDDEN_PRESETS`) and, for ``none``, the loss and every parameter gradient next to stock
+verl's.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -36,9 +40,12 @@ def assert_grads_agree(megatron_grads: dict, fsdp_grads: dict, label: str) -> No
         torch.testing.assert_close(gm, gf, rtol=1e-4, atol=1e-6)
 
 
-PRESETS = ["none", "forking", "forking_bottom", "random", "grad_norm", "forking_paper", "gmts", "gmts_mini_batch"]
+PRESETS = ["none", "forking", "forking_bottom", "random", "grad_norm", "forking_paper", "gmts", "gmts_mini_batch",
+           "delta", "delta_cached"]
 #: runs that are a preset with knobs: name -> (preset, token_selection knobs)
-VARIANTS = {"gmts_mini_batch": ("gmts", {"scope": "mini_batch"})}
+VARIANTS = {"gmts_mini_batch": ("gmts", {"scope": "mini_batch"}), "delta_cached": ("delta", {"delta_cache_gib": 0.5})}
+#: the runs whose rule reads the last hidden states: the per-token values their passes wrote are kept
+HIDDEN_PRESETS = ("delta", "delta_cached")
 N = 12  # responses per update: 3 prompts x 4 responses, two mini-batches of 6 (DP 2: the middle prompt split 2 + 2)
 BATCH_KW = dict(n=N, seed=5, resp_len=(3, 10), group_size=4)
 WORKER_KW = dict(ppo_mini_batch_size=6, ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=48,
@@ -63,6 +70,7 @@ def _plain_metrics(metrics: dict) -> dict:
 def _one_preset(actor, preset: str, tp: int, stock: bool = False) -> dict:
     from megatron.core import parallel_state as mpu
 
+    from verl_tokensel.core import fields
     from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD, SelectingLoss
 
     from verl.utils import tensordict_utils as tu
@@ -102,12 +110,15 @@ def _one_preset(actor, preset: str, tp: int, stock: bool = False) -> dict:
         return result
 
     actor.worker.train_batch = spy
+    data = shard.copy()
     try:
         with capture_logit_grads(actor) as logit_grads:
-            r = H.run_train_step(actor, shard.copy(), loss_fn=SelectingLoss(cfg, observer=observe),
+            r = H.run_train_step(actor, data, loss_fn=SelectingLoss(cfg, observer=observe),
                                  capture_grads=stock, capture_params=False)
     finally:
         actor.worker.train_batch = inner
+    if preset in HIDDEN_PRESETS:  # the values the passes wrote into this rank's share, per row
+        out["weights"] = {row: w.clone() for row, w in zip(row_ids(data), data[fields.HIDDEN].unbind(0))}
     if out["micro"]:
         out["logit_norms"] = token_grad_norms(logit_grads, out["micro"], actor.use_remove_padding, align=tp)
     out["metrics"] = _plain_metrics(r.metrics)
@@ -129,10 +140,58 @@ def megatron_rank_run(rank: int, world: int, model_dir: str, tp: int, pp: int, d
     actor = H.make_training_worker(model_dir, engine="megatron", rank=rank, world_size=world, tensor_parallel=tp,
                                    pipeline_parallel=pp, use_dynamic_bsz=dyn, use_remove_padding=rmpad, dtype=dtype,
                                    **WORKER_KW)
-    presets = {p: _one_preset(actor, p, tp, stock=(p == "none")) for p in PRESETS}
+    presets = {}
+    for p in PRESETS:
+        t0 = time.perf_counter()
+        presets[p] = _one_preset(actor, p, tp, stock=(p == "none"))
+        presets[p]["seconds"] = time.perf_counter() - t0
     # verl's TrainingWorker returns the step's metrics on the model-parallel source rank only
-    return {"rank": rank, "runs_loss": mpu.is_pipeline_last_stage(), "presets": presets,
-            "returns_metrics": actor.engine.is_mp_src_rank_with_outputs()}
+    out = {"rank": rank, "runs_loss": mpu.is_pipeline_last_stage(), "presets": presets,
+           "returns_metrics": actor.engine.is_mp_src_rank_with_outputs()}
+    if tp > 1:
+        out["sequence_parallel"] = sequence_parallel_layouts(actor)
+    return out
+
+
+def sequence_parallel_layouts(actor, hidden: int = 4) -> dict:
+    """The glue's unpacking of an output-layer input sharded along the sequence over the tensor-parallel ranks
+    (Megatron's sequence parallelism, which this CPU test bed cannot run in a model: mbridge's norm then fails): a
+    known ``[s, b, H]`` tensor, this rank's slice, a layer flagged ``sequence_parallel``, through
+    :func:`~verl_tokensel.verl_glue.hidden.packed_hidden` in the ``thd`` and ``bshd`` layouts verl's preprocessing
+    gives (padded for the TP size). Returns per layout what the shard gives, what the whole tensor gives, and the
+    rows by hand."""
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state as mpu
+    from tensordict import TensorDict
+
+    from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+
+    from verl_tokensel.verl_glue.hidden import packed_hidden
+
+    lengths = [5, 3, 7]
+    ids = torch.nested.as_nested_tensor([torch.arange(n) + 1 for n in lengths], layout=torch.jagged)
+    micro_batch = TensorDict({"input_ids": ids}, batch_size=[len(lengths)])
+    tp, r = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    _, packed, _ = preprocess_thd_engine(ids, pre_process=True)
+    _, mask, _ = preprocess_bshd_engine(ids, pre_process=True)
+    starts = packed.cu_seqlens_q_padded.tolist()
+    out = {}
+    for name, shape, call in (("thd", (starts[-1], 1, hidden), {"packed_seq_params": packed}),
+                              ("bshd", (mask.shape[1], len(lengths), hidden), {"attention_mask": mask})):
+        full = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+        shard = full.chunk(tp, dim=0)[r]  # [s / tp, b, H]: this rank's slice of the sequence
+        if name == "thd":
+            by_hand = torch.cat([full[s:s + n, 0] for s, n in zip(starts, lengths)])
+        else:
+            by_hand = torch.cat([full[:n, i] for i, n in enumerate(lengths)])
+        out[name] = dict(
+            shard=packed_hidden(actor.engine, shard, micro_batch, call=call,
+                                layer=SimpleNamespace(sequence_parallel=True)),
+            whole=packed_hidden(actor.engine, full, micro_batch, call=call,
+                                layer=SimpleNamespace(sequence_parallel=False)),
+            by_hand=by_hand)
+    return out
 
 
 def megatron_checkpoint_round_trip(rank: int, world: int, model_dir: str, ckpt_dir: str) -> dict:

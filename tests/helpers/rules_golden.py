@@ -74,6 +74,8 @@ RUNS = {
     # so that the conflict weights act rather than the entropy filter dropping every response
     "gtpo": ("gtpo", {"gtpo_entropy_threshold": 100.0}, None),
     "m2po_global": ("m2po_global", {}, None),
+    # added after the rule seam (the preset did not exist at 8b11462): recorded at f24a104, Megatron's passes included
+    "delta": ("delta", {}, None),
 }
 
 

@@ -5,14 +5,23 @@ advantages given, the weights still those of verl's old-log-prob pass), :func:`h
 :class:`~verl_tokensel.core.rules.hidden.HiddenStates` passes: each is the engine's own forward-only path
 (``engine.infer_batch`` with a per-micro-batch collector in place of a loss), during which a forward pre-hook on the
 output layer (``lm_head``; Megatron's ``output_layer``) holds that micro-batch's input to it until the collector
-has laid it out like the log-probs (gathered over Ulysses sequence parallel, padding dropped) and handed the valid
-response tokens to the rule. Nothing of size ``[B, S, H]`` outlives a micro-batch. The last pass's per-token values
-become the batch field :data:`~verl_tokensel.core.fields.HIDDEN`, which verl's mini-batching carries to every
-mini-batch and epoch of the step; the loss hands them to the rule as ``x.hidden``.
+has laid it out like the log-probs (:func:`packed_hidden`: gathered over Ulysses or Megatron's tensor-parallel
+sequence parallelism and context parallelism, padding dropped, by verl's own functions where verl maps the logits)
+and handed the valid response tokens to the rule. Nothing of size ``[B, S, H]`` outlives a micro-batch. The last
+pass's per-token values become the batch field :data:`~verl_tokensel.core.fields.HIDDEN`, which verl's
+mini-batching carries to every mini-batch and epoch of the step; the loss hands them to the rule as ``x.hidden``.
+
+On the Megatron engine the collector runs where verl runs a loss: every tensor-parallel (and context-parallel) rank
+of the last pipeline stage; each computes the rule's values over the gathered hidden states, and the rule's
+collectives run over the data-parallel group of that stage. The earlier pipeline stages hold no output layer and
+never run the loss: they take part in every forward of the passes (the pipeline's send and receive) and call none
+of the rule's methods; the field holds ones there. Megatron's dynamic context parallelism (which moves samples
+between data-parallel ranks) is refused with a clear error.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Optional
 
@@ -20,6 +29,7 @@ import torch
 from tensordict import TensorDict
 
 from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id, get_device_name
 from verl.workers.utils.padding import no_padding_2_padding, response_to_nested
 
 from verl_tokensel.core import fields
@@ -29,13 +39,34 @@ from verl_tokensel.core.rules.hidden import HiddenBatch, HiddenStates
 OUTPUT_LAYER_NAMES = ("lm_head", "output_layer")
 
 
-def output_layer(engine) -> torch.nn.Module:
-    """The engine's output layer (the module whose input is the last hidden state); a clear error if none."""
+def is_megatron(engine) -> bool:
+    """Whether ``engine`` is verl's Megatron engine (or a subclass of it); no megatron import."""
+    return any(c.__module__.startswith("verl.workers.engine.megatron") for c in type(engine).__mro__)
+
+
+def _find_output_layer(engine) -> Optional[tuple[torch.nn.Module, torch.nn.Module]]:
+    """The output layer and the model holding it (its parent module), or None."""
     modules = engine.module if isinstance(engine.module, (list, tuple)) else [engine.module]
     for chunk in reversed(modules):  # Megatron: the last virtual stage holds it
         for name, module in chunk.named_modules():
             if name.split(".")[-1] in OUTPUT_LAYER_NAMES:
-                return module
+                parent = chunk.get_submodule(name.rpartition(".")[0]) if "." in name else chunk
+                return module, parent
+    return None
+
+
+def output_layer(engine) -> Optional[torch.nn.Module]:
+    """The engine's output layer (the module whose input is the last hidden state), or None on a Megatron rank of an
+    earlier pipeline stage (which has none); a clear error for a model without one."""
+    found = _find_output_layer(engine)
+    if found is not None:
+        return found[0]
+    if is_megatron(engine):
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            return None
+    modules = engine.module if isinstance(engine.module, (list, tuple)) else [engine.module]
     raise RuntimeError(
         f"token_selection's rule reads the last hidden states, but the actor model has no output layer named "
         f"{' or '.join(OUTPUT_LAYER_NAMES)} ({type(modules[-1]).__name__}): a model verl trains as a causal LM "
@@ -43,33 +74,85 @@ def output_layer(engine) -> torch.nn.Module:
 
 
 class _Capture:
-    """A forward pre-hook on the output layer holding its latest input (detached), while installed."""
+    """Forward pre-hooks holding, while installed, the output layer's latest input (detached) and, on Megatron, the
+    arguments of the latest call of the model holding it (``packed_seq_params`` / ``attention_mask``: the packing
+    the engine chose for that micro-batch, so that the hidden states are unpacked exactly like the logits)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, engine) -> None:
+        layer, model = _find_output_layer(engine)
+        self.layer = layer
         self.value: Optional[torch.Tensor] = None
+        self.call: dict = {}
         self.calls = 0
-        self._handle = module.register_forward_pre_hook(self._hook)
+        self._handles = [layer.register_forward_pre_hook(self._hook)]
+        if is_megatron(engine):
+            self._params = inspect.signature(model.forward).parameters
+            self._handles.append(model.register_forward_pre_hook(self._model_hook, with_kwargs=True))
 
     def _hook(self, module, args):
         self.value = args[0].detach()
         self.calls += 1
 
-    def take(self) -> torch.Tensor:
+    def _model_hook(self, module, args, kwargs):
+        call = dict(zip(self._params, args))  # positional arguments by the forward's parameter names
+        call.update(kwargs)
+        self.call = call
+
+    def take(self) -> tuple[torch.Tensor, dict]:
         if self.value is None:
             raise RuntimeError(
-                "token_selection's rule reads the last hidden states, but the output layer (lm_head) was not called "
-                "in the forward: verl's fused kernels (actor_rollout_ref.model.use_fused_kernels=True) bypass it. "
+                "token_selection's rule reads the last hidden states, but the output layer was not called in the "
+                "forward: verl's fused kernels (actor_rollout_ref.model.use_fused_kernels=True) bypass it. "
                 "Fix: set actor_rollout_ref.model.use_fused_kernels=False for this rule.")
         value, self.value = self.value, None
-        return value
+        call, self.call = self.call, {}
+        return value, call
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
-def packed_hidden(engine, hidden: torch.Tensor, micro_batch: TensorDict) -> torch.Tensor:
+def _megatron_hidden(layer: torch.nn.Module, hidden: torch.Tensor, micro_batch: TensorDict,
+                     call: dict) -> torch.Tensor:
+    """Megatron's output-layer input (sequence first: ``[T, 1, H]`` packed ``thd``, ``[s, b, H]`` ``bshd``; this
+    tensor-parallel rank's slice along the sequence under sequence parallelism, this context-parallel rank's chunks
+    under context parallelism) as the rows of the nested log-probs, by verl's own unpacking of the logits
+    (``postprocess_thd_engine`` / ``postprocess_bshd_engine``, which gather over context parallelism)."""
+    from verl.models.mcore.util import postprocess_bshd_engine, postprocess_thd_engine
+
+    if getattr(layer, "sequence_parallel", False):  # ColumnParallelLinear gathers its input itself: do the same
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                      group=getattr(layer, "tp_group", None))
+    h = hidden.transpose(0, 1).contiguous()  # [b, s, H], as the logits reach verl's postprocess
+    input_ids = micro_batch["input_ids"]
+    packed = call.get("packed_seq_params")
+    if packed is not None:
+        nested = postprocess_thd_engine(
+            h, packed, input_ids, input_ids.shape[0], post_process=True,
+            local_cp_size=tu.get_non_tensor_data(data=micro_batch, key="local_cp_size", default=None),
+            cp_layout=getattr(packed, "cp_partition_mode", None) or "zigzag")
+    else:
+        mask = call.get("attention_mask")
+        if mask is None:
+            raise RuntimeError("token_selection's rule reads the last hidden states, but the Megatron model was "
+                               "called with neither packed_seq_params (thd) nor attention_mask (bshd)")
+        nested = postprocess_bshd_engine(h, mask, post_process=True)
+    return nested.values()
+
+
+def packed_hidden(engine, hidden: torch.Tensor, micro_batch: TensorDict, call: Optional[dict] = None,
+                  layer: Optional[torch.nn.Module] = None) -> torch.Tensor:
     """The captured output-layer input of one micro-batch as ``(total_nnz, H)``: the rows of the engine's nested
-    log-probs (every token of every sequence, prompt included, in order)."""
+    log-probs (every token of every sequence, prompt included, in order).
+
+    FSDP: remove-padding's packed ``(1, L, H)`` (gathered over Ulysses) or padded ``(b, s, H)``. Megatron
+    (``call``: the model's arguments for the micro-batch, ``layer``: its output layer): see
+    :func:`_megatron_hidden`."""
+    if is_megatron(engine):
+        return _megatron_hidden(layer, hidden, micro_batch, call or {})
     input_ids = micro_batch["input_ids"]
     offsets = input_ids.offsets()
     nnz = int(offsets[-1])
@@ -88,7 +171,10 @@ def packed_hidden(engine, hidden: torch.Tensor, micro_batch: TensorDict) -> torc
 
 
 class _Collector:
-    """verl's loss-function slot of a forward-only pass: each micro-batch's valid response tokens to the rule."""
+    """verl's loss-function slot of a forward-only pass: each micro-batch's valid response tokens to the rule.
+
+    Both engines call it as ``loss_function(model_output=..., data=micro_batch, dp_group=...)`` and read back
+    ``(loss, metrics)``; Megatron only on the last pipeline stage (every tensor- and context-parallel rank there)."""
 
     def __init__(self, engine, capture: _Capture, states: HiddenStates, sweep: int, values: Optional[torch.Tensor],
                  cache: Optional[list]) -> None:
@@ -97,7 +183,8 @@ class _Collector:
         self.tokens = 0
 
     def __call__(self, model_output, data: TensorDict, dp_group=None):
-        hidden = packed_hidden(self.engine, self.capture.take(), data)
+        captured, call = self.capture.take()
+        hidden = packed_hidden(self.engine, captured, data, call=call, layer=self.capture.layer)
         batch = response_tokens(hidden, model_output, data)
         self.tokens += batch.rows.numel()
         self._give(batch)
@@ -148,12 +235,48 @@ def _probe(worker, data: TensorDict) -> TensorDict:
     return probe
 
 
+def _pipeline_group(engine):
+    """Megatron's pipeline-parallel group when it has more than one stage, else None."""
+    if not is_megatron(engine):
+        return None
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_group() if mpu.get_pipeline_model_parallel_world_size() > 1 else None
+
+
+def _device() -> torch.device:
+    """The accelerator verl's collectives take tensors on (the CPU when there is none)."""
+    name = get_device_name()
+    return torch.device(name) if name == "cpu" else torch.device(name, get_device_id())
+
+
+def _fits_everywhere(size: float, budget: float, engine, dp_group, world: int) -> bool:
+    """Whether the largest cache of every rank that runs the passes fits ``budget``: the same answer on every rank
+    (the maximum over the data-parallel group, then over the pipeline stages, whose earlier ones hold nothing), so
+    that every rank runs the same number of forwards (their collectives and the pipeline's send/receive pair up)."""
+    largest = torch.tensor([float(size)], dtype=torch.float64, device=_device())
+    if world > 1:
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+    pipeline = _pipeline_group(engine)
+    if pipeline is not None:
+        torch.distributed.all_reduce(largest, op=torch.distributed.ReduceOp.MAX, group=pipeline)
+    return float(largest) <= budget
+
+
 def hidden_sweeps(worker, data: TensorDict, config, states_cls: type) -> dict[str, float]:
     """Run the rule's hidden-state passes over ``data`` (this rank's share of the step's batch) and write their
     per-token values as ``data[fields.HIDDEN]``. Collective over the engine's data-parallel group (every rank
-    calls it for the same step). Returns the step's metrics (``tokensel/<rule>/...``)."""
+    calls it for the same step). Returns the step's metrics (``tokensel/<rule>/...``).
+
+    Megatron: on a rank of an earlier pipeline stage (no output layer, no loss) it runs the same forwards, calls
+    none of the rule's methods and writes ones; the step's metrics come from the last stage."""
     t0 = time.perf_counter()
     engine = worker.engine
+    if is_megatron(engine) and getattr(engine.engine_config, "dynamic_context_parallel", False):
+        raise RuntimeError(
+            f"token_selection rule {config.selection.rule!r} reads the last hidden states, which is not supported "
+            "with Megatron's dynamic context parallelism (actor_rollout_ref.actor.megatron.dynamic_context_parallel"
+            "=True moves samples between data-parallel ranks): turn it off for this rule.")
     dp_group = engine.get_data_parallel_group()
     world = torch.distributed.get_world_size(dp_group) if torch.distributed.is_initialized() else 1
     sel = config.selection
@@ -162,30 +285,39 @@ def hidden_sweeps(worker, data: TensorDict, config, states_cls: type) -> dict[st
     rm = data[fields.RESPONSE_MASK]
     rm_padded = rm.to_padded_tensor(0) if rm.is_nested else rm
     values = torch.zeros(rm_padded.shape, dtype=torch.float32)
-    cache: Optional[list] = [] if states.cache_bytes > 0 else None
-    capture = _Capture(output_layer(engine))
+    outputs_here = output_layer(engine) is not None  # Megatron: False on the earlier pipeline stages
+    use_cache = states.cache_bytes > 0
+    cache: Optional[list] = [] if use_cache and outputs_here else None
+    capture = _Capture(engine) if outputs_here else None
     forwards = 0
     try:
         for i in range(states.sweeps):
             last = i == states.sweeps - 1
             out = values if last else None
-            if i > 0 and cache is not None:
-                collector = _Collector(engine, capture, states, i, out, None)
-                for batch in cache:
-                    collector._give(batch)
+            if i > 0 and use_cache:
+                if outputs_here:
+                    collector = _Collector(engine, capture, states, i, out, None)
+                    for batch in cache:
+                        collector._give(batch)
             else:
-                collector = _Collector(engine, capture, states, i, out, cache if i == 0 else None)
+                collector = _Collector(engine, capture, states, i, out, cache) if outputs_here else None
                 with engine.eval_mode():
                     engine.infer_batch(probe, loss_function=collector)
                 forwards += 1
-                if cache is not None and i == 0:
-                    size = sum(b.hidden.numel() * b.hidden.element_size() for b in cache)
-                    if size > states.cache_bytes:
-                        cache = None  # over the budget: the other passes run their own forwards
-            states.end_sweep(i)
+                if use_cache and i == 0:
+                    size = sum(b.hidden.numel() * b.hidden.element_size() for b in cache) if outputs_here else 0
+                    use_cache = _fits_everywhere(size, states.cache_bytes, engine, dp_group, world)
+                    if not use_cache:
+                        cache = None  # over the budget somewhere: the other passes run their own forwards
+            if outputs_here:
+                states.end_sweep(i)
     finally:
-        capture.remove()
-    values = states.finish(values, rm_padded.to(torch.bool))
+        if capture is not None:
+            capture.remove()
+    if outputs_here:
+        values = states.finish(values, rm_padded.to(torch.bool))
+    else:  # the loss never runs on this rank; the batch carries the field on every rank all the same
+        values = torch.ones_like(values)
     if data.is_locked:
         data.unlock_()
     data[fields.HIDDEN] = response_to_nested(values, rm) if rm.is_nested else values.to(rm.device)
@@ -202,5 +334,5 @@ def hidden_states_of(config) -> Optional[type]:
     return None if sel is None else sel.impl.needs.hidden_states
 
 
-__all__ = ["OUTPUT_LAYER_NAMES", "hidden_states_of", "hidden_sweeps", "output_layer", "packed_hidden",
+__all__ = ["OUTPUT_LAYER_NAMES", "hidden_states_of", "hidden_sweeps", "is_megatron", "output_layer", "packed_hidden",
            "response_tokens"]

@@ -53,9 +53,9 @@ class DeltaKnobs(Knobs):
                             "every data-parallel rank of the step's batch (the paper's batch statistics); rank = over "
                             "each rank's share alone (the release: its weights depend on the DP size and balancing).",
                             "rank (the release's per-rank sums)", choices=STATS)
-    delta_cache_gib: float = knob(0.0, "Keep the rank's response hidden states between the passes when they fit in "
-                                  "this many GiB (valid tokens x hidden size x element size): one forward instead of "
-                                  "K + 3. 0 = never (a forward per pass, nothing of [B, S, H] kept).",
+    delta_cache_gib: float = knob(0.0, "Keep the rank's response hidden states between the passes when every rank's "
+                                  "fit in this many GiB (valid tokens x hidden size x element size): one forward "
+                                  "instead of K + 3. 0 = never (a forward per pass, nothing of [B, S, H] kept).",
                                   "n/a (the release runs K + 3 forwards)", ge=0)
 
     def __post_init__(self) -> None:
