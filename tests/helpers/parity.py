@@ -54,7 +54,7 @@ DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
 SEED = 20261202
 PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm", "kl_cov_global",
            "clip_cov_global", "archer", "ar", "entropy_adv", "ar_lopti", "stapo", "ce_gppo", "aspo", "ktae", "gtpo",
-           "fipo", "m2po_global"]
+           "fipo", "m2po_global", "delta"]
 #: the Lopti pass each row's ``ar_lopti`` update runs as (the driver's second call differs only in the pass number)
 LOPTI_PHASE = 1
 #: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
