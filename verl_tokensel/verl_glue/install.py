@@ -56,12 +56,12 @@ def validate_driver_config(config: DictConfig) -> None:
     selector = OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None)
     if selector in (None, "none"):
         return
-    validate_rollout_config(config)
-    sel = actor_selection(config)
+    sel = actor_selection(config)  # resolved once for every check below
+    validate_rollout_config(config, sel)
     if sel is not None:
         check_prompt_groups(sel, OmegaConf.select(config, "algorithm.adv_estimator", default=None))
-    _check_fused_kernels(config, selector)
-    _check_rollout_log_probs(config, selector)
+    _check_fused_kernels(config, selector, sel)
+    _check_rollout_log_probs(config, selector, sel)
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
         return
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
@@ -75,7 +75,7 @@ def validate_driver_config(config: DictConfig) -> None:
         raise ValueError(msg)
 
 
-def _check_fused_kernels(config: DictConfig, selector: str) -> None:
+def _check_fused_kernels(config: DictConfig, selector: str, sel) -> None:
     """verl's fused linear-cross-entropy returns log-probs and entropy, never sum_j p_j^2 (verl raises
     NotImplementedError on a worker for ``calculate_sum_pi_squared`` with fused kernels), nor call the output layer
     (a rule with ``Needs(hidden_states=...)`` reads its input): refuse, on the driver, a rule reading hidden states and
@@ -83,7 +83,6 @@ def _check_fused_kernels(config: DictConfig, selector: str) -> None:
     :func:`~verl_tokensel.verl_glue.rollout_source.validate_rollout_config`)."""
     if not OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels", default=False):
         return
-    sel = actor_selection(config)
     if sel is not None and sel.impl.needs.hidden_states is not None:
         raise ValueError(
             f"actor_rollout_ref.model.use_fused_kernels=true is invalid with actor_rollout_ref.actor.token_selector="
@@ -100,12 +99,11 @@ def _check_fused_kernels(config: DictConfig, selector: str) -> None:
     )
 
 
-def _check_rollout_log_probs(config: DictConfig, selector: str) -> None:
+def _check_rollout_log_probs(config: DictConfig, selector: str, sel) -> None:
     """A score that reads the rollout engine's log-probs (``ScoreSpec.needs_rollout_log_probs``) needs them in the
     actor's update batch, next to verl's recomputed ``old_log_probs``: the rollout must compute them
     (``rollout.calculate_log_probs``), and bypass mode must be off (it makes ``old_log_probs`` the rollout's, so the
     two would be one policy). Refused here, on the driver, rather than a score of nothing on the workers."""
-    sel = actor_selection(config)
     if sel is None or not sel.needs_rollout_log_probs:
         return
     what = (f"actor_rollout_ref.actor.token_selector={selector} (score {sel.knobs.score}) compares the rollout "

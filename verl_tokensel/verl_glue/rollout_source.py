@@ -48,13 +48,14 @@ def _bypass_mode(config: DictConfig) -> bool:
     return bool(OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False))
 
 
-def validate_rollout_config(config: DictConfig) -> None:
+def validate_rollout_config(config: DictConfig, selection: Optional[Selection] = None) -> None:
     """Driver checks of ``score_source=rollout`` against keys outside the actor node (before Ray starts).
 
-    Raises :class:`TokenSelectionConfigError` naming the key and its valid values.
+    ``selection``: the config's resolved rule when the caller has it (else resolved here). Raises
+    :class:`TokenSelectionConfigError` naming the key and its valid values.
     """
-    sel = rollout_selection(config)
-    if sel is None:
+    sel = rollout_selection(config) if selection is None else selection
+    if sel is None or sel.score_source != "rollout":
         return
     unknown = [f for f in sel.needs_external if f not in DRIVER_EXTERNAL_FIELDS]
     if unknown:
