@@ -106,8 +106,8 @@ def forking_run(model_dir, tmp_path_factory):
 
 @pytest.mark.slow  # ~90 s, a third pipeline run; the default suite's V1 run is test_v1_driver_random_on_cpu (the same
 # checks on the same V1 pipeline, in-loss gradient_mask per micro-batch with forking's budget and normaliser: only the
-# score differs); forking's entropy score in the real V1 update (entropy switched on by us) runs in the default
-# suite in test_faults_on_cpu.py::test_actor_worker_killed_during_the_update
+# score differs); forking's entropy score in the whole V1 pipeline (entropy switched on by us) runs in every CI run in
+# .ci/run's `verl-tokensel demo` (none, forking, gmts), and in the real V1 update in test_engine_selection_on_cpu.py
 def test_v1_driver_forking_on_cpu(forking_run, model_dir):
     result, _, work = forking_run
     check_selecting_run(result, model_dir, work / "checkpoints", steps=[1, 2])

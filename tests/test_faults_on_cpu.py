@@ -11,8 +11,10 @@ run left behind (every process the run started carries its marker variable; none
   that runs the model) is killed once it has computed for 0.3 s after the trainer said it is ready to fit,
   i.e. during step 1's generation.
 
-The driver-side scoring fault (a Ray score worker killed during a scoring call) is in
-``test_ray_scorer_on_cpu.py``. About 3 minutes on 2 cores (two runs up to their first step).
+Both are ``slow`` (about 3 minutes on 2 cores, two runs up to their first step: over the default suite's budget);
+run them before a release with ``python -m pytest -m slow tests/test_faults_on_cpu.py``. The default suite keeps the
+launcher's end of a run and of every process it started (``test_launch_on_cpu.py``) and the driver-side scoring fault
+(a Ray score worker killed during a scoring call, ``test_ray_scorer_on_cpu.py``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,10 @@ def _actor_pid(text: str) -> int | None:
     return said[0]["pid"] if said else None
 
 
+@pytest.mark.slow  # ~90 s, over the default suite's budget (.ci/run < 35 min); the default suite keeps the launcher's
+# own end of a run and of what it started (test_launch_on_cpu.py::test_timeout_kills_the_run_and_what_it_started) and a
+# Ray worker SIGKILLed mid-call failing loudly (test_ray_scorer_on_cpu.py::test_worker_killed_during_a_scoring_call);
+# a killed actor or vLLM engine in the whole pipeline runs here, before a release (-m slow)
 def test_actor_worker_killed_during_the_update(model_dir, tmp_path):
     result, pid = _run_with_kill(tmp_path, model_dir, _actor_pid, busy_s=1.5,
                                  extra=["actor_rollout_ref.actor.ppo_epochs=40"])
@@ -114,8 +120,8 @@ def _engine_pid(text: str) -> int | None:
     return int(m[1]) if m else None
 
 
-@pytest.mark.slow  # ~90 s; the default suite keeps test_actor_worker_killed_during_the_update, the same fault path
-# (a Ray process SIGKILLed mid-step, the run failing with the dead process named) at the update, where selection runs
+@pytest.mark.slow  # ~90 s; with test_actor_worker_killed_during_the_update (the same fault path: a Ray process
+# SIGKILLed mid-step, the run failing with the dead process named), run before a release
 def test_vllm_engine_killed_during_generation(model_dir, tmp_path):
     result, _ = _run_with_kill(tmp_path, model_dir, _engine_pid, busy_s=0.3, extra=[])
     assert result.steps == []
