@@ -47,7 +47,7 @@ from pathlib import Path
 PRESETS = ("none", "forking", "forking_bottom", "random", "gmts")
 #: the multi task's default: the controls and every rule of the toolbox (those the preset registry has)
 MULTI_PRESETS = PRESETS + ("kl_cov_global", "clip_cov_global", "archer", "ar", "entropy_adv", "stapo", "ce_gppo",
-                           "aspo", "fipo", "ktae", "gtpo", "m2po_global")
+                           "aspo", "fipo", "ktae", "gtpo", "m2po_global", "delta")
 
 #: what "selected" means per rule on the multi task's table (the tokens the rule's mask marks)
 SELECTED_MEANING = {
@@ -74,6 +74,7 @@ SELECTED_MEANING = {
     "gtpo": "every token (conflict tokens: no negative update, a doubled positive one; the entropy filter)",
     "m2po_global": "every token but those M2PO masks (the largest (log pi_old - log pi_rollout)^2 until the rest's "
                    "mean is under the threshold)",
+    "delta": "every token (its advantage weighted by DelTA's w in [0.8, 1.2] from the last hidden states)",
 }
 
 

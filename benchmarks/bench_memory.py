@@ -17,7 +17,8 @@ have changed (one optimizer step) and it runs its no-grad forward; with M = 1 it
 reports the share of mini-batches that reused the old pass.
 
 Memory: each variant runs in a FRESH process (``--mem-reps`` of them: the max is reported, and the spread
-between them in the summary): a warm-up step, then ``--mem-steps`` measured steps. The memory processes run
+between them in the summary): a warm-up step, then ``--mem-steps`` measured steps (``--parallel N``: N of these
+processes at a time, for wall time on a loaded host; each peak is its own process's RSS). The memory processes run
 with glibc's mmap threshold fixed at 128 KiB (``--allocator fixed``, ``MALLOC_MMAP_THRESHOLD_=131072``): glibc's
 default raises the threshold each time a mapped block is freed (up to 32 MiB), after which tensors below it
 come from the heap, so a process's RSS depends on the order of its earlier frees, and two identical processes
@@ -67,8 +68,19 @@ Variants (as a recipe would run them):
     python benchmarks/bench_memory.py --hidden 128 --shapes 2304x1 \
         --variants "none,none(no-graph entropy),none(same kernel),ce_gppo,aspo,fipo,ktae,gtpo"
 
+- ``delta`` (opt-in, ``--variants``): a rule over the model's last hidden states: before its update, K + 3
+  (``delta_k`` 1: 4) no-grad forwards over the step's batch; a variant spec ``NAME:KNOB=VALUE[:KNOB=VALUE]`` runs
+  a selector with ``token_selection`` knobs, so ``delta:delta_cache_gib=4`` is ``delta`` keeping the valid response
+  tokens' hidden states after its first pass (one forward instead of K + 3). Its matched baseline is
+  ``none(no-graph entropy)`` (its update runs verl's kernel); below the table, its forwards, the seconds of its
+  passes and the bytes of the hidden states a cache holds (tokens x H x the element size)::
+
+    python benchmarks/bench_memory.py --hidden 128 1024 --shapes 2304x1 \
+        --variants "none,none(no-graph entropy),ce_gppo,delta,delta:delta_cache_gib=4"
+
 Targets: every selector <= 1.05x in peak memory (update and process); step time <= 1.10x at hidden 128 and
-<= 1.03x at hidden 1024, ``gmts`` <= 1.25x. After the tables, one ``summary:`` line per target and baseline:
+<= 1.03x at hidden 1024, ``gmts`` <= 1.25x; ``delta`` <= 1.10x in peak memory, its step time reported (its
+forwards are the method's own cost: no target). After the tables, one ``summary:`` line per target and baseline:
 the worst selector over all shapes run, and whether the target is met.
 Absolute numbers are printed for the record only: this machine is shared and noisy.
 """
@@ -91,20 +103,44 @@ VOCAB = 151_936
 TOOLBOX = ["ce_gppo", "aspo", "fipo", "ktae", "gtpo", "m2po_global"]
 #: the rollout engine's log-probs of a score that reads them (m2po_global): the old pass's, moved by this much
 ROLLOUT_SHIFT = 0.3
-SELECTORS = ["forking", "gmts", "grad_norm", "forking_paper", *TOOLBOX]
+#: the presets whose rule reads the model's last hidden states (opt-in, --variants): K + 3 no-grad forwards over the
+#: step's batch before its update (``delta_k`` 1: 4), or one with ``delta_cache_gib`` > 0 (the hidden states kept)
+HIDDEN = ["delta"]
+SELECTORS = ["forking", "gmts", "grad_norm", "forking_paper", *TOOLBOX, *HIDDEN]
 BASELINES = ["none", "none(no-graph entropy)", "none(same kernel)"]
 REFERENCES = ["none+entropy", "forking(graph)"]
 VARIANTS = ["none", "none(no-graph entropy)", "none(same kernel)", "none+entropy", "forking", "forking(graph)", "gmts",
-            "grad_norm", "forking_paper", *TOOLBOX]
+            "grad_norm", "forking_paper", *TOOLBOX, *HIDDEN]
 DEFAULT_VARIANTS = ["none", "none(no-graph entropy)", "none(same kernel)", "forking", "gmts", "grad_norm",
                     "forking_paper"]
 _MODES = {"none(no-graph entropy)": "entropy", "none(same kernel)": "full"}  # see _install_kernel_probes
 TARGET_MEM = 1.05
 TARGET_TIME = {128: 1.10, 1024: 1.03}
 TARGET_GMTS = 1.25
+TARGET_MEM_HIDDEN = 1.10  # a rule over the hidden states (delta): its passes' transients, or its cache
 PROMPT, RESPONSE = 128, 1024  # tokens per response: a micro-batch of T tokens holds T // 1152 responses
 GRID_SHAPES = ["2304x1", "2304x2", "4608x1", "4608x2", "9216x1", "9216x2"]
 GRID_HIDDEN = [128, 1024]
+
+
+def split_variant(variant: str) -> tuple[str, dict]:
+    """A variant spec ``NAME`` or ``NAME:KNOB=VALUE[:KNOB=VALUE...]`` (a selector with ``token_selection.*`` knobs,
+    e.g. ``delta:delta_cache_gib=4``) as its name and knobs (values as YAML reads them: ``4`` an int)."""
+    name, *specs = variant.split(":")
+    knobs = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--variants {variant!r}: expected NAME:KNOB=VALUE, e.g. delta:delta_cache_gib=4")
+        import yaml
+
+        knobs[key] = yaml.safe_load(value)
+    return name, knobs
+
+
+def base_variant(variant: str) -> str:
+    """A variant's name without its knobs (``delta:delta_cache_gib=4`` -> ``delta``)."""
+    return variant.split(":")[0]
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -288,8 +324,7 @@ class _Variant:
         from verl_tokensel_cpu import worker as H
         from verl_tokensel.verl_glue.loss import SelectingLoss
 
-        preset = {"forking(graph)": "forking"}.get(variant, variant)
-        knobs = {"no_grad_scores": False} if variant == "forking(graph)" else {}
+        preset, knobs = split_variant({"forking(graph)": "forking:no_grad_scores=false"}.get(variant, variant))
         stock = variant in ("none", "none+entropy") or variant in _MODES
         self.name = variant
         self.actor = actor
@@ -333,7 +368,27 @@ class _Variant:
         share = statistics.fmean(map(float, reused)) if isinstance(reused, list) and reused else float("nan")
         return {"seconds": r.seconds + extra, "cpu_seconds": cpu, "update_peak_kb": _hwm_kb(),
                 "kernel_seconds": _KERNEL["seconds"], "kernel": ",".join(sorted(set(_KERNEL["calls"]))) or "-",
-                "prepass_reused_share": share}
+                "prepass_reused_share": share, **self._hidden_metrics(r.metrics)}
+
+    def _hidden_metrics(self, metrics: dict) -> dict:
+        """A rule over the hidden states: its forwards, the seconds of its passes, the valid response tokens they
+        read, and the bytes of those tokens' hidden states (tokens x H x the element size of the output layer's
+        input: what ``delta_cache_gib`` keeps); NaN for the other variants."""
+        rule = base_variant(self.name)
+        if rule not in HIDDEN:
+            return {k: float("nan") for k in HIDDEN_FIELDS}
+
+        def last(key):
+            v = metrics.get(f"tokensel/{rule}/{key}", float("nan"))
+            return float(v[-1] if isinstance(v, list) else v)
+
+        tokens = last("tokens")
+        return {"hidden_forwards": last("forwards"), "hidden_sweep_seconds": last("sweep_seconds"),
+                "hidden_tokens": tokens, "hidden_bytes": tokens * _OUTPUT_INPUT["bytes_per_token"]}
+
+
+HIDDEN_FIELDS = ("hidden_forwards", "hidden_sweep_seconds", "hidden_tokens", "hidden_bytes")
+_OUTPUT_INPUT = {"bytes_per_token": float("nan")}  # H x element size of the output layer's input (last forward)
 
 
 def _add_rollout_log_probs(batch) -> None:
@@ -355,6 +410,11 @@ def _actor(model_dir: str, tokens: int, mini_batches: int):
                                    ppo_micro_batch_size_per_gpu=per_mb, ppo_max_token_len_per_gpu=4 * tokens,
                                    lr=0.0, clip_grad=1e9, num_threads=None)
     _install_kernel_probes(actor)
+    from verl_tokensel.verl_glue.hidden import output_layer
+
+    def probe(module, args):  # the last hidden state's width and dtype: what a token costs a hidden-state cache
+        _OUTPUT_INPUT["bytes_per_token"] = float(args[0].shape[-1] * args[0].element_size())
+    output_layer(actor.engine).register_forward_pre_hook(probe)
     return actor
 
 
@@ -366,8 +426,9 @@ def child_memory(variant: str, model_dir: str, tokens: int, mini_batches: int, m
     ``mem_steps`` measured steps, each from a reset mark) and the whole process's (every phase, no reset)."""
     v = _Variant(_actor(model_dir, tokens, mini_batches), variant, tokens, mini_batches)
     v.step()  # warm-up: optimizer state, allocator pools
-    peak = max(v.step()["update_peak_kb"] for _ in range(mem_steps))
-    return {"variant": variant, "peak_kb": peak, "process_peak_kb": process_peak_kb()}
+    steps = [v.step() for _ in range(mem_steps)]
+    return {"variant": variant, "peak_kb": max(s["update_peak_kb"] for s in steps),
+            "process_peak_kb": process_peak_kb(), **{k: steps[-1][k] for k in HIDDEN_FIELDS}}
 
 
 def child_time(variants: list[str], model_dir: str, tokens: int, mini_batches: int, steps: int) -> dict:
@@ -384,7 +445,8 @@ def child_time(variants: list[str], model_dir: str, tokens: int, mini_batches: i
                 "cpu_seconds": statistics.median(r["cpu_seconds"] for r in rs),
                 "kernel_seconds": statistics.median(r["kernel_seconds"] for r in rs),
                 "kernel": rs[-1]["kernel"],
-                "prepass_reused_share": statistics.fmean(r["prepass_reused_share"] for r in rs)}
+                "prepass_reused_share": statistics.fmean(r["prepass_reused_share"] for r in rs),
+                **{f: statistics.median(r[f] for r in rs) for f in HIDDEN_FIELDS}}
             for k, rs in runs.items()}
 
 
@@ -435,10 +497,19 @@ def child_kernel(rows: int, rounds: int) -> list[str]:
     return out
 
 
+def _group(variant: str) -> str:
+    """A selector's target group: ``gmts``, a rule over the hidden states (its name), or ``other selectors``."""
+    base = base_variant(variant)
+    return base if base == "gmts" or base in HIDDEN else "other selectors"
+
+
 def _verdict(variant: str, hidden: int, m: float, pm: float, t: float) -> str:
-    t_target = TARGET_GMTS if variant == "gmts" else TARGET_TIME.get(hidden)
-    bad = [s for s, ok in (("update memory", m != m or m <= TARGET_MEM),  # NaN: not measured
-                           ("process memory", pm != pm or pm <= TARGET_MEM),
+    group = _group(variant)
+    # a rule over the hidden states adds K + 3 forwards (or one, cached) by design: its time is reported, no target
+    t_target = TARGET_GMTS if group == "gmts" else None if group in HIDDEN else TARGET_TIME.get(hidden)
+    mem = TARGET_MEM_HIDDEN if group in HIDDEN else TARGET_MEM
+    bad = [s for s, ok in (("update memory", m != m or m <= mem),  # NaN: not measured
+                           ("process memory", pm != pm or pm <= mem),
                            ("time", t_target is None or t != t or t <= t_target)) if not ok]
     return "ok" if not bad else "NOT MET: " + ", ".join(bad)
 
@@ -472,14 +543,16 @@ def report(results: dict, variants: list[str]) -> list[str]:
                      f"memory: {reps} process{'es' if reps > 1 else ''} per variant (max), allocator "
                      f"{base.get('allocator', 'default')}")
         lines.append(f"targets: memory <= {TARGET_MEM:.2f}x, time <= "
-                     f"{t_target if t_target else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x); "
+                     f"{t_target if t_target else float('nan'):.2f}x (gmts <= {TARGET_GMTS:.2f}x; "
+                     f"{', '.join(HIDDEN)}: memory <= {TARGET_MEM_HIDDEN:.2f}x, time reported); "
                      "each ratio as: vs none | vs the matched baseline (same engine functions)")
         lines.append(f"{'variant':<22} {'update peak':>11} {'process peak':>12} {'step time':>11} {'CPU time':>11} "
                      f"{'kernel s':>8}  {'log-prob kernel':<23} {'reused':>6}  {'matched':<22} verdict (vs none | "
                      "vs matched)")
-        for v in variants:
+        for v in (v for v in variants if v in rows):  # --report: a shape shows the variants it ran
             r = rows[v]
-            matched = matched_baseline(v, r) if v in SELECTORS or v in REFERENCES else ""
+            selector = base_variant(v) in SELECTORS
+            matched = matched_baseline(v, r) if selector or v in REFERENCES else ""
             cols, ratios = [], {}
             for field in ("peak_kb", "process_peak_kb", "seconds", "cpu_seconds"):
                 pair = []
@@ -491,16 +564,16 @@ def report(results: dict, variants: list[str]) -> list[str]:
             r["ratios"] = {"vs_none": {f: p[0] for f, p in ratios.items()},
                            "vs_matched": {f: p[1] for f, p in ratios.items()}, "matched": matched}
             note = "(baseline)" if v in BASELINES else "(reference)" if v in REFERENCES else ""
-            if v in SELECTORS:
+            if selector:
                 note = " | ".join(_verdict(v, hidden, ratios["peak_kb"][i], ratios["process_peak_kb"][i],
                                            ratios["seconds"][i]) for i in range(2))
+                group = _group(v)
+                mem = f" ({group})" if group in HIDDEN else ""
                 for i, b in enumerate(("none", "matched")):
-                    for tgt, val in (("update peak memory", ratios["peak_kb"][i]),
-                                     ("process peak memory", ratios["process_peak_kb"][i]),
-                                     (f"step time ({'gmts' if v == 'gmts' else 'other selectors'})",
-                                      ratios["seconds"][i]),
-                                     (f"step CPU time ({'gmts' if v == 'gmts' else 'other selectors'})",
-                                      ratios["cpu_seconds"][i])):
+                    for tgt, val in ((f"update peak memory{mem}", ratios["peak_kb"][i]),
+                                     (f"process peak memory{mem}", ratios["process_peak_kb"][i]),
+                                     (f"step time ({group})", ratios["seconds"][i]),
+                                     (f"step CPU time ({group})", ratios["cpu_seconds"][i])):
                         other = "(other" in tgt
                         if other and t_target is None:
                             continue
@@ -512,6 +585,16 @@ def report(results: dict, variants: list[str]) -> list[str]:
                          f"{r['kernel_seconds']:>8.1f}  "
                          f"{r.get('kernel', '-'):<23} {f'{share:.0%}' if share == share else '-':>6}  "
                          f"{matched or '-':<22} {note}")
+        for v in (v for v in variants if v in rows):  # a rule over the hidden states: what its passes cost, and what a cache of them holds
+            r = rows[v]
+            if base_variant(v) not in HIDDEN:
+                continue
+            knobs = split_variant(v)[1]
+            fw, sec, tok, byt = (r.get(f, float("nan")) for f in HIDDEN_FIELDS)
+            lines.append(f"  {v}: {fw:.0f} no-grad forward(s) over the step's batch before its update "
+                         f"(delta_cache_gib {knobs.get('delta_cache_gib', 0)}), passes {sec:.1f} s; "
+                         f"{tok:.0f} valid response tokens, their hidden states {byt / 2**20:.1f} MiB "
+                         f"(tokens x H x bytes: what the cache holds when on)".replace("nan", "-"))
     lines.append("")
     nan = float("nan")
     runs = [(max(r[f]) / min(r[f]), v, key, r.get("allocator", "default")) for key, rows in results.items()
@@ -529,20 +612,23 @@ def report(results: dict, variants: list[str]) -> list[str]:
             lines.append(f"summary: none(no-graph entropy) vs none {what} over the shapes: {min(spread):.2f}x to "
                          f"{max(spread):.2f}x (the same update kernel; read the {what} ratios against this spread)")
     limits = {"update peak memory": TARGET_MEM, "process peak memory": TARGET_MEM,
-              "step time (gmts)": TARGET_GMTS, "step CPU time (gmts)": TARGET_GMTS}
+              "step time (gmts)": TARGET_GMTS, "step CPU time (gmts)": TARGET_GMTS,
+              **{f"{w} peak memory ({h})": TARGET_MEM_HIDDEN for w in ("update", "process") for h in HIDDEN},
+              **{f"step {w}time ({h})": None for w in ("", "CPU ") for h in HIDDEN}}
     for (tgt, b, hidden), (val, v, key) in sorted(worst.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] or 0)):
         limit = limits.get(tgt, TARGET_TIME.get(hidden))
         where = f" at hidden {hidden}" if hidden else ""
         against = "none" if b == "none" else "the matched baseline"
-        lines.append(f"summary: {tgt}{where} vs {against}: worst {val:.2f}x ({v}, {key}), target <= {limit:.2f}x: "
-                     f"{'met' if val <= limit else 'NOT MET'}")
+        verdict = ("no target (reported)" if limit is None else
+                   f"target <= {limit:.2f}x: {'met' if val <= limit else 'NOT MET'}")
+        lines.append(f"summary: {tgt}{where} vs {against}: worst {val:.2f}x ({v}, {key}), {verdict}")
     return lines
 
 
 def merge(parts: list[dict]) -> dict:
     """Saved ``--json`` runs merged in order: a later run's shape replaces an earlier one's, except that a field
     it did not measure (NaN, or kernel ``-``: ``--no-time`` / ``--no-memory``) keeps the earlier value, so a
-    memory-only rerun joins an earlier timing."""
+    memory-only rerun joins an earlier timing; a variant that only one of them ran keeps its row."""
     def measured(x) -> bool:
         return not (x == "-" or (isinstance(x, float) and x != x))
 
@@ -553,7 +639,8 @@ def merge(parts: list[dict]) -> dict:
             if old is None or "killed" in old or "killed" in rows:
                 out[key] = rows
                 continue
-            out[key] = {v: {**old.get(v, {}), **{f: x for f, x in r.items() if measured(x)}} for v, r in rows.items()}
+            out[key] = {**old, **{v: {**old.get(v, {}), **{f: x for f, x in r.items() if measured(x)}}
+                                  for v, r in rows.items()}}  # a variant only the earlier run measured stays
     return out
 
 
@@ -570,6 +657,9 @@ def main(argv=None) -> int:
                     help="measured steps per memory process after its warm-up step (default 2)")
     ap.add_argument("--mem-reps", type=int, default=1,
                     help="memory processes per variant: the max is reported, the spread in the summary (default 1)")
+    ap.add_argument("--parallel", type=int, default=1,
+                    help="memory processes run at a time (default 1; each peak is its own process's RSS, so running "
+                         "several only needs the host to hold them all; it changes no reading but their wall time)")
     ap.add_argument("--allocator", choices=sorted(ALLOCATORS), default="fixed",
                     help="glibc malloc of the memory processes: fixed (mmap threshold 128 KiB: RSS follows the live "
                          "tensors) or default (glibc's moving threshold: RSS also depends on earlier frees); "
@@ -604,17 +694,22 @@ def main(argv=None) -> int:
     if args.report:
         results = merge([json.loads(Path(path).read_text()) for path in args.report])
         measured = [rows for rows in results.values() if "killed" not in rows]
-        shown = [v for v in VARIANTS if measured and all(v in rows for rows in measured)]
+        seen = list(dict.fromkeys(v for rows in measured for v in rows))  # knob variants too, in VARIANTS' order
+        shown = sorted((v for v in seen if base_variant(v) in VARIANTS),
+                       key=lambda v: (VARIANTS.index(base_variant(v)), seen.index(v)))
         print("\n".join(report(results, shown)))
         return 0
     variants = [v for v in args.variants.split(",") if v]
     if args.no_time and args.no_memory:
         ap.error("--no-time and --no-memory: nothing left to measure; give at most one")
+    if args.parallel < 1:
+        ap.error(f"--parallel {args.parallel}: must be >= 1")
     if args.mem_reps < 1:
         ap.error(f"--mem-reps {args.mem_reps}: must be >= 1")
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and not (base_variant(v) in SELECTORS and split_variant(v)[1])]
     if bad or "none" not in variants:
-        ap.error(f"--variants {args.variants!r}: must include none; valid: {', '.join(VARIANTS)}")
+        ap.error(f"--variants {args.variants!r}: must include none; valid: {', '.join(VARIANTS)}, or a selector with "
+                 "token_selection knobs as NAME:KNOB=VALUE[:KNOB=VALUE] (e.g. delta:delta_cache_gib=4)")
     hiddens = args.hidden or GRID_HIDDEN
     shapes = [parse_shape(s) for s in (args.shapes or (",".join(GRID_SHAPES) if args.grid else "2304x2")).split(",")]
     root = Path(args.work_dir)
@@ -644,20 +739,23 @@ def main(argv=None) -> int:
             rows, killed = {}, None
             env = {**{k: x for k, x in os.environ.items() if not k.startswith("MALLOC_")},  # glibc: only the choice
                    **ALLOCATORS[args.allocator]}
-            for v in (variants if not args.no_memory else []):  # fresh processes each
-                runs = []
-                for rep in range(args.mem_reps):
-                    runs.append(run_child("--child", v, label=f"{v} (memory {rep + 1}/{args.mem_reps})", env=env))
-                    if runs[-1] is None:
-                        killed = v
-                        break
-                if killed:
+            jobs = [(v, rep) for v in (variants if not args.no_memory else []) for rep in range(args.mem_reps)]
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=args.parallel) as pool:  # fresh processes each, --parallel at a time
+                done = list(pool.map(lambda job: run_child("--child", job[0], env=env, label=f"{job[0]} (memory "
+                                                           f"{job[1] + 1}/{args.mem_reps})"), jobs))
+            for v in (variants if not args.no_memory else []):
+                runs = [r for (w, _), r in zip(jobs, done) if w == v]
+                if any(r is None for r in runs):
+                    killed = v
                     break
                 rows[v] = {"variant": v, "allocator": args.allocator,
                            "peak_kb_runs": [r["peak_kb"] for r in runs],
                            "process_peak_kb_runs": [r["process_peak_kb"] for r in runs]}
                 rows[v].update(peak_kb=max(rows[v]["peak_kb_runs"]),
-                               process_peak_kb=max(rows[v]["process_peak_kb_runs"]))
+                               process_peak_kb=max(rows[v]["process_peak_kb_runs"]),
+                               **{f: runs[-1].get(f, float("nan")) for f in HIDDEN_FIELDS})
             if args.no_memory:
                 rows = {v: {"variant": v, "peak_kb": float("nan"), "process_peak_kb": float("nan")} for v in variants}
             if killed:  # a shape this host cannot hold is recorded as such (report() prints it); the grid goes on
@@ -665,7 +763,8 @@ def main(argv=None) -> int:
                                           f"({_host_memory_gib():.1f} GiB host)"}
             else:
                 nan = {"seconds": float("nan"), "cpu_seconds": float("nan"), "kernel_seconds": float("nan"),
-                       "kernel": "-", "prepass_reused_share": float("nan")}
+                       "kernel": "-", "prepass_reused_share": float("nan"),
+                       "hidden_sweep_seconds": float("nan")}  # the memory processes' passes are not timed
                 timed = None if args.no_time else run_child("--child", "time", "--variants", ",".join(variants),
                                                             label="all variants (time)")
                 for v in variants:

@@ -90,3 +90,31 @@ def test_refuses_to_measure_nothing():
     r = subprocess.run([sys.executable, str(SCRIPT), "--no-time", "--no-memory"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "--no-time and --no-memory" in r.stderr
+
+
+def test_report_reads_a_hidden_state_rule_and_its_knob_variant(tmp_path):
+    """``delta`` (a rule over the hidden states) against its own memory target (1.10x, its time reported with no
+    target), a knob variant spec (``delta:delta_cache_gib=4``), the forwards and the bytes a cache holds under the
+    table, and a memory-only run joined by a timing run of other variants (each keeps its rows)."""
+    hidden = {"hidden_forwards": 4.0, "hidden_sweep_seconds": 3.0, "hidden_tokens": 2048.0,
+              "hidden_bytes": 2048.0 * 128 * 4}
+    nan = float("nan")
+    untimed = {"seconds": nan, "cpu_seconds": nan, "kernel_seconds": nan, "kernel": "-", "prepass_reused_share": nan}
+    memory = {"h128/2304x1": {"none": {"peak_kb": 10.0 * GIB, "process_peak_kb": 10.0 * GIB, **untimed},
+                              "ce_gppo": {"peak_kb": 10.0 * GIB, "process_peak_kb": 10.0 * GIB, **untimed},
+                              "delta": {"peak_kb": 10.8 * GIB, "process_peak_kb": 10.8 * GIB, **untimed, **hidden},
+                              "delta:delta_cache_gib=4": {"peak_kb": 11.5 * GIB, "process_peak_kb": 11.5 * GIB,
+                                                          **untimed, **hidden, "hidden_forwards": 1.0}}}
+    timing = {"h128/2304x1": {v: {**_row(nan, s), "peak_kb": nan, "process_peak_kb": nan}
+                              for v, s in (("none", 10.0), ("none(no-graph entropy)", 10.0), ("delta", 20.0),
+                                           ("delta:delta_cache_gib=4", 12.0))}}
+    out = _report(tmp_path, memory, timing)
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith(("delta", "ce_gppo"))}
+    assert "ce_gppo" in lines  # the memory run's variant the timing run did not run keeps its row
+    assert "1.08|" in lines["delta"] and "2.00|2.00" in lines["delta"] and "ok | ok" in lines["delta"]
+    assert "NOT MET: update memory, process memory" in lines["delta:delta_cache_gib=4"]
+    assert "delta: 4 no-grad forward(s)" in out and "hidden states 1.0 MiB" in out
+    assert "delta:delta_cache_gib=4: 1 no-grad forward(s) over the step's batch before its update (delta_cache_gib 4)" in out
+    assert "summary: step time (delta) vs the matched baseline: worst 2.00x (delta, h128/2304x1), no target" in out
+    assert "summary: update peak memory (delta) vs none: worst 1.15x (delta:delta_cache_gib=4, h128/2304x1), " \
+           "target <= 1.10x: NOT MET" in out
