@@ -585,7 +585,8 @@ def report(results: dict, variants: list[str]) -> list[str]:
                          f"{r['kernel_seconds']:>8.1f}  "
                          f"{r.get('kernel', '-'):<23} {f'{share:.0%}' if share == share else '-':>6}  "
                          f"{matched or '-':<22} {note}")
-        for v in (v for v in variants if v in rows):  # a rule over the hidden states: what its passes cost, and what a cache of them holds
+        # a rule over the hidden states: what its passes cost, and what a cache of them holds
+        for v in (v for v in variants if v in rows):
             r = rows[v]
             if base_variant(v) not in HIDDEN:
                 continue

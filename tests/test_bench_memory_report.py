@@ -114,7 +114,8 @@ def test_report_reads_a_hidden_state_rule_and_its_knob_variant(tmp_path):
     assert "1.08|" in lines["delta"] and "2.00|2.00" in lines["delta"] and "ok | ok" in lines["delta"]
     assert "NOT MET: update memory, process memory" in lines["delta:delta_cache_gib=4"]
     assert "delta: 4 no-grad forward(s)" in out and "hidden states 1.0 MiB" in out
-    assert "delta:delta_cache_gib=4: 1 no-grad forward(s) over the step's batch before its update (delta_cache_gib 4)" in out
+    assert ("delta:delta_cache_gib=4: 1 no-grad forward(s) over the step's batch before its update "
+            "(delta_cache_gib 4)") in out
     assert "summary: step time (delta) vs the matched baseline: worst 2.00x (delta, h128/2304x1), no target" in out
     assert "summary: update peak memory (delta) vs none: worst 1.15x (delta:delta_cache_gib=4, h128/2304x1), " \
            "target <= 1.10x: NOT MET" in out
