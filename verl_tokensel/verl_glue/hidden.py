@@ -34,6 +34,7 @@ from verl.workers.utils.padding import no_padding_2_padding, response_to_nested
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.rules.hidden import HiddenBatch, HiddenStates
+from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching
 
 #: the output layer's module name: HF causal LMs, Megatron's GPTModel
 OUTPUT_LAYER_NAMES = ("lm_head", "output_layer")
@@ -83,7 +84,6 @@ class _Capture:
         self.layer = layer
         self.value: Optional[torch.Tensor] = None
         self.call: dict = {}
-        self.calls = 0
         self._handles = [layer.register_forward_pre_hook(self._hook)]
         if is_megatron(engine):
             self._params = inspect.signature(model.forward).parameters
@@ -91,7 +91,6 @@ class _Capture:
 
     def _hook(self, module, args):
         self.value = args[0].detach()
-        self.calls += 1
 
     def _model_hook(self, module, args, kwargs):
         call = dict(zip(self._params, args))  # positional arguments by the forward's parameter names
@@ -179,14 +178,12 @@ class _Collector:
     def __init__(self, engine, capture: _Capture, states: HiddenStates, sweep: int, values: Optional[torch.Tensor],
                  cache: Optional[list]) -> None:
         self.engine, self.capture, self.states, self.sweep = engine, capture, states, sweep
-        self.values, self.cache, self.cached_bytes = values, cache, 0
-        self.tokens = 0
+        self.values, self.cache = values, cache
 
     def __call__(self, model_output, data: TensorDict, dp_group=None):
         captured, call = self.capture.take()
         hidden = packed_hidden(self.engine, captured, data, call=call, layer=self.capture.layer)
         batch = response_tokens(hidden, model_output, data)
-        self.tokens += batch.rows.numel()
         self._give(batch)
         if self.cache is not None:
             self.cache.append(batch)
@@ -223,15 +220,7 @@ def _probe(worker, data: TensorDict) -> TensorDict:
         probe.unlock_()
     probe[fields.ROW] = torch.arange(data.batch_size[0])
     tu.assign_non_tensor(probe, calculate_entropy=False, calculate_sum_pi_squared=False, compute_loss=False)
-    model_config, engine_config = worker.model_config, worker.engine_config
-    defaults = dict(
-        use_remove_padding=model_config.get("use_remove_padding", False),
-        use_dynamic_bsz=engine_config.use_dynamic_bsz,
-        max_token_len_per_gpu=engine_config.max_token_len_per_gpu,
-        micro_batch_size_per_gpu=engine_config.micro_batch_size_per_gpu,
-        use_fused_kernels=engine_config.use_fused_kernels,
-    )
-    tu.assign_non_tensor(probe, **{k: v for k, v in defaults.items() if k not in probe.keys()})
+    assign_update_micro_batching(worker, probe)
     return probe
 
 

@@ -13,12 +13,29 @@ from typing import Optional
 import torch
 from tensordict import TensorDict
 
+from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.batch import ScoreBatch, score_batch
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.core.scores import score_params
+
+
+def assign_update_micro_batching(worker, data: TensorDict) -> None:
+    """Give ``data`` (a forward-only pass over update data) the keys ``TrainingWorker.train_batch`` fills in, those
+    ``data`` lacks: the update's micro-batching, which verl checked against the update's batches (not the old-log-prob
+    pass's, set for the whole batch: a log-prob micro-batch larger than a mini-batch is valid in verl and would not
+    divide it)."""
+    model_config, engine_config = worker.model_config, worker.engine_config
+    defaults = dict(
+        use_remove_padding=model_config.get("use_remove_padding", False),
+        use_dynamic_bsz=engine_config.use_dynamic_bsz,
+        max_token_len_per_gpu=engine_config.max_token_len_per_gpu,
+        micro_batch_size_per_gpu=engine_config.micro_batch_size_per_gpu,
+        use_fused_kernels=engine_config.use_fused_kernels,
+    )
+    tu.assign_non_tensor(data, **{k: v for k, v in defaults.items() if k not in data.keys()})
 
 
 def batch_uids(data: TensorDict):
@@ -92,4 +109,4 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
 
 
-__all__ = ["MicroBatch", "batch_uids", "unpack_micro_batch"]
+__all__ = ["MicroBatch", "assign_update_micro_batching", "batch_uids", "unpack_micro_batch"]

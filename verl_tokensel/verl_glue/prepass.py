@@ -33,7 +33,7 @@ from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.hidden import hidden_states_of, hidden_sweeps
 from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
-from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
+from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching, unpack_micro_batch
 from verl_tokensel.verl_glue.no_graph import install_no_graph_scores
 
 PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
@@ -105,18 +105,8 @@ def _forward_no_grad(worker: TrainingWorker, data: TensorDict, sel: Selection) -
         calculate_sum_pi_squared=bool(sel.uses_sum_pi_squared),
         compute_loss=False,
     )
-    engine, model_config, engine_config = worker.engine, worker.model_config, worker.engine_config
-    # what TrainingWorker.train_batch fills in: the data is one update mini-batch, so the update's micro-batching
-    # (which verl checked against the mini-batch), not the old-log-prob pass's (set for the whole batch: a
-    # log-prob micro-batch larger than a mini-batch is valid in verl and would not divide it)
-    defaults = dict(
-        use_remove_padding=model_config.get("use_remove_padding", False),
-        use_dynamic_bsz=engine_config.use_dynamic_bsz,
-        max_token_len_per_gpu=engine_config.max_token_len_per_gpu,
-        micro_batch_size_per_gpu=engine_config.micro_batch_size_per_gpu,
-        use_fused_kernels=engine_config.use_fused_kernels,
-    )
-    tu.assign_non_tensor(probe, **{k: v for k, v in defaults.items() if k not in probe.keys()})
+    engine = worker.engine
+    assign_update_micro_batching(worker, probe)  # the data is one update mini-batch
     with engine.eval_mode(disable_auto_offload=True):
         out = engine.infer_batch(probe, loss_function=None)
     model_output = (out or {}).get("model_output") or {}
