@@ -18,6 +18,7 @@ from omegaconf import OmegaConf, open_dict
 
 from verl.utils.config import omega_conf_to_dataclass
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfig, knob_table_rows
+from verl_tokensel.core.errors import TokenSelectionConfigError
 from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, TokenselMcoreActorConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +223,8 @@ def test_entropy_not_needed_when_already_on():
 def test_unsupported_engine_named():
     from verl_tokensel.verl_glue.actor_config import torchtitan_actor_config
 
-    with pytest.raises(Exception, match="model_engine=torchtitan is not supported.*dp, megatron"):
+    with pytest.raises(TokenSelectionConfigError, match="^model_engine='torchtitan' is invalid; valid values: dp, "
+                                                        "megatron"):
         torchtitan_actor_config()
 
 
@@ -283,11 +285,12 @@ def test_fused_kernels_refused_where_the_scoring_pass_needs_sum_pi_squared():
 
     fused = "actor_rollout_ref.model.use_fused_kernels=true"
     node = SEL.rsplit(".", 1)[0]
-    for source, needle in (("prepass", r"token_selector=grad_norm .*score_source=prepass.*use_fused_kernels=true: "
-                                       r"its scoring pass needs sum_j p_j\^2"),
-                           ("rollout", r"use_fused_kernels=True is invalid with .*score=grad_norm and "
-                                       r"score_source=rollout")):
-        with pytest.raises(ValueError, match=needle):
+    for source, needle in (("prepass", r"use_fused_kernels=True is invalid; valid values: False\. .*"
+                                       r"token_selector=grad_norm with score_source=prepass: its scoring pass needs "
+                                       r"sum_j p_j\^2"),
+                           ("rollout", r"use_fused_kernels=True is invalid; valid values: False\. "
+                                       r"token_selection\.score=grad_norm with score_source=rollout")):
+        with pytest.raises(TokenSelectionConfigError, match=needle):
             validate_driver_config(_compose(overrides=[f"{SEL}=grad_norm", fused, f"{node}.token_selection.scope=group",
                                                        f"{node}.token_selection.score_source={source}"]))
     # fine: the in-loss grad_norm (lower bound without sum p^2) and every entropy score

@@ -401,7 +401,7 @@ def test_the_preset_composes_and_the_driver_refuses_fused_kernels(config_name):
     assert (sel.rule, sel.knobs.delta_k, sel.knobs.delta_lam_min, sel.knobs.delta_lam_max, sel.knobs.delta_impl,
             sel.knobs.delta_stats, sel.normaliser) == ("delta", 1, 0.8, 1.2, "Normal", "global", "all")
     validate_driver_config(cfg)
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.model.use_fused_kernels=true is invalid with "
-                                         r"actor_rollout_ref.actor.token_selector=delta; valid values: false"):
+    with pytest.raises(TokenSelectionConfigError, match=r"actor_rollout_ref\.model\.use_fused_kernels=True is invalid; "
+                       r"valid values: False\. actor_rollout_ref\.actor\.token_selector=delta \(rule delta\)"):
         validate_driver_config(fused)
     assert OmegaConf.select(cfg, "model_engine") == ("megatron" if "megatron" in config_name else "dp")

@@ -151,9 +151,9 @@ BAD_ROLLOUT = [
     ([f"{SEL}=forking_paper", f"{KNOB}scope=micro_batch"], "scope='micro_batch'", "batch, group, sequence"),
     ([f"{SEL}=forking_paper", f"{KNOB}normaliser=selected"], "normaliser='selected'", "all"),
     ([f"{SEL}=forking_paper", "algorithm.rollout_correction.bypass_mode=true"], "bypass_mode=True",
-     "valid: False"),
+     "valid values: False"),
     ([f"{SEL}=forking_paper", f"{KNOB}score=grad_norm", "actor_rollout_ref.model.use_fused_kernels=true"],
-     "use_fused_kernels=True", "valid: False"),
+     "use_fused_kernels=True", "valid values: False"),
 ]
 
 

@@ -274,7 +274,7 @@ def _compose(overrides=()):
 def test_no_behaviour_log_probs_is_refused_on_the_driver(overrides, needle):
     from verl_tokensel.verl_glue.install import validate_driver_config
 
-    with pytest.raises(ValueError) as exc:
+    with pytest.raises(TokenSelectionConfigError) as exc:
         validate_driver_config(_compose(overrides))
     msg = str(exc.value)
     assert needle in msg and "valid values:" in msg and "Fix:" in msg, msg

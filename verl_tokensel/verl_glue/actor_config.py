@@ -16,9 +16,9 @@ from verl.workers.config import FSDPActorConfig, McoreActorConfig
 from verl_tokensel.core.config import (
     Selection,
     TokenSelectionConfig,
-    TokenSelectionConfigError,
     resolve_selection,
 )
+from verl_tokensel.verl_glue.errors import config_error_at
 
 
 class StockLossGuard(dict):
@@ -96,9 +96,8 @@ def _coerce_overrides(value: Any) -> TokenSelectionConfig:
         return TokenSelectionConfig()
     if hasattr(value, "items"):
         return TokenSelectionConfig(**{k: v for k, v in dict(value).items() if k != "_target_"})
-    raise TokenSelectionConfigError(
-        f"actor_rollout_ref.actor.token_selection must be a mapping of knobs, got {value!r}"
-    )
+    raise config_error_at("actor_rollout_ref.actor.token_selection", value, "a mapping of knobs",
+                          "Fix: set its knobs one by one (actor_rollout_ref.actor.token_selection.<knob>=...).")
 
 
 class _TokenSelectMixin:
@@ -171,9 +170,9 @@ megatron_actor_config = TokenselMcoreActorConfig
 
 def _unsupported_engine(name: str):
     def factory(*args, **kwargs):
-        raise TokenSelectionConfigError(
-            f"model_engine={name} is not supported by verl_tokensel; valid: dp, megatron"
-        )
+        raise config_error_at("model_engine", name, "dp, megatron",
+                              "verl_tokensel's actor config serves verl's FSDP and Megatron engines. Fix: "
+                              "model_engine=dp or model_engine=megatron.")
 
     return factory
 

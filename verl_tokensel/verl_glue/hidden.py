@@ -34,6 +34,7 @@ from verl.workers.utils.padding import no_padding_2_padding, response_to_nested
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.rules.hidden import HiddenBatch, HiddenStates
+from verl_tokensel.verl_glue.errors import config_error_at
 from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching
 
 #: the output layer's module name: HF causal LMs, Megatron's GPTModel
@@ -99,10 +100,10 @@ class _Capture:
 
     def take(self) -> tuple[torch.Tensor, dict]:
         if self.value is None:
-            raise RuntimeError(
+            raise config_error_at(  # the driver refuses it first (install.validate_driver_config)
+                "actor_rollout_ref.model.use_fused_kernels", True, "False",
                 "token_selection's rule reads the last hidden states, but the output layer was not called in the "
-                "forward: verl's fused kernels (actor_rollout_ref.model.use_fused_kernels=True) bypass it. "
-                "Fix: set actor_rollout_ref.model.use_fused_kernels=False for this rule.")
+                "forward: verl's fused kernels bypass it. Fix: actor_rollout_ref.model.use_fused_kernels=False.")
         value, self.value = self.value, None
         call, self.call = self.call, {}
         return value, call
@@ -262,10 +263,11 @@ def hidden_sweeps(worker, data: TensorDict, config, states_cls: type) -> dict[st
     t0 = time.perf_counter()
     engine = worker.engine
     if is_megatron(engine) and getattr(engine.engine_config, "dynamic_context_parallel", False):
-        raise RuntimeError(
+        raise config_error_at(
+            "actor_rollout_ref.actor.megatron.dynamic_context_parallel", True, "False",
             f"token_selection rule {config.selection.rule!r} reads the last hidden states, which is not supported "
-            "with Megatron's dynamic context parallelism (actor_rollout_ref.actor.megatron.dynamic_context_parallel"
-            "=True moves samples between data-parallel ranks): turn it off for this rule.")
+            "with Megatron's dynamic context parallelism (it moves samples between data-parallel ranks). Fix: "
+            "actor_rollout_ref.actor.megatron.dynamic_context_parallel=False.")
     dp_group = engine.get_data_parallel_group()
     world = torch.distributed.get_world_size(dp_group) if torch.distributed.is_initialized() else 1
     sel = config.selection

@@ -23,9 +23,11 @@ from verl_tokensel.core.errors import TokenSelectionConfigError
 from verl_tokensel.core.rules.checks import check_prompt_groups
 
 from verl_tokensel.verl_glue.actor_config import actor_selection, resolve_actor_config
+from verl_tokensel.verl_glue.errors import config_error_at
 from verl_tokensel.verl_glue.loss import SelectingLoss
 from verl_tokensel.verl_glue.rollout_source import (
     DriverSelector,
+    check_bypass_mode,
     prepare_rollout_config,
     validate_rollout_config,
 )
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 TRAINER_MODE_PREFIX = "tokensel_"
 # verl's built-in V1 trainer modes; each gets a tokensel_<mode> twin
 BASE_TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+#: the v0 driver's checkpoint-engine manager, which installs the selecting loss (:mod:`~verl_tokensel.verl_glue.v0`)
+V0_CHECKPOINT_MANAGER = "verl_tokensel.verl_glue.v0.TokenselCheckpointEngineManager"
 
 
 def selection_error(exc: BaseException) -> Optional[TokenSelectionConfigError]:
@@ -48,10 +52,12 @@ def selection_error(exc: BaseException) -> Optional[TokenSelectionConfigError]:
 
 
 def validate_driver_config(config: DictConfig) -> None:
-    """Driver checks that need keys outside the actor node (run before Ray starts).
+    """Driver checks that need keys outside the actor node (run before Ray starts). Each refusal is a
+    :class:`~verl_tokensel.core.errors.TokenSelectionConfigError` naming the key, its value, the valid values and
+    the fix.
 
-    With a selector on and the V1 driver, ``trainer.v1.trainer_mode`` must be one of our modes,
-    otherwise nothing would install the selecting loss.
+    With a selector on and the V1 driver, ``trainer.v1.trainer_mode`` must be one of our modes, otherwise nothing
+    would install the selecting loss; with the v0 driver, ``rollout.checkpoint_manager_class`` must be ours.
     """
     selector = OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None)
     if selector in (None, "none"):
@@ -60,19 +66,32 @@ def validate_driver_config(config: DictConfig) -> None:
     validate_rollout_config(config, sel)
     if sel is not None:
         check_prompt_groups(sel, OmegaConf.select(config, "algorithm.adv_estimator", default=None))
+    check_bypass_mode(config, sel)
     _check_fused_kernels(config, selector, sel)
     _check_rollout_log_probs(config, selector, sel)
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
+        check_v0_checkpoint_manager(config)
         return
     mode = OmegaConf.select(config, "trainer.v1.trainer_mode", default=None)
     valid = [TRAINER_MODE_PREFIX + m for m in BASE_TRAINER_MODES]
     if mode not in valid:
-        msg = (f"trainer.v1.trainer_mode={mode!r} is invalid with actor_rollout_ref.actor.token_selector={selector}; "
-               f"valid values: {', '.join(valid)}.")
-        if mode in BASE_TRAINER_MODES:
-            msg += (" Only these modes install the selecting loss on the actor workers (each wraps verl's mode of "
-                    f"the same name). Fix: trainer.v1.trainer_mode={TRAINER_MODE_PREFIX}{mode}")
-        raise ValueError(msg)
+        twin = TRAINER_MODE_PREFIX + (mode if mode in BASE_TRAINER_MODES else BASE_TRAINER_MODES[0])
+        raise config_error_at(
+            "trainer.v1.trainer_mode", mode, ", ".join(valid),
+            f"With actor_rollout_ref.actor.token_selector={selector} only these modes install the selecting loss on "
+            f"the actor workers (each wraps verl's mode of the same name). Fix: trainer.v1.trainer_mode={twin}")
+
+
+def check_v0_checkpoint_manager(config: DictConfig) -> None:
+    """The v0 driver installs the selecting loss from its checkpoint-engine manager
+    (:data:`V0_CHECKPOINT_MANAGER`): refuse another one set in ``actor_rollout_ref.rollout.checkpoint_manager_class``.
+    """
+    current = OmegaConf.select(config, "actor_rollout_ref.rollout.checkpoint_manager_class", default=None)
+    if current and current != V0_CHECKPOINT_MANAGER:
+        raise config_error_at(
+            "actor_rollout_ref.rollout.checkpoint_manager_class", current, f"null, {V0_CHECKPOINT_MANAGER}",
+            "The v0 driver (trainer.use_v1=false) installs the selecting loss from this manager. Fix: unset "
+            "actor_rollout_ref.rollout.checkpoint_manager_class, or use trainer.use_v1=true.")
 
 
 def _check_fused_kernels(config: DictConfig, selector: str, sel) -> None:
@@ -83,42 +102,36 @@ def _check_fused_kernels(config: DictConfig, selector: str, sel) -> None:
     :func:`~verl_tokensel.verl_glue.rollout_source.validate_rollout_config`)."""
     if not OmegaConf.select(config, "actor_rollout_ref.model.use_fused_kernels", default=False):
         return
+    key = "actor_rollout_ref.model.use_fused_kernels"
     if sel is not None and sel.impl.needs.hidden_states is not None:
-        raise ValueError(
-            f"actor_rollout_ref.model.use_fused_kernels=true is invalid with actor_rollout_ref.actor.token_selector="
-            f"{selector}; valid values: false. Its rule ({sel.rule}) reads the input of the output layer (lm_head), "
-            "which verl's fused kernels never call. Fix: actor_rollout_ref.model.use_fused_kernels=false.")
+        raise config_error_at(
+            key, True, "False", f"actor_rollout_ref.actor.token_selector={selector} (rule {sel.rule}) reads the "
+            "input of the output layer (lm_head), which verl's fused kernels never call. Fix: "
+            f"{key}=False.")
     if sel is None or sel.score_source != "prepass" or not sel.uses_sum_pi_squared:
         return
-    raise ValueError(
-        f"actor_rollout_ref.actor.token_selector={selector} (score {sel.knobs.score}, score_source={sel.score_source}) "
-        "cannot run with actor_rollout_ref.model.use_fused_kernels=true: its scoring pass needs sum_j p_j^2, which "
-        "verl's fused kernels do not compute. Fix: actor_rollout_ref.model.use_fused_kernels=false, or "
-        "token_selection.score_source=current (the score then uses its (1 - p_a) lower bound), or a score "
-        "without sum p^2 (entropy, gmts)."
-    )
+    raise config_error_at(
+        key, True, "False", f"actor_rollout_ref.actor.token_selector={selector} with score_source=prepass: its "
+        "scoring pass needs sum_j p_j^2, which verl's fused kernels do not compute. Fix: "
+        f"{key}=False, or token_selection.score_source=current (the score then uses its (1 - p_a) lower bound), or "
+        "a score without sum p^2 (entropy, gmts).")
 
 
 def _check_rollout_log_probs(config: DictConfig, selector: str, sel) -> None:
     """A score that reads the rollout engine's log-probs (``ScoreSpec.needs_rollout_log_probs``) needs them in the
     actor's update batch, next to verl's recomputed ``old_log_probs``: the rollout must compute them
-    (``rollout.calculate_log_probs``), and bypass mode must be off (it makes ``old_log_probs`` the rollout's, so the
-    two would be one policy). Refused here, on the driver, rather than a score of nothing on the workers."""
+    (``rollout.calculate_log_probs``; bypass mode, which makes ``old_log_probs`` the rollout's, is refused by
+    :func:`~verl_tokensel.verl_glue.rollout_source.check_bypass_mode`). Refused here, on the driver, rather than a
+    score of nothing on the workers."""
     if sel is None or not sel.needs_rollout_log_probs:
         return
-    what = (f"actor_rollout_ref.actor.token_selector={selector} (score {sel.knobs.score}) compares the rollout "
-            "engine's log-probs (rollout_log_probs, the behaviour policy) with verl's recomputed old_log_probs (the "
-            "proximal policy)")
-    if not OmegaConf.select(config, "actor_rollout_ref.rollout.calculate_log_probs", default=False):
-        raise ValueError(
-            f"actor_rollout_ref.rollout.calculate_log_probs=False is invalid with {what}; valid values: True. Without "
-            "it the rollout returns no log-probs and the update batch carries no rollout_log_probs. Fix: "
-            "actor_rollout_ref.rollout.calculate_log_probs=True.")
-    if OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False):
-        raise ValueError(
-            f"algorithm.rollout_correction.bypass_mode=True is invalid with {what}; valid values: False. Bypass mode "
-            "skips the recomputation and sets old_log_probs = rollout_log_probs, so the two policies coincide and the "
-            "score would be 0 on every token. Fix: algorithm.rollout_correction.bypass_mode=False.")
+    key = "actor_rollout_ref.rollout.calculate_log_probs"
+    if not OmegaConf.select(config, key, default=False):
+        raise config_error_at(
+            key, False, "True", f"actor_rollout_ref.actor.token_selector={selector} compares the rollout engine's "
+            "log-probs (rollout_log_probs, the behaviour policy) with verl's recomputed old_log_probs (the proximal "
+            "policy); without it the rollout returns no log-probs and the update batch carries no rollout_log_probs. "
+            f"Fix: {key}=True.")
 
 
 def prepare_driver_config(config: DictConfig) -> None:

@@ -23,9 +23,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.batch import group_ids, row_keys
-from verl_tokensel.core.errors import TokenSelectionConfigError
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.actor_config import actor_selection
+from verl_tokensel.verl_glue.errors import config_error_at
 from verl_tokensel.core.driver_select import (
     DriverSelection,
     score_params,
@@ -48,38 +48,54 @@ def _bypass_mode(config: DictConfig) -> bool:
     return bool(OmegaConf.select(config, "algorithm.rollout_correction.bypass_mode", default=False))
 
 
+def check_bypass_mode(config: DictConfig, sel: Optional[Selection]) -> None:
+    """Bypass mode (``algorithm.rollout_correction.bypass_mode=True``) skips verl's old-log-prob pass and sets
+    ``old_log_probs = rollout_log_probs``: refused for a selection that reads that pass (the old-policy entropy a
+    driver-side score ranks by; ``old_log_probs`` beside ``rollout_log_probs`` for a score comparing the two).
+    Raises :class:`~verl_tokensel.core.errors.TokenSelectionConfigError` naming the key, the value and the fix."""
+    if sel is None or not _bypass_mode(config):
+        return
+    reads = []
+    if sel.score_source == "rollout" and sel.score_needs_entropy:
+        reads.append("the old-policy entropy, which score_source=rollout ranks by")
+    if sel.needs_rollout_log_probs:
+        reads.append("old_log_probs beside rollout_log_probs, which its score compares (in bypass mode they are one "
+                     "policy: a score of 0 on every token)")
+    if not reads:
+        return
+    selector = OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None)
+    raise config_error_at(
+        "algorithm.rollout_correction.bypass_mode", True, "False",
+        f"Bypass mode skips verl's old-log-prob pass and sets old_log_probs = rollout_log_probs, but "
+        f"actor_rollout_ref.actor.token_selector={selector} reads from that pass {' and '.join(reads)}. Fix: "
+        "algorithm.rollout_correction.bypass_mode=False, or a token selection that reads neither "
+        "(token_selection.score_source=current, or a score without entropy: random, grad_norm, ref_entropy).")
+
+
 def validate_rollout_config(config: DictConfig, selection: Optional[Selection] = None) -> None:
     """Driver checks of ``score_source=rollout`` against keys outside the actor node (before Ray starts).
 
     ``selection``: the config's resolved rule when the caller has it (else resolved here). Raises
-    :class:`TokenSelectionConfigError` naming the key and its valid values.
+    :class:`~verl_tokensel.core.errors.TokenSelectionConfigError` naming the key and its valid values (bypass mode:
+    :func:`check_bypass_mode`).
     """
     sel = rollout_selection(config) if selection is None else selection
     if sel is None or sel.score_source != "rollout":
         return
     unknown = [f for f in sel.needs_external if f not in DRIVER_EXTERNAL_FIELDS]
     if unknown:
-        raise TokenSelectionConfigError(
-            f"actor_rollout_ref.actor.token_selection.score={sel.knobs.score!r} is invalid with score_source=rollout: "
-            f"it needs the per-token field(s) {unknown}, which the driver cannot compute (it fills "
-            f"{', '.join(DRIVER_EXTERNAL_FIELDS)}). Fix: pick another score or fill the field in your own glue."
-        )
-    if sel.score_needs_entropy and _bypass_mode(config):
-        raise TokenSelectionConfigError(
-            "algorithm.rollout_correction.bypass_mode=True is invalid with "
-            f"actor_rollout_ref.actor.token_selection.score={sel.knobs.score} and score_source=rollout; valid: False. "
-            "Bypass mode skips verl's old-log-prob pass, which is where the old-policy entropy comes from. "
-            "Fix: set bypass_mode=False, or use score_source=current, or a score without entropy "
-            "(random, grad_norm, ref_entropy)."
-        )
+        raise config_error_at(
+            "actor_rollout_ref.actor.token_selection.score", sel.knobs.score,
+            "a score whose per-token fields the driver fills (with score_source=rollout)",
+            f"The score needs the per-token field(s) {unknown}, which the driver cannot compute (it fills "
+            f"{', '.join(DRIVER_EXTERNAL_FIELDS)}). Fix: pick another score or fill the field in your own glue.")
     if sel.uses_sum_pi_squared and not _bypass_mode(config) and OmegaConf.select(
             config, "actor_rollout_ref.model.use_fused_kernels", default=False):
-        raise TokenSelectionConfigError(
-            "actor_rollout_ref.model.use_fused_kernels=True is invalid with "
-            f"actor_rollout_ref.actor.token_selection.score={sel.knobs.score} and score_source=rollout; valid: False. "
-            "The score reads sum_j p_j^2 from the old-log-prob pass, which verl's engines refuse to compute "
-            "with fused kernels. Fix: set use_fused_kernels=False or pick another score."
-        )
+        raise config_error_at(
+            "actor_rollout_ref.model.use_fused_kernels", True, "False",
+            f"token_selection.score={sel.knobs.score} with score_source=rollout reads sum_j p_j^2 from the "
+            "old-log-prob pass, which verl's engines refuse to compute with fused kernels. Fix: "
+            "actor_rollout_ref.model.use_fused_kernels=False, or another score.")
 
 
 def prepare_rollout_config(config: DictConfig) -> None:
@@ -220,10 +236,11 @@ class DriverSelector:
                 tokenizer = hf_tokenizer(self.config.actor_rollout_ref.model.path)
             eos = tokenizer.eos_token_id
             if eos is None:
-                raise TokenSelectionConfigError(
-                    f"actor_rollout_ref.model.path={self.config.actor_rollout_ref.model.path!r}: its tokenizer has no "
-                    f"eos_token_id, which token_selection.score={self.sel.knobs.score} reads (the EOS token's "
-                    "exclusion). Fix: set the tokenizer's eos_token, or switch the exclusion off in the rule's knobs.")
+                raise config_error_at(
+                    "actor_rollout_ref.model.path", self.config.actor_rollout_ref.model.path,
+                    "a model whose tokenizer has an eos_token_id",
+                    f"token_selection.score={self.sel.knobs.score} reads it (the EOS token's exclusion). Fix: set the "
+                    "tokenizer's eos_token, or switch the exclusion off in the rule's knobs.")
             self._eos_token_id = int(eos)
         return self._eos_token_id
 
@@ -319,6 +336,7 @@ __all__ = [
     "DRIVER_EXTERNAL_FIELDS",
     "DriverSelector",
     "RefEntropyScorer",
+    "check_bypass_mode",
     "prepare_rollout_config",
     "response_fields",
     "rollout_selection",

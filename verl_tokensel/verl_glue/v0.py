@@ -25,7 +25,12 @@ from omegaconf import DictConfig, open_dict
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.batch import row_keys
-from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
+from verl_tokensel.verl_glue.install import (
+    V0_CHECKPOINT_MANAGER,
+    check_v0_checkpoint_manager,
+    install_actor_loss,
+    prepare_driver_config,
+)
 from verl_tokensel.verl_glue.rollout_source import DriverSelector, column_as_list
 
 # the old-policy entropy kept past fit()'s pop of "entropys" (removed again before the update)
@@ -58,7 +63,7 @@ class TokenselCheckpointEngineManager(_checkpoint_manager_base()):
         install_actor_loss(actor_wg, self.driver_config)
 
 
-CHECKPOINT_MANAGER_FQN = f"{__name__}.TokenselCheckpointEngineManager"
+CHECKPOINT_MANAGER_FQN = V0_CHECKPOINT_MANAGER  # spelt in install.py, whose driver check names it
 
 
 # ----------------------------------------------------------------------------- hook 2: the driver's selection
@@ -168,13 +173,7 @@ def v0_task_runner():
             return tokensel_worker_class(actor_rollout_cls), group_cls
 
         def run(self, config):
-            current = config.actor_rollout_ref.rollout.get("checkpoint_manager_class")
-            if current and current != CHECKPOINT_MANAGER_FQN:
-                raise ValueError(
-                    f"actor_rollout_ref.rollout.checkpoint_manager_class={current!r} is set, but the v0 driver "
-                    f"needs {CHECKPOINT_MANAGER_FQN} to install the selecting loss. Fix: unset it or use "
-                    "trainer.use_v1=true."
-                )
+            check_v0_checkpoint_manager(config)  # the driver checked it too (validate_driver_config)
             with open_dict(config):
                 config.actor_rollout_ref.rollout.checkpoint_manager_class = CHECKPOINT_MANAGER_FQN
             prepare_driver_config(config)
