@@ -51,7 +51,7 @@ def test_cpu_port_fault_is_reported_on_its_own_under_verl_platform_cpu():
     )
     res = _run(code, VERL_PLATFORM="cpu")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "verl_tokensel: the CPU port (verl_tokensel_cpu) failed to load under VERL_PLATFORM=cpu" in res.stderr
+    assert "verl-tokensel: the CPU port (verl_tokensel_cpu) failed to load under VERL_PLATFORM=cpu" in res.stderr
 
 
 def test_cpu_entry_point_registers_the_platform_under_verl_platform_cpu():

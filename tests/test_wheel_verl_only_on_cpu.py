@@ -84,7 +84,7 @@ def check_product_next_to_verl(venv) -> None:
 
     # a misspelt preset without verl's micro-batch overrides: our error first, one line with the closest name, exit 2
     res = _run(venv, ["PY", "-m", "verl_tokensel.main_ppo", f"{SEL}=gmtss"], rc=2)
-    assert "verl_tokensel: actor_rollout_ref.actor.token_selector='gmtss' is invalid (did you mean gmts?)" in \
+    assert "verl-tokensel: actor_rollout_ref.actor.token_selector='gmtss' is invalid (did you mean gmts?)" in \
         res.stderr, res.stderr[-3000:]
     assert "ppo_micro_batch_size" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
 

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
 
 if __name__ == "__main__":  # a known-broken stack gets one line naming the fix, before verl's imports crash on it
@@ -44,10 +45,40 @@ from omegaconf import DictConfig  # noqa: E402
 from verl_tokensel.switches import CPU_PLATFORM, SwitchConflictError, device_port, wants_cpu  # noqa: E402
 
 
+def check(config: DictConfig, environ: dict | None = None) -> None:
+    """The driver's refusals of a composed config, one line each and exit 2 (a usage error), before Ray and before
+    verl's run modules are imported (their import resolves verl's platform, which logs two warnings on a host without
+    a GPU): the CPU switch, which fills the CPU settings in ``config`` and refuses conflicting ones (``environ``: the
+    environment it updates, default this process's), then the token-selection keys."""
+    from verl_tokensel.verl_glue.install import selection_error, validate_driver_config
+
+    if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
+        try:  # the CPU port is its own distribution, found by its entry point (none installed: the install line)
+            port = device_port(CPU_PLATFORM)
+            if environ is None:
+                port(config)
+            else:
+                port(config, environ=environ)
+        except SwitchConflictError as err:  # every conflict, one per line, without a traceback
+            print(err, file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+    try:  # a bad token-selection key is named first, before verl's own checks
+        validate_driver_config(config)
+    except Exception as exc:
+        err = selection_error(exc)
+        if err is None:
+            raise
+        print(f"verl-tokensel: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def run(config: DictConfig) -> None:
-    """Validate on the driver, then hand over to verl's ``run_ppo``."""
+    """Validate on the driver (:func:`check`), then hand over to verl's ``run_ppo``."""
     from verl_tokensel.stack import exit_if_missing_run_packages
 
+    check(config)
+    # what verl imports to run but `pip install verl` does not install: one line, before any traceback
+    exit_if_missing_run_packages(use_v1=bool(config.trainer.use_v1))
     # TaskRunnerV1 (and the V1 trainer package behind it) only on the V1 path: verl's announced branch without
     # it (use_v1 false by default) keeps the v0 route whole
     from verl.trainer.main_ppo import run_ppo
@@ -55,24 +86,8 @@ def run(config: DictConfig) -> None:
     from verl.utils.config import validate_config
     from verl.utils.device import auto_set_device
 
-    from verl_tokensel.verl_glue.install import register_v1_trainers, selection_error, validate_driver_config
+    from verl_tokensel.verl_glue.install import register_v1_trainers
 
-    if wants_cpu(config):  # the one CPU switch, trainer.device=cpu: fill CPU settings before Ray starts
-        try:  # the CPU port is its own distribution, found by its entry point (none installed: the install line)
-            device_port(CPU_PLATFORM)(config)
-        except SwitchConflictError as err:  # every conflict, one per line, without a traceback; exit 2: usage error
-            print(err, file=sys.stderr, flush=True)
-            raise SystemExit(2) from None
-    try:  # a bad token-selection key is named first: one line, exit 2 (a usage error), before Ray
-        validate_driver_config(config)
-    except Exception as exc:
-        err = selection_error(exc)
-        if err is None:
-            raise
-        print(f"verl_tokensel: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
-    # what verl imports to run but `pip install verl` does not install: one line, before any traceback
-    exit_if_missing_run_packages(use_v1=bool(config.trainer.use_v1))
     if config.trainer.use_v1:
         register_v1_trainers()
     auto_set_device(config)
@@ -127,6 +142,61 @@ def main(config: DictConfig) -> None:
     run(config)
 
 
+def preflight(argv: list[str]) -> None:
+    """:func:`check` on the config Hydra is about to compose from ``argv``, before Hydra creates its run folder
+    (``outputs/<date>/<time>/``) or prints the config (``--cfg job`` / ``all``): a refused run leaves no folder, and
+    ``--cfg job`` prints no config that a run would refuse; both exit 2 with the line a run prints. Composed as
+    ``hydra.main`` composes it (same arguments, search path and config); the CPU switch fills a copy of the
+    environment. Multirun, ``--help``, ``--info``, ``--cfg hydra`` and a config Hydra itself cannot compose are left
+    to Hydra (each job of a multirun is checked by :func:`run`)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (create_automatic_config_search_path,
+                                       detect_calling_file_or_module_from_task_function, detect_task_name,
+                                       get_args_parser)
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf, open_dict
+
+    try:
+        args = get_args_parser().parse_args(argv)
+    except SystemExit:  # Hydra's parser says what is wrong when main() parses the same
+        return
+    if (args.help or args.hydra_help or args.multirun or args.info or args.shell_completion
+            or args.cfg not in (None, "job", "all")):
+        return
+    try:
+        calling_file, calling_module = detect_calling_file_or_module_from_task_function(main)
+        search_path = create_automatic_config_search_path(calling_file, calling_module,
+                                                          args.config_path or "config")
+        if args.config_dir is not None:
+            from hydra.core.config_search_path import SearchPathQuery
+
+            search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(args.config_dir)}",
+                                anchor=SearchPathQuery(provider="schema"))
+        hydra_app = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
+                                             config_search_path=search_path)
+        config = hydra_app.compose_config(config_name=args.config_name or "tokensel_trainer",
+                                          overrides=list(args.overrides), run_mode=RunMode.RUN,
+                                          with_log_configuration=False)
+        HydraConfig.instance().set_config(config)  # the CPU switch reads the command line's keys from it
+        with open_dict(config):
+            del config["hydra"]
+        OmegaConf.set_struct(config, True)
+    except Exception:  # noqa: BLE001  (Hydra reports it, its own way, when main() composes)
+        return
+    finally:
+        GlobalHydra.instance().clear()
+    try:
+        check(config, environ=dict(os.environ))
+    except Exception:  # noqa: BLE001  (not a refusal of ours, e.g. verl's own check: the run raises it as before,
+        return  # and --cfg prints the config as Hydra composed it)
+    if args.cfg is None:  # a run (--cfg composes without verl's run packages)
+        from verl_tokensel.stack import exit_if_missing_run_packages
+
+        exit_if_missing_run_packages(use_v1=bool(config.trainer.use_v1))
+
+
 if __name__ == "__main__":
     # verl's example scripts name verl's config (--config-path=config --config-name=ppo_megatron_trainer): ours
     # compose it, so a script swaps only the module. Rewritten before Hydra parses: a file of ours named like
@@ -140,4 +210,5 @@ if __name__ == "__main__":
     if unknown:  # exit 2: a usage error, before Hydra composes
         print(unknown, file=sys.stderr, flush=True)
         raise SystemExit(2)
+    preflight(sys.argv[1:])
     main()

@@ -37,7 +37,7 @@ def unpinned_offload_policy(module: Any) -> bool:
 
     CPUOffloadPolicy.__doc__ = "verl_tokensel (CPU mode): torch's CPUOffloadPolicy without pinned memory."
     module.CPUOffloadPolicy = CPUOffloadPolicy
-    logger.info("verl_tokensel: FSDP2 offload without pinned memory (CPU mode)")
+    logger.info("verl-tokensel: FSDP2 offload without pinned memory (CPU mode)")
     return True
 
 

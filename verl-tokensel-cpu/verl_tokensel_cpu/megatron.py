@@ -559,7 +559,7 @@ def install_on_megatron_import() -> bool:
 
 
 #: the line a process prints once the loading step installed the shims (tests find the actor worker's pid in it)
-SHIMS_ANNOUNCEMENT = "verl_tokensel: Megatron CPU shims installed in pid {pid}"
+SHIMS_ANNOUNCEMENT = "verl-tokensel: Megatron CPU shims installed in pid {pid}"
 
 
 def _install_and_announce() -> None:

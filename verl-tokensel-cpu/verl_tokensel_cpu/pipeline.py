@@ -431,7 +431,7 @@ def apply_cpu_pipeline(config: DictConfig, explicit_keys: Optional[Sequence[str]
     environ.update(env)
     if environ is os.environ:
         enable_cpu_mode()
-    logger.info("verl_tokensel: %s=cpu (%s engine) filled %s; env %s", SWITCH_KEY, engine, ", ".join(filled) or "nothing",
+    logger.info("verl-tokensel: %s=cpu (%s engine) filled %s; env %s", SWITCH_KEY, engine, ", ".join(filled) or "nothing",
                 env)
     return env
 

