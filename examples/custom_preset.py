@@ -1,7 +1,7 @@
 """Your own ``token_selector`` preset: a named selection rule, available in every process of a run.
 
 A preset is a registered rule plus values of its knobs (``token_selection.*``, README "Knobs") under one name:
-here the ranked gradient mask (rule ``mask``) with its ranking's values. For a one-off run the
+here the ranked gradient mask (rule ``gradient_mask``) with its ranking's values. For a one-off run the
 knobs alone do it (``token_selector=forking token_selection.ratio=0.1``); a preset is for a rule you share
 by name across recipes. This one, ``entropy_top10``: the top 10% current-policy entropy tokens of each
 micro-batch, with the paper formula's denominator (all valid tokens) instead of ``forking``'s mean over
@@ -34,13 +34,14 @@ registration must run in each of them, before the config is read. Two ways:
 
 from __future__ import annotations
 
-from verl_tokensel.core.config import preset, register_preset, resolve_selection
+from verl_tokensel.core.config import resolve_selection
+from verl_tokensel.rules import register_preset
 
 NAME = "entropy_top10"
 
 # Names are global to the process and cannot be overwritten (register_preset refuses): pick your own.
-register_preset(NAME, preset("gradient_mask", score="entropy", ratio=0.1, direction="top", scope="micro_batch",
-                             normaliser="all"))
+register_preset(NAME, rule="gradient_mask", score="entropy", ratio=0.1, direction="top", scope="micro_batch",
+                normaliser="all")
 
 
 if __name__ == "__main__":

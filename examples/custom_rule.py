@@ -85,4 +85,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from verl_tokensel_cpu.demo.console import quiet_console
+
+    with quiet_console():  # the known third-party notices (Apex, optional engines, ...) off the console, as the demo
+        main(sys.argv[1:])

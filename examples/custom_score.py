@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from verl_tokensel.core.config import preset, register_preset
 from verl_tokensel.core.scores import ScoreInputs, register_score
+from verl_tokensel.rules import register_preset
 
 NAME = "low_confidence"
 
@@ -31,8 +31,8 @@ def low_confidence(inp: ScoreInputs) -> torch.Tensor:
     return -torch.expm1(inp.log_prob.detach().float())
 
 
-register_preset(NAME, preset("gradient_mask", score=NAME, ratio=0.2, direction="top", scope="micro_batch",
-                             normaliser="all"))
+register_preset(NAME, rule="gradient_mask", score=NAME, ratio=0.2, direction="top", scope="micro_batch",
+                normaliser="all")
 
 
 if __name__ == "__main__":

@@ -294,7 +294,8 @@ def test_metric_lookup():
 
 
 def test_plot_writes_png(tmp_path):
-    path = report.plot({p: _fake_steps(p) for p in ("none", "forking", "gmts")}, tmp_path / "demo.png")
+    runs = {p: _fake_steps(p) for p in ("none", "forking", "gmts")}
+    path = report.plot(runs, tmp_path / "demo.png", [report.summarise(p, steps) for p, steps in runs.items()])
     assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

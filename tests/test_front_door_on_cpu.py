@@ -106,7 +106,7 @@ def test_the_progress_line_names_the_resources_of_the_machine():
 
 
 def test_coinciding_plot_lines_stay_apart(tmp_path, monkeypatch):
-    """forking and gmts both select 0.2 of the tokens: the same points. Each line gets its own marker and dashes."""
+    """Runs with the same rewards draw the same points. Each line gets its own marker and dashes."""
     import matplotlib.axes
 
     from verl_tokensel_cpu.demo import report
@@ -116,7 +116,8 @@ def test_coinciding_plot_lines_stay_apart(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "plot",
                         lambda self, *a, **kw: drawn.append((kw["label"], kw)) or real(self, *a, **kw))
     same = [{"critic/score/mean": 0.5, "actor/tokensel/selected_fraction": 0.2}] * 3
-    report.plot({"none": same, "forking": same, "gmts": same, "random": same}, tmp_path / "demo.png")
+    runs = {"none": same, "forking": same, "gmts": same, "random": same}
+    report.plot(runs, tmp_path / "demo.png", [report.summarise(p, steps) for p, steps in runs.items()])
     styles = {label: (kw["marker"], str(kw["linestyle"]), kw["markersize"]) for label, kw in drawn}
     assert len(styles) == 4 and len(set(styles.values())) == 4, styles
 

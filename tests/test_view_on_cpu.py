@@ -141,6 +141,18 @@ def test_forking_page_has_every_token_and_the_micro_batch_selection(assets, fork
     assert "wrote" in res.stdout and "scoring" in res.stderr  # tqdm progress bar
 
 
+def test_page_gets_the_mode_open_gives_a_new_file(forking_page):
+    """0666 less the umask (0644 under the usual 022), like the demo's pages, not mkstemp's 0600; no temporary file
+    left next to it."""
+    import stat
+
+    out, _ = forking_page
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask, oct(out.stat().st_mode)
+    assert not [p.name for p in out.parent.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_page_escapes_response_text(forking_page):
     out, _ = forking_page
     html = out.read_text()

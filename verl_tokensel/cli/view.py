@@ -20,7 +20,7 @@ Examples::
 from __future__ import annotations
 
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 HELP = "HTML page of responses: tokens shaded by a score, the preset's selected tokens marked"
@@ -116,7 +116,10 @@ def run(args) -> int:
 
     page = build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, sel, shade, n_total)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=str(out.parent))
+    # written whole, then renamed over --out; created with the mode open() gives a new file (0666 less the umask:
+    # 0644 usually), not mkstemp's 0600
+    tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(page)

@@ -5,10 +5,11 @@ The embedded-default main job. With no network and no GPU it:
 1. builds a tiny Qwen2 and a byte-level BPE tokenizer locally and warms it up with supervised next-token loss
    on templated traces whose route word (``think``, then the correct value, or ``guess``, then a near miss) is
    the one uncertain choice that decides the answer (:mod:`verl_tokensel_cpu.demo.task`,
-   :mod:`verl_tokensel_cpu.demo.warmup`; under a minute, cached by its settings under ``--cache-dir``);
+   :mod:`verl_tokensel_cpu.demo.warmup`; about a minute on 2 cores, cached by its settings under ``--cache-dir``);
 2. writes the verifiable arithmetic dataset in verl's RL parquet format (``<out>/data``);
 3. runs verl's full pipeline (``python -m verl_tokensel.main_ppo``: Ray, vLLM rollout, FSDP2 actor, GRPO,
-   math-verify reward) for ``--steps`` steps once per preset (logs, rollouts and final policy under ``<out>``);
+   math-verify reward) for ``--steps`` steps once per preset (logs, Hydra's run folder, rollouts and final policy
+   under ``<out>``, default ``./tokensel_demo``; nothing else goes into the current folder);
    ``--engine megatron`` trains with verl's Megatron engine instead (``model_engine=megatron``, megatron-core
    and mbridge on CPU: ``docs/cpu.md``; the default three presets took 12.6 min on 2 cores);
 4. scores each run's last-step rollouts under its final policy and prints one table row per preset (reward
@@ -18,6 +19,9 @@ The embedded-default main job. With no network and no GPU it:
 ``--task multi`` runs the same on the multi-decision task (:mod:`verl_tokensel_cpu.demo.task_multi`: K arithmetic
 steps per answer, each with its own route word, all of which must be right; its own warm start, dataset and
 reward, :mod:`verl_tokensel_cpu.demo.tasks`).
+
+A preset of your own (``register_preset``) runs too when its module is listed in ``VERL_USE_EXTERNAL_MODULES``
+(imported before ``--presets`` is checked, and by every process of each run).
 
 Exits 1 naming the preset, its log and the log's last lines if a run fails; SIGINT (Ctrl-C) and SIGTERM (``kill``,
 a scheduler, ``timeout``) end the run in progress and its Ray processes, print one line and exit 130 / 143. Known
@@ -33,6 +37,7 @@ Examples::
     verl-tokensel demo --presets forking --steps 6 --timeout 900
     verl-tokensel demo --engine megatron --presets none,forking --steps 4
     verl-tokensel demo --task multi --presets none,forking,random
+    VERL_USE_EXTERNAL_MODULES=examples.custom_preset verl-tokensel demo --presets none,entropy_top10
 """
 
 from __future__ import annotations
@@ -66,13 +71,28 @@ DEFAULT_STEPS = _ROUTE.default_steps
 
 
 def preset_list(value: str) -> list[str]:
-    """argparse type of ``--presets``: comma-separated names from the preset registry."""
-    from verl_tokensel.core.config import PRESETS
+    """argparse type of ``--presets``: comma-separated names from the preset registry, the presets of the modules
+    listed in ``VERL_USE_EXTERNAL_MODULES`` included (imported first, as ``verl-tokensel rules`` and verl do; the
+    runs inherit the variable, so every process of a run has them too)."""
+    import os
 
+    from verl_tokensel.cli.rules import EXTERNAL_MODULES, import_external_modules
+    from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, resolve_selection
+
+    try:
+        import_external_modules()
+    except Exception as exc:  # noqa: BLE001  (the user's module: say which, and why)
+        raise argparse.ArgumentTypeError(f"{EXTERNAL_MODULES}={os.environ.get(EXTERNAL_MODULES)!r}: importing it "
+                                         f"failed: {exc!r}") from None
     names = [p.strip() for p in value.split(",") if p.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"no preset given; valid: {', '.join(PRESETS)}")
-    bad = [p for p in names if p not in PRESETS]
+    bad = []
+    for name in names:  # resolved as a run resolves token_selector
+        try:
+            resolve_selection(name)
+        except TokenSelectionConfigError:
+            bad.append(name)
     if bad:
         raise argparse.ArgumentTypeError(
             f"unknown preset(s) {', '.join(bad)}; valid: {', '.join(PRESETS)} (comma-separated)")
@@ -108,7 +128,8 @@ def add_arguments(parser) -> None:
                              "(default ./tokensel_demo)")
     parser.add_argument("--presets", type=preset_list, default=list(DEFAULT_PRESETS),
                         help="comma-separated token_selector presets, run in this order (default none,forking,gmts; "
-                             "also forking_bottom, random, forking_paper, grad_norm)")
+                             "also forking_bottom, random, forking_paper, grad_norm, and yours from the modules of "
+                             "VERL_USE_EXTERNAL_MODULES)")
     parser.add_argument("--task", type=task_name, default=DEFAULT_TASK,
                         help=f"the synthetic task: {'; '.join(f'{n}: {get_task(n).summary}' for n in TASK_NAMES)} "
                              f"(default {DEFAULT_TASK})")
@@ -200,7 +221,15 @@ def demo_overrides(preset: str, model_dir: str, train: str, val: str, out: Path,
         f"trainer.experiment_name={preset}",
         f"trainer.default_local_dir={out / 'checkpoints' / preset}",
         f"trainer.rollout_data_dir={out / 'rollouts' / preset}",
+        # Hydra's run folder (the composed config in .hydra/, main_ppo.log) inside --out, not ./outputs/<date>/<time>
+        f"hydra.run.dir={hydra_run_dir(out, preset)}",
     ]
+
+
+def hydra_run_dir(out: Path, preset: str) -> Path:
+    """Hydra's run folder of the preset's run: ``<out>/logs/hydra/<preset>`` (its ``.hydra/config.yaml`` is the
+    composed config)."""
+    return Path(out) / "logs" / "hydra" / preset
 
 
 def _think(warm: dict) -> str:
@@ -292,6 +321,7 @@ def _run(args) -> int:
         progress(f"{label}: verl GRPO ({args.engine}), {args.steps} steps, log {log_path}")
         shutil.rmtree(out / "rollouts" / preset, ignore_errors=True)
         shutil.rmtree(out / "checkpoints" / preset, ignore_errors=True)
+        shutil.rmtree(hydra_run_dir(out, preset), ignore_errors=True)
         overrides = demo_overrides(preset, model_dir, train, val, out, args.steps, seed=args.seed, lr=args.lr,
                                    engine=args.engine, task=args.task)
         try:
@@ -327,7 +357,7 @@ def _run(args) -> int:
                                      responses_per_step=spec.train_batch_size * ROLLOUT_N))
 
     table = report.format_table(rows)
-    png = report.plot(runs, out / "demo.png")
+    png = report.plot(runs, out / "demo.png", rows)
     (out / "results.json").write_text(json.dumps(
         {"settings": {"task": args.task, "engine": args.engine, "steps": args.steps, "lr": args.lr,
                       "seed": args.seed, "train_batch_size": spec.train_batch_size,
@@ -339,7 +369,7 @@ def _run(args) -> int:
     print(table)
     print()
     print(report.TABLE_NOTE)
-    print(f"\nreward curves: {png}")
+    print(f"\nreward curves and the selection on the decisions: {png}")
     for preset, analysis in analyses.items():
         if analysis is not None:
             print(f"view ({preset}, last step's rollouts, selected tokens marked): {analysis['html']}")

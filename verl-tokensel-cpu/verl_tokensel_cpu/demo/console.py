@@ -5,7 +5,8 @@ vLLM's and TransferQueue's thread-count and Triton notices, Megatron's Apex / Tr
 missing optional engines and its accelerator probe, transformers' deprecation and weight-loading bars. On the
 console they are dropped (with the indented source line Python prints under a warning); the demo keeps them in
 ``<out>/logs/console_noise.log``, and every run's own log keeps its output whole. :func:`drop_noise` filters the
-log tail the demo prints for a failed run.
+log tail the demo prints for a failed run. :func:`quiet_console` is the one filter: the examples that run verl in
+their own process (``examples/custom_rule.py``) use it too.
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import re
 import sys
 import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 #: one regex per known notice (Ray's "(Actor pid=N)" prefix and ANSI colours are stripped before matching)
 NOISE_PATTERNS: tuple[str, ...] = (
@@ -31,7 +33,8 @@ NOISE_PATTERNS: tuple[str, ...] = (
     r"(torchtitan|veomni|automodel) engine is not available",  # verl's optional engines
     r"No supported accelerator detected|is registered but not available",  # verl's accelerator probe
     r"`torch_dtype` is deprecated|requires torchvision \(not installed\)",  # transformers
-    r"^Loading weights:",  # transformers' weight-loading bar
+    r"^Loading weights:|^Writing model shards:",  # transformers' weight-loading and -saving bars
+    r"is_fx_tracing will return true for both fx\.symbolic_trace and torch\.export",  # torch, once per process
 )
 _NOISE = re.compile("|".join(f"(?:{p})" for p in NOISE_PATTERNS))
 _PREFIX = re.compile(r"\x1b\[[0-9;]*m|^\(\S+ pid=\d+(?:, ip=[\d.]+)?\)\s?")
@@ -104,11 +107,20 @@ def _stream_handlers() -> list[logging.StreamHandler]:
 
 
 @contextlib.contextmanager
-def quiet_console(noise_log: Path) -> Iterator[None]:
+def quiet_console(noise_log: Optional[Path] = None) -> Iterator[None]:
     """Inside, ``sys.stdout`` / ``sys.stderr`` (and the logging handlers already writing to them, such as the
-    ones libraries set up at import) drop the known notices (:func:`is_noise`) into ``noise_log``."""
-    noise_log.parent.mkdir(parents=True, exist_ok=True)
-    with open(noise_log, "a") as noise:
+    ones libraries set up at import) drop the known notices (:func:`is_noise`) into ``noise_log`` (None: nowhere).
+
+    Use::
+
+        from verl_tokensel_cpu.demo.console import quiet_console
+
+        with quiet_console():
+            main()
+    """
+    if noise_log is not None:
+        noise_log.parent.mkdir(parents=True, exist_ok=True)
+    with open(os.devnull if noise_log is None else noise_log, "a") as noise:
         saved = sys.stdout, sys.stderr
         filtered = {id(saved[0]): _Filtered(saved[0], noise), id(saved[1]): _Filtered(saved[1], noise)}
         sys.stdout, sys.stderr = filtered[id(saved[0])], filtered[id(saved[1])]

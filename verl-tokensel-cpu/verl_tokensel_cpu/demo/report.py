@@ -9,7 +9,7 @@ Use::
     from verl_tokensel_cpu.demo.report import summarise, format_table, plot
     rows = [summarise(preset, steps) for preset, steps in runs.items()]
     print(format_table(rows))
-    plot(runs, "demo.png")
+    plot(runs, "demo.png", rows)
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def to_json(rows: Sequence[PresetSummary]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
-#: (marker, line style, marker size, filled) per line, in order: lines that coincide (forking and gmts both select
-#: 0.2) stay visible, a hollow larger marker around a filled smaller one, dashes over a solid line
+#: (marker, line style, marker size, filled) per line, in order: lines that coincide (two runs with the same rewards)
+#: stay visible, a hollow larger marker around a filled smaller one, dashes over a solid line
 LINE_STYLES = (("o", "-", 9, True), ("s", "--", 7, False), ("^", ":", 6, True), ("D", "-.", 5, False),
                ("v", (0, (5, 1)), 8, True), ("x", (0, (1, 2)), 8, True), ("P", (0, (3, 1, 1, 1)), 6, False))
 
@@ -217,31 +217,46 @@ def line_style(i: int) -> dict:
     return style
 
 
-def plot(runs: Mapping[str, Sequence[StepMetrics]], path: str | os.PathLike) -> str:
-    """PNG with two panels, reward and selected fraction per step, one line per preset, each with its own marker
-    and dashes (:func:`line_style`); returns the path."""
+#: the two bars of each preset in :func:`plot`'s second panel: (PresetSummary attribute, legend label)
+DECISION_BARS = (("selected_on_decision_share", "share of its selected tokens on the decisions"),
+                 ("decision_token_share", "decisions' share of all response tokens"))
+
+
+def plot(runs: Mapping[str, Sequence[StepMetrics]], path: str | os.PathLike, rows: Sequence[PresetSummary]) -> str:
+    """PNG with two panels; returns the path. Left: the reward per step, one line per preset, each with its own
+    marker and dashes (:func:`line_style`). Right, from ``rows`` (the table's, last step's rollouts): per preset, the
+    share of its selected tokens that sit on the task's decisions next to the decisions' share of all response
+    tokens (:data:`DECISION_BARS`; equal for ``none``, which selects every token; the gap is where a selector puts
+    its budget). A preset without rollout statistics gets no bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, (ax_r, ax_f) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_r, ax_d) = plt.subplots(1, 2, figsize=(10, 4))
     for i, (preset, steps) in enumerate(runs.items()):
-        style = line_style(i)
         x = list(range(1, len(steps) + 1))
         rewards = [metric(s, *REWARD_KEYS) for s in steps]
-        fractions = [metric(s, SELECTED_FRACTION_KEY) for s in steps]
-        if all(f is None for f in fractions):
-            fractions = [1.0] * len(steps)
-        ax_r.plot(x, [math.nan if r is None else r for r in rewards], label=preset, **style)
-        ax_f.plot(x, [math.nan if f is None else f for f in fractions], label=preset, **style)
+        ax_r.plot(x, [math.nan if r is None else r for r in rewards], label=preset, **line_style(i))
     ax_r.set(title="reward (critic/score/mean)", xlabel="step", ylabel="mean reward")
-    ax_f.set(title="selected fraction of response tokens", xlabel="step", ylabel="fraction", ylim=(0, 1.05))
-    for ax in (ax_r, ax_f):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend()
+    ax_r.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_r.grid(alpha=0.3)
+    ax_r.legend()
+    width = 0.8 / len(DECISION_BARS)
+    for j, (attr, label) in enumerate(DECISION_BARS):
+        values = [getattr(row, attr) for row in rows]
+        bars = ax_d.bar([i + (j - (len(DECISION_BARS) - 1) / 2) * width for i in range(len(rows))],
+                        [math.nan if v is None else v for v in values], width, label=label, hatch="//" if j else None,
+                        alpha=1.0 if j == 0 else 0.6)
+        ax_d.bar_label(bars, labels=["" if v is None else f"{v:.2f}" for v in values], fontsize=8)
+    ax_d.set_xticks(range(len(rows)), [row.preset if all(getattr(row, a) is not None for a, _ in DECISION_BARS)
+                                       else f"{row.preset}\n(not measured)" for row in rows])
+    known = [v for row in rows for v in (getattr(row, a) for a, _ in DECISION_BARS) if v is not None]
+    ax_d.set(title="selected tokens on the decisions (last step)", ylabel="share of tokens",
+             ylim=(0, min(1.05, 1.3 * max(known, default=0.8))))
+    ax_d.grid(alpha=0.3, axis="y")
+    ax_d.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
