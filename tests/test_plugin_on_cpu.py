@@ -72,7 +72,7 @@ def test_selection_product_imports_no_cpu_port():
     """The selection glue, the loss and the driver entry point load without the CPU port."""
     code = BREAK_CPU_PORT + (
         "import verl\n"
-        "import verl_tokensel.verl_glue.install, verl_tokensel.verl_glue.prepass, verl_tokensel.main_ppo\n"
+        "import verl_tokensel.verl_glue.install, verl_tokensel.verl_glue.workers, verl_tokensel.main_ppo\n"
         "assert not [m for m in sys.modules if m.startswith('verl_tokensel_cpu.')]\n"
     )
     res = _run(code)

@@ -31,7 +31,7 @@ def test_update_actor_runs_the_prepass_in_the_ray_worker():
 
     from verl_tokensel.core.select import budget
     from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
-    from verl_tokensel.verl_glue.prepass import tokensel_worker_class
+    from verl_tokensel.verl_glue.workers import tokensel_worker_class
 
     config = RA.compose_tokensel_config(str(tiny_model.build_tiny_model_dir()),
                                         ["actor_rollout_ref.actor.token_selector=gmts"],

@@ -29,7 +29,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker  #
 
 from verl_tokensel.core.batch import group_ids as stable_group_ids  # noqa: E402
 from verl_tokensel.verl_glue.micro_batch import batch_uids  # noqa: E402
-from verl_tokensel.verl_glue.prepass import TokenselTrainingWorker, tokensel_worker_class  # noqa: E402
+from verl_tokensel.verl_glue.workers import TokenselTrainingWorker, tokensel_worker_class  # noqa: E402
 
 
 def batch_group_ids(td):
@@ -115,7 +115,7 @@ def test_megatron_takes_the_prepass_on_the_driver():
     from verl.utils.config import omega_conf_to_dataclass
 
     from verl_tokensel.verl_glue.actor_config import TokenselMcoreActorConfig
-    from verl_tokensel.verl_glue.prepass import selection_uses_tokensel_workers
+    from verl_tokensel.verl_glue.workers import selection_uses_tokensel_workers
 
     with initialize_config_module("verl_tokensel.config", version_base=None):
         cfg = compose("tokensel_megatron_trainer",
@@ -140,3 +140,65 @@ def test_group_ids_are_stable_and_shared_by_equal_uids():
     assert torch.equal(batch_group_ids(td), stable_group_ids(["p", "q", "p"]))
     with pytest.raises(RuntimeError, match="scope=group needs the 'uid'"):
         batch_group_ids(TensorDict({"x": torch.zeros(3)}, batch_size=[3]))
+
+
+def test_install_prepass_puts_each_step_once_and_counts_the_weight_versions():
+    """The composite install (what every tokensel actor worker runs): each step wraps its methods once, however often
+    it is called; with a stock loss every call reaches verl's method; the weight versions rise on each update (a
+    failed one too) and checkpoint load, and the old pass is current only after an ``infer_batch`` with the adapter."""
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+
+    from verl_tokensel.verl_glue.prepass import install_prepass
+    from verl_tokensel.verl_glue.weight_versions import old_pass_is_current
+
+    calls = []
+
+    class Worker:  # verl's TrainingWorker's methods the steps wrap, with a stock loss
+        loss_fn = staticmethod(lambda *a: None)
+        engine = None
+
+        def train_batch(self, data):
+            calls.append("train_batch")
+            if tu.get_non_tensor_data(data=data, key="fail", default=False):
+                raise RuntimeError("update failed")
+            return None
+
+        def train_mini_batch(self, data):
+            calls.append("train_mini_batch")
+
+        def infer_batch(self, data):
+            calls.append("infer_batch")
+
+        def load_checkpoint(self, *args):
+            calls.append("load_checkpoint")
+
+    worker = Worker()
+    install_prepass(worker)
+    wrapped = (worker.train_batch, worker.train_mini_batch, worker.infer_batch, worker.load_checkpoint)
+    assert install_prepass(worker) is worker
+    assert (worker.train_batch, worker.train_mini_batch, worker.infer_batch, worker.load_checkpoint) == wrapped
+
+    data = TensorDict({}, batch_size=[])
+    assert not old_pass_is_current(worker)
+    worker.infer_batch(data)
+    assert old_pass_is_current(worker)
+    worker.train_mini_batch(data)
+    worker.train_batch(data)
+    assert not old_pass_is_current(worker)
+    worker.infer_batch(data)
+    assert old_pass_is_current(worker)
+    failing = TensorDict({}, batch_size=[])
+    tu.assign_non_tensor(failing, fail=True)
+    with pytest.raises(RuntimeError, match="update failed"):
+        worker.train_batch(failing)
+    assert not old_pass_is_current(worker)
+    worker.infer_batch(data)
+    worker.load_checkpoint("path")
+    assert not old_pass_is_current(worker)
+    no_adapter = TensorDict({}, batch_size=[])
+    tu.assign_non_tensor(no_adapter, no_lora_adapter=True)
+    worker.infer_batch(no_adapter)  # verl's reference pass on the actor: not the policy's weights
+    assert not old_pass_is_current(worker)
+    assert calls == ["infer_batch", "train_mini_batch", "train_batch", "infer_batch", "train_batch", "infer_batch",
+                     "load_checkpoint", "infer_batch"]

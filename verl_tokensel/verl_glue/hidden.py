@@ -1,15 +1,16 @@
 """The passes over the last hidden states a rule declares (``Needs(hidden_states=...)``), in verl's actor worker.
 
 At the start of each step's update (``TrainingWorker.train_mini_batch``: this rank's share of the step's batch, the
-advantages given, the weights still those of verl's old-log-prob pass), :func:`hidden_sweeps` runs the rule's
-:class:`~verl_tokensel.core.rules.hidden.HiddenStates` passes: each is the engine's own forward-only path
-(``engine.infer_batch`` with a per-micro-batch collector in place of a loss), during which a forward pre-hook on the
-output layer (``lm_head``; Megatron's ``output_layer``) holds that micro-batch's input to it until the collector
-has laid it out like the log-probs (:func:`packed_hidden`: gathered over Ulysses or Megatron's tensor-parallel
-sequence parallelism and context parallelism, padding dropped, by verl's own functions where verl maps the logits)
-and handed the valid response tokens to the rule. Nothing of size ``[B, S, H]`` outlives a micro-batch. The last
-pass's per-token values become the batch field :data:`~verl_tokensel.core.fields.HIDDEN`, which verl's
-mini-batching carries to every mini-batch and epoch of the step; the loss hands them to the rule as ``x.hidden``.
+advantages given, the weights still those of verl's old-log-prob pass; wrapped by :func:`install_hidden_passes`),
+:func:`hidden_sweeps` runs the rule's :class:`~verl_tokensel.core.rules.hidden.HiddenStates` passes: each is the
+engine's own forward-only path (``engine.infer_batch`` with a per-micro-batch collector in place of a loss), during
+which a forward pre-hook on the output layer (``lm_head``; Megatron's ``output_layer``) holds that micro-batch's
+input to it until the collector has laid it out like the log-probs (:func:`packed_hidden`: gathered over Ulysses or
+Megatron's tensor-parallel sequence parallelism and context parallelism, padding dropped, by verl's own functions
+where verl maps the logits) and handed the valid response tokens to the rule. Nothing of size ``[B, S, H]`` outlives
+a micro-batch. The last pass's per-token values become the batch field :data:`~verl_tokensel.core.fields.HIDDEN`,
+which verl's mini-batching carries to every mini-batch and epoch of the step; the loss hands them to the rule as
+``x.hidden``.
 
 On the Megatron engine the collector runs where verl runs a loss: every tensor-parallel (and context-parallel) rank
 of the last pipeline stage; each computes the rule's values over the gathered hidden states, and the rule's
@@ -35,10 +36,12 @@ from verl.workers.utils.padding import no_padding_2_padding, response_to_nested
 from verl_tokensel.core import fields
 from verl_tokensel.core.rules.hidden import HiddenBatch, HiddenStates
 from verl_tokensel.verl_glue.errors import config_error_at
+from verl_tokensel.verl_glue.loss import SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching
 
 #: the output layer's module name: HF causal LMs, Megatron's GPTModel
 OUTPUT_LAYER_NAMES = ("lm_head", "output_layer")
+_WRAPPED = "_tokensel_hidden_base_train_mini_batch"
 
 
 def is_megatron(engine) -> bool:
@@ -325,5 +328,29 @@ def hidden_states_of(config) -> Optional[type]:
     return None if sel is None else sel.impl.needs.hidden_states
 
 
-__all__ = ["OUTPUT_LAYER_NAMES", "hidden_states_of", "hidden_sweeps", "is_megatron", "output_layer", "packed_hidden",
-           "response_tokens"]
+def install_hidden_passes(worker):
+    """Wrap ``worker.train_mini_batch`` (the step's update on this rank; idempotent): with the worker's CURRENT loss,
+    a selecting loss whose rule declares ``Needs(hidden_states=...)`` gets its passes (:func:`hidden_sweeps`) before
+    the update, their metrics added to the update's. Any other loss passes through untouched."""
+    if getattr(worker, _WRAPPED, None) is not None:
+        return worker
+    base = worker.train_mini_batch
+
+    def train_mini_batch(data: TensorDict, *args, **kwargs):
+        loss_fn = worker.loss_fn
+        states = hidden_states_of(loss_fn.config) if isinstance(loss_fn, SelectingLoss) else None
+        if states is None:
+            return base(data, *args, **kwargs)
+        metrics = hidden_sweeps(worker, data, loss_fn.config, states)
+        output = base(data, *args, **kwargs)
+        if output is not None:
+            tu.get(output, "metrics").update({k: [v] for k, v in metrics.items()})
+        return output
+
+    setattr(worker, _WRAPPED, base)
+    worker.train_mini_batch = train_mini_batch
+    return worker
+
+
+__all__ = ["OUTPUT_LAYER_NAMES", "hidden_states_of", "hidden_sweeps", "install_hidden_passes", "is_megatron",
+           "output_layer", "packed_hidden", "response_tokens"]

@@ -213,7 +213,7 @@ class _TokenselTrainerMixin:
         # the actor's TrainingWorker runs the selection's worker-side steps (the no-graph entropy of the update
         # pass; score_source=prepass: the selection at the start of each mini-batch); the swap subclasses
         # whatever worker class the base trainer put there (separate_async: DetachActorWorker)
-        from verl_tokensel.verl_glue.prepass import selection_uses_tokensel_workers, use_tokensel_workers
+        from verl_tokensel.verl_glue.workers import selection_uses_tokensel_workers, use_tokensel_workers
 
         if selection_uses_tokensel_workers(self.config):
             use_tokensel_workers(self.role_worker_mapping)

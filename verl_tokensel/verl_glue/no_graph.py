@@ -3,12 +3,13 @@
 Stock verl computes the update pass's entropy WITH autograd: the softmax over the whole vocabulary of every token is
 kept for a backward that, with ``entropy_coeff = 0`` (every DAPO recipe, both papers), carries a zero gradient. A
 selector needs the values, not their gradient: :func:`install_no_graph_scores` wraps one FSDP engine's
-``prepare_model_outputs`` so that, while the worker's loss is a selecting loss that asks for it
-(:func:`wants_no_graph`), verl's entropy and sum p^2 functions are swapped for versions computed under ``no_grad``
-in chunks of :data:`CHUNK_ELEMENTS` logits, and the log-prob reuses the entropy pass's row ``logsumexp``
-(:func:`logprobs_from_lse`, same value and gradient). Forward-only passes (old log-prob, pre-pass) get the same
-entropy function, so every entropy a selector ranks by comes from one place. Values equal verl's to float rounding,
-except on ``-inf`` logits (a masked vocabulary), where verl's is NaN and this one is the masked distribution's.
+``prepare_model_outputs`` (on an actor worker's first call under a selecting loss: :func:`install_no_graph_entropy`)
+so that, while the worker's loss is a selecting loss that asks for it (:func:`wants_no_graph`), verl's entropy and
+sum p^2 functions are swapped for versions computed under ``no_grad`` in chunks of :data:`CHUNK_ELEMENTS` logits,
+and the log-prob reuses the entropy pass's row ``logsumexp`` (:func:`logprobs_from_lse`, same value and gradient).
+Forward-only passes (old log-prob, pre-pass) get the same entropy function, so every entropy a selector ranks by
+comes from one place. Values equal verl's to float rounding, except on ``-inf`` logits (a masked vocabulary), where
+verl's is NaN and this one is the masked distribution's.
 
 The graph stays with ``entropy_coeff != 0``, ``token_selection.no_grad_scores=false``, a stock loss, fused kernels,
 and engines other than FSDP/FSDP2. The verl names it swaps are in ARCHITECTURE.md's Seams table.
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 #: logits per chunk (2^25 = 32M float32 values, 128 MiB; 220 rows at a vocabulary of 151,936)
 CHUNK_ELEMENTS = 1 << 25
 _WRAPPED = "_tokensel_no_graph_base"
+_WORKER_WRAPPED = "_tokensel_no_graph_worker_base"
 
 
 def _rows_per_chunk(vocab: int) -> int:
@@ -233,6 +235,32 @@ def install_no_graph_scores(worker) -> bool:
     return True
 
 
+def install_no_graph_entropy(worker):
+    """Wrap ``worker.train_batch`` and ``infer_batch`` (idempotent): the first call under a selecting loss installs
+    :func:`install_no_graph_scores` on the worker's engine (built after the worker), so that the old-log-prob pass's
+    entropy comes from the same function as the update's. Any other loss passes through untouched."""
+    if getattr(worker, _WORKER_WRAPPED, None) is not None:
+        return worker
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+
+    base, base_infer = worker.train_batch, worker.infer_batch
+
+    def train_batch(data, *args, **kwargs):
+        if isinstance(worker.loss_fn, SelectingLoss):
+            install_no_graph_scores(worker)
+        return base(data, *args, **kwargs)
+
+    def infer_batch(data, *args, **kwargs):
+        if isinstance(worker.loss_fn, SelectingLoss):  # the old-log-prob pass's entropy: the selectors' function
+            install_no_graph_scores(worker)
+        return base_infer(data, *args, **kwargs)
+
+    setattr(worker, _WORKER_WRAPPED, base)
+    worker.train_batch = train_batch
+    worker.infer_batch = infer_batch
+    return worker
+
+
 def _distillation(micro_batch) -> bool:
     """verl's top-k distillation reads the student logits with a graph (``logits_processor_func``)."""
     from verl.utils import tensordict_utils as tu
@@ -250,6 +278,7 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "entropy_no_graph",
     "logprobs_from_lse",
+    "install_no_graph_entropy",
     "install_no_graph_scores",
     "sum_pi_squared_no_graph",
     "supports_no_graph",

@@ -8,11 +8,13 @@ prompt, wherever they sit) or ``sequence``. The mask and the scores travel as pe
 keeps them on their rows; the selecting loss applies them. A score that reads no policy value (only fields fixed
 before the update) never needs the forward.
 
-Installed without editing verl: :func:`install_prepass` wraps ``train_batch`` of one ``TrainingWorker`` (reading the
-rule from the worker's current :class:`~verl_tokensel.verl_glue.loss.SelectingLoss`), and
-:func:`tokensel_worker_class` sets verl's ``actor_worker_cls`` on a subclass of the actor worker class so the wrap is
-there in every Ray worker. Cost: one no-grad forward per mini-batch (none when the old pass is reused, or when the
-score reads no policy value).
+Installed without editing verl: :func:`install_prepass` puts the selection's worker-side steps on one
+``TrainingWorker``, each from the module named for it: the pre-pass (here, around ``train_batch``, reading the rule
+from the worker's current :class:`~verl_tokensel.verl_glue.loss.SelectingLoss`), the weight versions
+(:mod:`~verl_tokensel.verl_glue.weight_versions`), the no-graph entropy (:mod:`~verl_tokensel.verl_glue.no_graph`) and
+the hidden-state passes (:mod:`~verl_tokensel.verl_glue.hidden`); the actor worker classes that install them in every
+Ray worker are :mod:`~verl_tokensel.verl_glue.workers`. Cost: one no-grad forward per mini-batch (none when the old
+pass is reused, or when the score reads no policy value).
 """
 
 from __future__ import annotations
@@ -31,16 +33,14 @@ from verl_tokensel.core import fields
 from verl_tokensel.core.dist_topk import global_group_ids
 from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.selection import Selection
-from verl_tokensel.verl_glue.hidden import hidden_states_of, hidden_sweeps
+from verl_tokensel.verl_glue.hidden import install_hidden_passes
 from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching, unpack_micro_batch
-from verl_tokensel.verl_glue.no_graph import install_no_graph_scores
+from verl_tokensel.verl_glue.no_graph import install_no_graph_entropy
+from verl_tokensel.verl_glue.weight_versions import install_weight_versions, old_pass_is_current
 
 PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
 _WRAPPED = "_tokensel_prepass_base_train_batch"
-# per worker: updates and checkpoint loads so far, and that count at the last old-log-prob pass
-_WEIGHTS_VERSION = "_tokensel_weights_version"
-_INFER_AT = "_tokensel_infer_at_version"
 
 
 def _selecting_config(loss_fn) -> Optional[Any]:
@@ -71,8 +71,7 @@ def old_pass_measured_these_weights(worker: TrainingWorker, data: TensorDict, co
         return fields.OLD_LOG_PROBS in data.keys()
     if not getattr(config.token_selection, "prepass_reuse", True):
         return False
-    version = getattr(worker, _WEIGHTS_VERSION, None)
-    if version is None or getattr(worker, _INFER_AT, None) != version:
+    if not old_pass_is_current(worker):  # verl_glue.weight_versions
         return False
     if sel.uses_sum_pi_squared or "old_log_probs" not in data.keys():
         return False
@@ -169,138 +168,53 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
 
 
 def install_prepass(worker: TrainingWorker) -> TrainingWorker:
-    """Wrap ``worker.train_batch`` (one PPO mini-batch) with the selection's worker-side steps (idempotent).
+    """Put the selection's worker-side steps on ``worker`` (idempotent; what every tokensel actor worker runs,
+    :class:`~verl_tokensel.verl_glue.workers.TokenselTrainingWorker`). Each reads the worker's CURRENT loss at each
+    call; any other loss passes through them untouched:
 
-    At each call, with the worker's CURRENT loss: the update pass's entropy / sum p^2 without an autograd graph
-    when the loss's config allows it (:func:`verl_tokensel.verl_glue.no_graph.install_no_graph_scores`, on
-    the worker's engine, installed at the first ``train_batch`` or ``infer_batch`` under a selecting loss, so
-    the old-log-prob pass's entropy comes from the same function); and, when its selection has
-    ``score_source=prepass``, :func:`prepass_select` on the mini-batch before it trains, its
-    ``tokensel/prepass/*`` metrics added to the mini-batch's metrics. And ``train_mini_batch`` (the step's update)
-    runs first, for a rule with ``Needs(hidden_states=...)``, its passes over the last hidden states
-    (:func:`~verl_tokensel.verl_glue.hidden.hidden_sweeps`). Any other loss passes through untouched.
+    - the pre-pass: ``train_batch`` (one PPO mini-batch) runs :func:`prepass_select` before it trains when the
+      selection has ``score_source=prepass``, its ``tokensel/prepass/*`` metrics added to the mini-batch's;
+    - the weight versions the pre-pass's reuse reads
+      (:func:`~verl_tokensel.verl_glue.weight_versions.install_weight_versions`);
+    - the update pass's entropy / sum p^2 without an autograd graph, installed on the worker's engine at the first
+      ``train_batch`` or ``infer_batch`` under a selecting loss, so the old-log-prob pass's entropy comes from the
+      same function (:func:`~verl_tokensel.verl_glue.no_graph.install_no_graph_entropy`);
+    - before ``train_mini_batch`` (the step's update), a rule's passes over the last hidden states
+      (:func:`~verl_tokensel.verl_glue.hidden.install_hidden_passes`).
+
+    ``train_batch`` runs them in this order: the no-graph install, then the pre-pass and the update, then the
+    version's rise (also when the update fails).
     """
+    _install_prepass_step(worker)  # innermost: the version rises after the pre-pass and the update
+    install_weight_versions(worker)
+    install_no_graph_entropy(worker)
+    install_hidden_passes(worker)
+    return worker
+
+
+def _install_prepass_step(worker: TrainingWorker) -> None:
+    """Wrap ``worker.train_batch`` with :func:`prepass_select` for a selection with ``score_source=prepass``."""
     if getattr(worker, _WRAPPED, None) is not None:
-        return worker
+        return
     base = worker.train_batch
-    base_mini = worker.train_mini_batch
-    base_infer = worker.infer_batch
-    base_load = getattr(worker, "load_checkpoint", None)
-    setattr(worker, _WEIGHTS_VERSION, 0)
 
     def train_batch(data: TensorDict, *args, **kwargs):
-        if isinstance(worker.loss_fn, SelectingLoss):
-            install_no_graph_scores(worker)
         config = _selecting_config(worker.loss_fn)
-        try:
-            if config is None:
-                return base(data, *args, **kwargs)
-            metrics = prepass_select(worker, data, config)
-            output = base(data, *args, **kwargs)
-        finally:  # the update changed the weights (or may have, if it failed)
-            setattr(worker, _WEIGHTS_VERSION, getattr(worker, _WEIGHTS_VERSION) + 1)
+        if config is None:
+            return base(data, *args, **kwargs)
+        metrics = prepass_select(worker, data, config)
+        output = base(data, *args, **kwargs)
         if output is not None and metrics:
             tu.get(output, "metrics").update(metrics)
         return output
 
-    def train_mini_batch(data: TensorDict, *args, **kwargs):
-        loss_fn = worker.loss_fn
-        states = hidden_states_of(loss_fn.config) if isinstance(loss_fn, SelectingLoss) else None
-        if states is None:
-            return base_mini(data, *args, **kwargs)
-        metrics = hidden_sweeps(worker, data, loss_fn.config, states)
-        output = base_mini(data, *args, **kwargs)
-        if output is not None:
-            tu.get(output, "metrics").update({k: [v] for k, v in metrics.items()})
-        return output
-
-    def infer_batch(data: TensorDict, *args, **kwargs):
-        if isinstance(worker.loss_fn, SelectingLoss):  # the old-log-prob pass's entropy: the selectors' function
-            install_no_graph_scores(worker)
-        with_adapter = not tu.get_non_tensor_data(data=data, key="no_lora_adapter", default=False)
-        out = base_infer(data, *args, **kwargs)
-        if with_adapter:  # the policy itself (verl's ref pass may run this worker with the adapter off)
-            setattr(worker, _INFER_AT, getattr(worker, _WEIGHTS_VERSION))
-        return out
-
     setattr(worker, _WRAPPED, base)
     worker.train_batch = train_batch
-    worker.train_mini_batch = train_mini_batch
-    worker.infer_batch = infer_batch
-    if base_load is not None:
-        def load_checkpoint(*args, **kwargs):
-            setattr(worker, _WEIGHTS_VERSION, getattr(worker, _WEIGHTS_VERSION) + 1)
-            return base_load(*args, **kwargs)
-
-        worker.load_checkpoint = load_checkpoint
-    return worker
-
-
-class TokenselTrainingWorker(TrainingWorker):
-    """verl's ``TrainingWorker`` with the pre-pass wrap installed (:func:`install_prepass`)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        install_prepass(self)
-
-
-_WORKER_CLASSES: dict[type, type] = {}
-
-
-def tokensel_worker_class(base: type) -> type:
-    """A subclass of the actor worker class ``base`` whose actor ``TrainingWorker`` runs the pre-pass.
-
-    ``base``: ``ActorRolloutRefWorker`` or a subclass of it (verl's separate-async trainer swaps in
-    ``DetachActorWorker``); a Ray actor class (``ray.remote(...)``) is unwrapped. Only the class attribute
-    ``actor_worker_cls`` changes, so every registered RPC of ``base`` stays as it is. Cached per base;
-    the class is not a module attribute, so Ray ships it by value to the worker processes.
-    """
-    base = getattr(base, "__ray_actor_class__", base)
-    if getattr(base, "_tokensel_prepass", False):
-        return base
-    if base not in _WORKER_CLASSES:
-        inner = base.actor_worker_cls
-        if inner is TrainingWorker:
-            inner = TokenselTrainingWorker
-        elif not issubclass(inner, TokenselTrainingWorker):  # a custom actor TrainingWorker: keep it, add the wrap
-            inner = type(f"Tokensel{inner.__name__}", (TokenselTrainingWorker, inner), {"__module__": __name__})
-        _WORKER_CLASSES[base] = type(
-            f"Tokensel{base.__name__}",
-            (base,),
-            {"actor_worker_cls": inner, "_tokensel_prepass": True, "__module__": __name__,
-             "__doc__": f"verl's {base.__name__} whose actor runs the token-selection pre-pass each mini-batch."},
-        )
-    return _WORKER_CLASSES[base]
-
-
-def use_tokensel_workers(role_worker_mapping: dict) -> None:
-    """Swap, in place, every actor worker class of a trainer's ``role_worker_mapping`` for its tokensel twin.
-
-    Called after verl (or a trainer subclass such as separate-async) filled the mapping, so it composes
-    with whatever class is there. Roles whose class has no ``actor_worker_cls`` (critic) are left alone.
-    """
-    import ray
-
-    for role, remote_cls in list(role_worker_mapping.items()):
-        cls = getattr(remote_cls, "__ray_actor_class__", remote_cls)
-        if hasattr(cls, "actor_worker_cls") and not getattr(cls, "_tokensel_prepass", False):
-            role_worker_mapping[role] = ray.remote(tokensel_worker_class(cls))
-
-
-def selection_uses_tokensel_workers(config) -> bool:
-    """Whether the (OmegaConf) trainer config selects at all: then the actor workers are the tokensel twins
-    (the pre-pass for ``score_source=prepass``, the no-graph entropy for every selector)."""
-    from verl_tokensel.verl_glue.actor_config import actor_selection
-
-    return actor_selection(config) is not None
 
 
 __all__ = [
     "PREPASS_METRIC_PREFIX",
-    "TokenselTrainingWorker",
     "install_prepass",
+    "old_pass_measured_these_weights",
     "prepass_select",
-    "selection_uses_tokensel_workers",
-    "tokensel_worker_class",
-    "use_tokensel_workers",
 ]

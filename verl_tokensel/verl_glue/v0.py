@@ -157,10 +157,10 @@ def v0_task_runner():
 
     class TokenselTaskRunner(base):
         """verl's v0 TaskRunner; routes the checkpoint-engine manager through ours and, with a selector on,
-        builds the actor workers with the selection's worker-side steps (verl_glue.prepass)."""
+        builds the actor workers with the selection's worker-side steps (verl_glue.workers)."""
 
         def add_actor_rollout_worker(self, config):
-            from verl_tokensel.verl_glue.prepass import (
+            from verl_tokensel.verl_glue.workers import (
                 selection_uses_tokensel_workers,
                 tokensel_worker_class,
                 use_tokensel_workers,
