@@ -361,7 +361,7 @@ def gates_gradient(sel) -> bool:
     base rule's transform (``gate=mask``: ``gradient_mask``, ``stapo``) and the two that add per-token weights to
     that gate (``lopti``, ``fipo``). The other rules give the unselected tokens a gradient of their own (the
     actor's clip bounds, a penalty, an advantage shift, a policy loss per token): their mask is no gradient gate."""
-    from verl_tokensel.core.rules.base import Rule
+    from verl_tokensel.core.seam.rule import Rule
 
     return sel is None or type(sel.impl).transform is Rule.transform or sel.rule in ("lopti", "fipo")
 
@@ -370,7 +370,7 @@ def counts_by_budget(sel) -> bool:
     """Whether the rule selects with the base ranking (``ceil(ratio n)`` of a pool, or the quantile budget), so the
     selected counts can be checked against ``ratio``; rules with a selection of their own (the covariance rules,
     STAPO, KTAE, GTPO) are checked by what they report."""
-    from verl_tokensel.core.rules.base import Rule
+    from verl_tokensel.core.seam.rule import Rule
 
     return sel is not None and type(sel.impl).select is Rule.select
 
@@ -482,13 +482,14 @@ class SanityRecorder:
             if bool((mask & ~valid).any()):
                 out["failures"].append("a padding position was selected")
             by_budget = counts_by_budget(selection)
-            if by_budget and selection.scope == "micro_batch" and selection.knobs.budget == "count":
+            kind = getattr(selection.knobs, "budget", "count")
+            if by_budget and selection.scope == "micro_batch" and kind == "count":
                 want = budget(selection.knobs.ratio, n_valid)
                 out["count_checked"] += 1
                 if n_sel != want:
                     out["failures"].append(f"micro-batch with {n_valid} valid tokens: {n_sel} selected, "
                                            f"ceil({selection.knobs.ratio} N) = {want}")
-            elif by_budget and selection.scope == "sequence" and selection.knobs.budget == "quantile":
+            elif by_budget and selection.scope == "sequence" and budget == "quantile":
                 # strictly above the response's (1 - ratio) quantile (linear interpolation): with distinct scores
                 # the top n - 1 - floor((1 - ratio)(n - 1)) of its n valid tokens
                 q = 1.0 - selection.knobs.ratio

@@ -2,9 +2,10 @@
 real FSDP2 ``TrainingWorker``.
 
 A rule is a function of one input ``x`` (the micro-batch's tensors by name) returning what the tokens get in the
-loss, registered by name with ``@register_rule`` (refusing to overwrite); its knobs are one frozen dataclass extending
-``Knobs`` (each field a ``knob`` with its help text, default, paper value and valid range); a preset names it. All of
-it comes from one module, :mod:`verl_tokensel.rules`.
+loss, registered by name with ``@register_rule`` (refusing to overwrite): that one registration makes it a
+``token_selector``. Its knobs are one frozen dataclass extending ``Knobs`` (each field a ``knob`` with its help text,
+default, paper value and valid range). It keeps every valid token unless it says otherwise. All of it comes from one
+module, :mod:`verl_tokensel.rules`.
 
 This rule, ``surprise_weight``: every valid token keeps its gradient, and its advantage is weighted by how
 surprising the sampled token was against the micro-batch's mean surprisal ``s_t = -log pi(a_t)`` (detached)::
@@ -22,8 +23,8 @@ your own package). Its knobs are command-line keys like the built-in ones; from 
         actor_rollout_ref.actor.token_selector=surprise_weight \
         actor_rollout_ref.actor.token_selection.surprise_alpha=0.7 <your usual overrides>
 
-``python examples/custom_rule.py [surprise_alpha]`` registers the rule and its preset, builds the tiny CPU model, and
-runs one ``update_actor`` (``TrainingWorker.train_mini_batch``) with the selecting loss, printing the rule's metrics.
+``python examples/custom_rule.py [surprise_alpha]`` registers the rule, builds the tiny CPU model, and runs one
+``update_actor`` (``TrainingWorker.train_mini_batch``) with the selecting loss, printing the rule's metrics.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from verl_tokensel.rules import Knobs, LossTransform, knob, register_preset, register_rule
+from verl_tokensel.rules import Knobs, LossTransform, knob, register_rule
 
 NAME = "surprise_weight"
 
@@ -58,30 +59,17 @@ def surprise_weight(x) -> LossTransform:
                                                       "max_weight": seen.max()})
 
 
-# score "all" ranks nothing: the rule sees every valid token of the micro-batch, the loss's token-mean over all
-register_preset(NAME, rule=NAME, score="all", ratio=1.0, scope="micro_batch", normaliser="all")
-
-
 def main(argv: list[str]) -> None:
-    from verl_tokensel.core.config import TokenSelectionConfig, resolve_selection
-    from verl_tokensel_cpu import batches, worker
-    from verl_tokensel.verl_glue.loss import SelectingLoss
+    from verl_tokensel_cpu import worker
 
     knobs = {"surprise_alpha": float(argv[0])} if argv else {}
-    print(f"token_selector={NAME} -> {resolve_selection(NAME, TokenSelectionConfig(**knobs))}")
     actor = worker.make_training_worker(ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_gpu=2)
-    config = worker.selecting_actor_config(actor, NAME, **knobs)
-    batch = batches.make_update_batch(actor)
-    worker.compute_old_log_probs(actor, batch)  # the driver's old-log-prob pass
-    result = worker.run_train_step(actor, batch, loss_fn=SelectingLoss(config))
+    result, selection = worker.train_with(actor, NAME, **knobs)  # old-log-prob pass, then one update_actor
+    print(f"token_selector={NAME} -> {selection}")
     print(f"update_actor: loss {result.loss:.6f}, grad_norm {result.grad_norm:.6f}, "
           f"max |param change| {result.max_abs_param_delta:.3e}")
-    for key in sorted(result.metrics):
-        if key.startswith(f"tokensel/{NAME}/"):
-            values = result.metrics[key]
-            values = values if isinstance(values, list) else [values]
-            per_micro = [worker._as_float(v) for v in values]
-            print(f"{key} = {sum(per_micro) / len(per_micro):.6f} (mean of {len(per_micro)} micro-batches)")
+    for key, value in worker.metric_means(result, "tokensel/").items():
+        print(f"{key} = {value:.6f} (mean over the micro-batches)")
 
 
 if __name__ == "__main__":

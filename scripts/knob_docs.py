@@ -35,12 +35,16 @@ COMMAND = "python scripts/knob_docs.py --write"
 
 
 def _readers(meta: dict) -> str:
-    """Who reads a knob: the shared config, every rule (the ranking), or the rules / shapings that declare it."""
+    """Who reads a knob: the shared config (every rule), the rules that rank, or the rules / shapings that declare
+    it."""
     declared = meta.get("declared", ["engine"])
     if declared in (["shared"], ["engine"]):
         return "every rule"
     if declared == ["ranking"]:
-        return "every rule (its ranking)"
+        from verl_tokensel.core.rules import RULE_REGISTRY, Ranking
+
+        ranking = [name for name, rule in RULE_REGISTRY.items() if issubclass(rule.Knobs, Ranking)]
+        return "the rules that rank (" + ", ".join(ranking) + ")"
     return ", ".join(declared)
 
 

@@ -92,7 +92,7 @@ def test_the_loss_and_the_analysis_score_a_micro_batch_alike(score):
     sel = preset("gradient_mask", score=score, ratio=0.2, direction="top", scope="micro_batch", normaliser="all",
                  seed=11)
     cfg = type("Cfg", (), {"clip_ratio": 0.2, "use_kl_loss": False})()
-    trained = unpack_micro_batch(cfg, sel, model_output, data).scores
+    trained, _ = unpack_micro_batch(cfg, sel, model_output, data)
     scored, pairs, adv, *_ = _analysis_view_of(model_output, data)
     analysed = scored_batch(scored, adv, score, pairs=pairs, seed=11)
     assert torch.equal(trained.valid, analysed.valid)
@@ -109,7 +109,7 @@ def test_the_driver_and_the_analysis_select_alike_on_policy(preset):
         {"response_mask": padded["response_mask"], "old_log_probs": lp, "advantages": padded["advantages"],
          "entropy": ent, "sum_pi_squared": sp2},
         keys=row_keys([p + r for p, r in pairs]))
-    chosen = select_preset(scored_batch(scored, adv, sel.knobs.score, pairs=pairs, seed=sel.seed), sel,
+    chosen = select_preset(scored_batch(scored, adv, sel.score, pairs=pairs, seed=sel.seed), sel,
                            scope="micro_batch")
     torch.testing.assert_close(chosen.scores, on_driver.scores, rtol=1e-6, atol=1e-7)
     assert torch.equal(chosen.mask, on_driver.mask)

@@ -101,7 +101,7 @@ def test_knob_override_wins_over_preset():
         "actor_rollout_ref.actor.token_selection.mask_entropy_bonus=true",
     ])
     sel = actor.selection
-    assert (sel.knobs.ratio, sel.scope, sel.normaliser, sel.mask_entropy_bonus, sel.knobs.score) == (
+    assert (sel.ratio, sel.scope, sel.normaliser, sel.mask_entropy_bonus, sel.score) == (
         0.1, "micro_batch_dp", "all", True, "entropy")
 
 
@@ -217,7 +217,7 @@ def test_bad_config_matrix(overrides, needle, valid):
 def test_entropy_not_needed_when_already_on():
     actor = _actor([f"{SEL}=forking", f"{KNOB}auto_enable_entropy=false",
                     "actor_rollout_ref.actor.calculate_entropy=true"])
-    assert actor.selection.knobs.score == "entropy"
+    assert actor.selection.score == "entropy"
 
 
 def test_unsupported_engine_named():
@@ -308,7 +308,7 @@ def test_readme_recipe_snippet_composes(tmp_path):
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose("my_recipe", overrides=["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"])
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert actor.selection.knobs.score == "gmts" and actor.selection.knobs.ratio == 0.2
+    assert actor.selection.score == "gmts" and actor.selection.ratio == 0.2
     assert cfg.trainer.v1.trainer_mode == "tokensel_sync"
 
 
@@ -341,4 +341,4 @@ def test_actor_config_is_resolved_once_per_node_content():
     assert resolve_actor_config(cfg) is first
     assert actor_selection(cfg) is first.selection and first.selection == PRESETS["gmts"]
     cfg.actor_rollout_ref.actor.token_selection.ratio = 0.5  # changed in place: resolved again
-    assert resolve_actor_config(cfg) is not first and actor_selection(cfg).knobs.ratio == 0.5
+    assert resolve_actor_config(cfg) is not first and actor_selection(cfg).ratio == 0.5

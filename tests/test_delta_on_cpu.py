@@ -24,7 +24,7 @@ import torch
 from verl_tokensel.core import fields
 from verl_tokensel.core.errors import TokenSelectionConfigError
 from verl_tokensel.core.rules.delta import DeltaKnobs, DeltaStates
-from verl_tokensel.core.rules.hidden import HiddenBatch
+from verl_tokensel.core.seam.hidden import HiddenBatch
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
 from helpers.actor_configs import actor_config, micro_batch, padded
@@ -174,7 +174,7 @@ def test_weights_are_the_released_ones(impl, k, sizes):
     for seed in range(3):
         batch = synthetic(seed)
         want = released_delta_weights(split(batch, sizes), K=k, impl=impl)
-        knobs = DeltaKnobs(score="all", ratio=1.0, delta_k=k, delta_impl=impl, delta_stats="rank")
+        knobs = DeltaKnobs(delta_k=k, delta_impl=impl, delta_stats="rank")
         got, valid, states = stream_weights(split(batch, sizes), knobs)
         torch.testing.assert_close(got[valid], want[valid], rtol=2e-5, atol=2e-6)
         w = got[valid]
@@ -191,7 +191,7 @@ def test_weights_are_the_released_ones(impl, k, sizes):
 def test_the_implementations_agree_and_knobs_act():
     batch = synthetic(7)
     mbs = split(batch, (4, 8))
-    base = dict(score="all", ratio=1.0, delta_stats="rank")
+    base = dict(delta_stats="rank")
     normal, valid, _ = stream_weights(mbs, DeltaKnobs(**base))
     efficient, _, _ = stream_weights(mbs, DeltaKnobs(**base, delta_impl="Memory_efficient"))
     torch.testing.assert_close(normal[valid], efficient[valid], rtol=1e-5, atol=1e-6)
@@ -271,7 +271,7 @@ def _rank_weights(rank: int, world_size: int):
     mine = split(batch, (8, 8))[rank]
     out = {}
     for stats in ("global", "rank"):
-        knobs = DeltaKnobs(score="all", ratio=1.0, delta_stats=stats)
+        knobs = DeltaKnobs(delta_stats=stats)
         got, valid, states = stream_weights(split(mine, (3, 5)), knobs, dp_group=dist.group.WORLD)
         out[stats] = {"weights": got, "valid": valid, "metrics": states.metrics}
     out["ulysses"] = _ulysses_layout(rank, world_size)
@@ -314,7 +314,7 @@ def _ulysses_layout(rank: int, world_size: int):
 
 def test_global_statistics_over_two_ranks_equal_one_process():
     batch = synthetic(11, rows=16)
-    one, valid, states = stream_weights(split(batch, (3, 5, 3, 5)), DeltaKnobs(score="all", ratio=1.0))
+    one, valid, states = stream_weights(split(batch, (3, 5, 3, 5)), DeltaKnobs())
     results = run_distributed(_rank_weights, world_size=2, timeout=240)
     ranks = [r["global"] for r in results]
     both = torch.cat([r["weights"] for r in ranks])

@@ -129,7 +129,7 @@ def test_mask_field_round_trips_as_nested_bool():
 
 def test_forking_paper_preset_is_rollout_batch_all():
     sel = PRESETS["forking_paper"]
-    assert (sel.knobs.score, sel.scope, sel.score_source, sel.normaliser, sel.knobs.ratio) == (
+    assert (sel.score, sel.scope, sel.score_source, sel.normaliser, sel.ratio) == (
         "entropy", "batch", "rollout", "all", 0.2)
 
 

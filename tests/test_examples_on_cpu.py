@@ -81,7 +81,7 @@ def _script(path: Path, timeout: int = 120) -> str:
 
 def test_custom_score_runs_as_a_script():
     out = _script(EXAMPLES_DIR / "custom_score.py")
-    assert ("token_selector=low_confidence -> Selection(rule='gradient_mask', knobs=Knobs(score='low_confidence', "
+    assert ("token_selector=low_confidence -> Selection(rule='gradient_mask', knobs=Ranking(score='low_confidence', "
             "ratio=0.2") in out, out
     # ceil(0.2 x 8 valid tokens) = 2: the two least likely sampled tokens of the hand-made batch
     assert "p(a_t) of the selected tokens: [0.05, 0.3]" in out, out
@@ -89,7 +89,7 @@ def test_custom_score_runs_as_a_script():
 
 def test_custom_preset_runs_as_a_script():
     out = _script(EXAMPLES_DIR / "custom_preset.py")
-    assert ("token_selector=entropy_top10 -> Selection(rule='gradient_mask', knobs=Knobs(score='entropy', ratio=0.1, "
+    assert ("token_selector=entropy_top10 -> Selection(rule='gradient_mask', knobs=Ranking(score='entropy', ratio=0.1, "
             "direction='top', pool='valid', budget='count'), score_source='current', scope='micro_batch', "
             "normaliser='all'") in out, out
 
@@ -150,7 +150,7 @@ def test_custom_score_selects_low_probability_tokens(restored_registries):
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.actor.token_selector=low_confidence"])
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert actor.selection.knobs.score == "low_confidence"
+    assert actor.selection.score == "low_confidence"
     seen = {}
     model_output, data, lp = make_micro_batch(batch=4, seed=5)
     loss, metrics = tokensel_ppo_loss(actor, model_output, data, observer=seen.update)

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.presets import PRESETS
 from verl_tokensel.core.rules import RULE_REGISTRY
 
 NAME = "test_hidden_norm"
@@ -21,7 +20,7 @@ NAME = "test_hidden_norm"
 
 @pytest.fixture
 def user_rule():
-    from verl_tokensel.rules import HiddenStates, LossTransform, Needs, register_preset, register_rule
+    from verl_tokensel.rules import HiddenStates, LossTransform, Needs, register_rule
 
     class NormStates(HiddenStates):
         sweeps = 1
@@ -36,12 +35,10 @@ def user_rule():
         seen.append(x.hidden.clone())
         return LossTransform(gate=x.mask, metrics={"norm_mean": x.hidden[x.tokens].mean()})
 
-    register_preset(NAME, rule=NAME, score="all", ratio=1.0, normaliser="all")
     try:
         yield seen
     finally:
         RULE_REGISTRY.pop(NAME, None)
-        PRESETS.pop(NAME, None)
 
 
 def _hidden_norms(actor, batch, width):

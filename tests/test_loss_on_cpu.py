@@ -33,7 +33,7 @@ from helpers.loss_inputs import make_micro_batch
 # the presets whose rule is a ranked gradient mask (the reweighting rules, the phases and STAPO's unbudgeted mask are
 # tested in tests/test_reweight_rules_on_cpu.py)
 SELECTING_PRESETS = [p for p in PRESETS if p != "none" and PRESETS[p].rule == "gradient_mask"
-                     and SCORE_REGISTRY[PRESETS[p].knobs.score].ranks and PRESETS[p].shaping == "none"]
+                     and SCORE_REGISTRY[PRESETS[p].score].ranks and PRESETS[p].shaping == "none"]
 # The in-loss twin of a preset whose scores are measured before the update (score_source prepass or
 # rollout): same score, ratio, direction and normaliser, ranked inside the micro-batch. The loss maths
 # under test is the same; how a precomputed mask is applied is tested at the end of this file.
@@ -75,7 +75,7 @@ def vanilla_token_loss(cfg, lp, old, adv) -> torch.Tensor:
 @pytest.fixture
 def masks(monkeypatch):
     """Records every mask the selecting loss computes (in its rule step)."""
-    import verl_tokensel.core.rules.base as rule_mod
+    import verl_tokensel.core.seam.rule as rule_mod
 
     seen = []
     orig = rule_mod.select_tokens
@@ -129,7 +129,7 @@ def test_selector_none_is_stock_bitwise(settings, dp_size):
 def test_ratio_one_normaliser_all_is_stock_bitwise(score, settings, masks):
     stock = actor_config(None, **settings)
     ours = actor_config("gmts", in_loss("gmts", {"score": score, "ratio": 1.0, "normaliser": "all"}), **settings)
-    assert ours.selection.knobs.score == score
+    assert ours.selection.score == score
     for seed in range(3):
         mo, data, lp = micro_batch(seed, with_ref=True, with_sum_pi_squared=(seed % 2 == 0), dp_size=1 + seed % 2)
         ls, gs, _ = run(ppo_loss, stock, mo, data, lp)
@@ -174,11 +174,11 @@ def _expected_mask(preset, cfg, mo, data):
     valid = data["response_mask"].bool()
     omega = -vanilla_token_grad(cfg, mo, data)
     ent = padded(mo["entropy"], data)
-    if sel.knobs.score == "entropy":
+    if sel.score == "entropy":
         score = ent
-    elif sel.knobs.score == "gmts":
+    elif sel.score == "gmts":
         score = ent * omega.abs()
-    elif sel.knobs.score == "grad_norm":
+    elif sel.score == "grad_norm":
         p = padded(mo["log_probs"], data).detach().double().exp()
         S = padded(mo["sum_pi_squared"], data).double()
         # ||e_a - p||^2 = (1 - p_a)^2 + sum_{j != a} p_j^2, the latter within [0, (1 - p_a)^2]
@@ -188,7 +188,7 @@ def _expected_mask(preset, cfg, mo, data):
         return None
     key = score.double()[valid]
     key = -key if sel.knobs.direction == "top" else key
-    k = math.ceil(sel.knobs.ratio * int(valid.sum()) - 1e-9)
+    k = math.ceil(sel.ratio * int(valid.sum()) - 1e-9)
     chosen = torch.zeros_like(key, dtype=torch.bool)
     chosen[torch.sort(key, stable=True).indices[:k]] = True
     out = torch.zeros_like(valid)
@@ -201,8 +201,8 @@ def _expected_mask(preset, cfg, mo, data):
 def test_preset_gradient_only_on_selected_tokens(preset, dp_size, masks):
     cfg = actor_config(preset, in_loss(preset))
     sel = cfg.selection
-    assert (sel.knobs.score, sel.knobs.ratio, sel.knobs.direction, sel.normaliser) == (
-        PRESETS[preset].knobs.score, PRESETS[preset].knobs.ratio, PRESETS[preset].knobs.direction,
+    assert (sel.score, sel.ratio, sel.knobs.direction, sel.normaliser) == (
+        PRESETS[preset].score, PRESETS[preset].ratio, PRESETS[preset].knobs.direction,
         PRESETS[preset].normaliser)
     for seed in range(4):
         mo, data, lp = micro_batch(seed, batch=8, resp_len=20, with_sum_pi_squared=True, dp_size=dp_size,
@@ -213,7 +213,7 @@ def test_preset_gradient_only_on_selected_tokens(preset, dp_size, masks):
         mask = masks[-1]
         valid = data["response_mask"].bool()
         n_valid = int(valid.sum())
-        k = math.ceil(round(sel.knobs.ratio * n_valid, 9))
+        k = math.ceil(round(sel.ratio * n_valid, 9))
         assert int(mask.sum()) == k and not (mask & ~valid).any()
 
         g = padded(grad, data)
@@ -225,7 +225,7 @@ def test_preset_gradient_only_on_selected_tokens(preset, dp_size, masks):
         assert torch.equal(g[valid & ~mask], torch.zeros_like(g[valid & ~mask]))
         assert torch.equal((g != 0) & valid, mask & nonzero_omega)
         assert int(((g != 0) & valid).sum()) == int((mask & nonzero_omega).sum())
-        if sel.knobs.score in ("gmts", "grad_norm"):
+        if sel.score in ("gmts", "grad_norm"):
             # |omega|-weighted scores rank clipped tokens (score 0) last: all k carry gradient
             assert int(((g != 0) & valid).sum()) == k
         # the gradient on a selected token has the sign of -omega (loss decreases along omega)
@@ -564,7 +564,7 @@ def test_verl_ppo_loss_source_is_pinned():
 
 
 # --------------------------------------------------------------------------------------------
-# the rule's loss transform (core.rules.base.LossTransform): what the loss does with each of its fields
+# the rule's loss transform (core.seam.rule.LossTransform): what the loss does with each of its fields
 # --------------------------------------------------------------------------------------------
 def _with_rule_outputs(monkeypatch, **outputs):
     """The loss's rule step, with ``outputs`` (functions of the micro-batch's padded advantages) set on its
@@ -607,7 +607,7 @@ def test_kl_weight_scales_the_kl_term_per_token(monkeypatch):
 
 
 def test_every_rule_selection_goes_through_the_rule_step():
-    """Only the rule seam turns a ranking into a mask (core/rules/base.py, whose rules core/step.py's apply_rule
+    """Only the rule seam turns a ranking into a mask (core/seam/rule.py, whose rules core/step.py's apply_rule
     runs; analysis/stats.top_mask ranks one report column, not a rule)."""
     import ast
     from pathlib import Path
@@ -619,4 +619,4 @@ def test_every_rule_selection_goes_through_the_rule_step():
     package = Path(loss_mod.__file__).resolve().parents[1]
     callers = sorted(p.relative_to(package).as_posix() for p in package.rglob("*.py")
                      if p.name != "select.py" and calls(p))
-    assert callers == ["analysis/stats.py", "core/rules/base.py"], callers
+    assert callers == ["analysis/stats.py", "core/seam/rule.py"], callers

@@ -16,6 +16,7 @@ After a meant change of a recipe's values, rewrite the snapshot: python tests/te
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import json
@@ -36,6 +37,7 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from verl_tokensel.core.config import ENGINE_SWITCHES, PRESETS, override
+from verl_tokensel.core.rules import Ranking
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, TokenselMcoreActorConfig
 from verl_tokensel.verl_glue.install import validate_driver_config
@@ -190,12 +192,15 @@ def _expected_refusal(cfg, preset):
     a, sel, knobs = cfg.actor_rollout_ref.actor, PRESETS[preset], _knobs(cfg)
     if sel is None:  # knobs with no selector would be ignored
         return f"token_selection.{sorted(knobs)[0]}" if knobs else None
-    unranked = not SCORE_REGISTRY[sel.knobs.score].ranks or sel.knobs.score in ("stapo", "m2po")
-    if unranked and knobs.get("ratio", 1.0) != 1.0:  # an unranked rule: no budget
-        return "token_selection.ratio"
+    ranking = {f.name for f in dataclasses.fields(Ranking)}
     reads = {"kl_penalty_coef": sel.rule == "kl_cov", "cov_lb": sel.rule == "clip_cov",
              "cov_ub": sel.rule == "clip_cov"}  # knobs one rule reads: ignored by the others, so refused
+    # a rule that does not rank has no ranking knobs: they are refused as the other rules' knobs are
+    reads.update({k: isinstance(sel.knobs, Ranking) for k in ranking})
     ignored = sorted(k for k in knobs if not reads.get(k, True))
+    unranked = isinstance(sel.knobs, Ranking) and not SCORE_REGISTRY[sel.score].ranks
+    if not ignored and unranked and knobs.get("ratio", 1.0) != 1.0:  # a ranking by a score that ranks nothing
+        return "token_selection.ratio"
     if ignored:
         return f"token_selection.{ignored[0]}"
     if sel.normaliser == "selected" and a.loss_agg_mode != "token-mean":  # a mean over selected tokens: token-mean

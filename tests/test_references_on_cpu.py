@@ -37,7 +37,7 @@ def _rows(seed: int, batch: int = 8, length: int = 24):
 def _ours(preset: str, inputs: dict, uids=None, params=None, **knobs) -> torch.Tensor:
     """The preset's mask as the loss / pre-pass / driver computes it: the rule step on the score inputs."""
     sel = resolve_selection(preset, TokenSelectionConfig(**knobs))
-    sb = score_batch(sel.knobs.score, inputs, uids=uids, scope=sel.scope, params=params)
+    sb = score_batch(sel.score, inputs, uids=uids, scope=sel.scope, params=params)
     return apply_rule(sel, sb, stats=False).mask
 
 
@@ -111,7 +111,7 @@ def trl_high_entropy_mask(entropy: torch.Tensor, valid: torch.Tensor, rho: float
 def test_trl_top_entropy_quantile_is_forking_on_the_dp_micro_batch(rho):
     knobs = dict(ratio=rho, scope="micro_batch_dp", normaliser="all", mask_entropy_bonus=True)
     sel = resolve_selection("forking", TokenSelectionConfig(**knobs))
-    assert (sel.knobs.score, sel.normaliser, sel.mask_entropy_bonus, sel.mask_kl_loss) == (
+    assert (sel.score, sel.normaliser, sel.mask_entropy_bonus, sel.mask_kl_loss) == (
         "entropy", "all", True, False)
     fewer = 0
     for seed in range(12):

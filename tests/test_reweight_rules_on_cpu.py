@@ -224,7 +224,7 @@ def test_stapo_rule_keeps_every_token_but_the_spurious_ones():
     valid, adv, lp, ent = _stapo_data()
     sel = PRESETS["stapo"]
     sel = override(sel, stapo_prob=0.05)
-    sb = score_batch(sel.knobs.score, {"response_mask": valid, "log_probs": lp, "old_log_probs": lp, "advantages": adv,
+    sb = score_batch(sel.score, {"response_mask": valid, "log_probs": lp, "old_log_probs": lp, "advantages": adv,
                                        "entropy": ent})
     out = apply_rule(sel, sb)
     spurious, _ = spurious_tokens(adv, lp, ent, valid, prob_threshold=0.05, entropy_quantile=0.75)

@@ -19,7 +19,7 @@ import pytest
 from verl_tokensel.core.describe import describe_preset, describe_rules, show
 from verl_tokensel.core.presets import PRESETS
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Knobs
-from verl_tokensel.core.rules.base import knob_fields
+from verl_tokensel.core.seam.rule import knob_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 # the rules and presets registered by this package (a test that imports a user module adds its own later)

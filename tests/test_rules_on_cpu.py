@@ -208,14 +208,14 @@ def test_mini_batch_selection_does_not_move_with_the_micro_batch_split():
     sel = PRESETS["kl_cov_global"]
     sel = override(sel, ratio=0.05)
     tensors = {"response_mask": valid, "advantages": adv, "old_log_probs": old, "log_probs": lp}
-    whole = apply_rule(sel, score_batch(sel.knobs.score, tensors), stats=False)
+    whole = apply_rule(sel, score_batch(sel.score, tensors), stats=False)
     assert int(whole.mask.sum()) == cov_budget(0.05, int(valid.sum()))
     for size in (1, 4, 8):  # each micro-batch reads its rows of the measured mask: the union is the whole mask
         pieces = []
         for start in range(0, valid.shape[0], size):
             part = {k: v[start:start + size] for k, v in tensors.items()}
             measured = (whole.mask[start:start + size], whole.scores[start:start + size])
-            pieces.append(apply_rule(sel, score_batch(sel.knobs.score, part), measured=measured, stats=False))
+            pieces.append(apply_rule(sel, score_batch(sel.score, part), measured=measured, stats=False))
         assert torch.equal(torch.cat([p.mask for p in pieces]), whole.mask)
         penalty = [p.transform.token_loss.keywords["penalty"] for p in pieces]
         assert torch.equal(torch.cat(penalty), whole.transform.token_loss.keywords["penalty"])
@@ -404,7 +404,7 @@ def test_the_analysis_tools_select_as_the_rule_does(preset):
     sel = override(sel, **knobs)
     tensors = {"response_mask": valid, "advantages": adv, "old_log_probs": old, "log_probs": lp,
                "entropy": -lp * 0.5}
-    batch = score_batch(sel.knobs.score, tensors, keys=torch.arange(valid.shape[0]))
+    batch = score_batch(sel.scores, tensors, keys=torch.arange(valid.shape[0]))
     out = select_preset(batch, sel)
     assert torch.equal(out.mask, apply_rule(sel, batch, stats=False, scope=out.scope).mask)
     assert sum(out.budgets) == int(out.mask.sum()) if out.scope == "sequence" else out.budgets[0] == int(out.mask.sum())

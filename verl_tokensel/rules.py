@@ -1,9 +1,11 @@
-"""Everything a token-rule author imports, in one module (pure torch, no verl import).
+"""Everything a token-rule author imports, in one module (pure torch, no verl import). The built-in rules import it
+and nothing else of the project (but for helper modules that themselves import only it).
 
-A rule is a function of one input that returns what the selected tokens get in the loss::
+A rule is a function of one input that returns what the tokens get in the loss; it keeps every valid token unless it
+says otherwise (a gate, its own selection, or :class:`Ranking` knobs)::
 
     from dataclasses import dataclass
-    from verl_tokensel.rules import Knobs, LossTransform, knob, register_preset, register_rule
+    from verl_tokensel.rules import Knobs, LossTransform, knob, register_rule
 
     @dataclass(frozen=True)
     class SurpriseKnobs(Knobs):
@@ -15,21 +17,43 @@ A rule is a function of one input that returns what the selected tokens get in t
         w = (1 + x.knobs.surprise_alpha * (s - s[x.tokens].mean())).clamp(0.5, 2.0)
         return LossTransform(advantage_weight=w, metrics={"mean_weight": w[x.tokens].mean()})
 
-    register_preset("surprise_weight", rule="surprise_weight", score="all", ratio=1.0)
+then ``actor_rollout_ref.actor.token_selector=surprise_weight`` and
+``actor_rollout_ref.actor.token_selection.surprise_alpha=0.7`` on the command line (the module listed in
+``VERL_USE_EXTERNAL_MODULES``). A preset (:func:`register_preset`) is optional: a named set of knob values.
 
-then ``actor_rollout_ref.actor.token_selection.surprise_alpha=0.7`` on the command line (the module listed in
-``VERL_USE_EXTERNAL_MODULES``). A rule that scores, selects, checks or runs update passes its own way subclasses
-:class:`Rule` (its steps ``score``, ``select``, ``transform``, ``stats``, ``check``, ``merge_passes`` each receive
-one :class:`RuleInput`); what it needs from the pipeline (entropy, a pre-pass or the driver's pass, its own policy
-loss, update passes, prompt groups, passes over the last hidden states: a :class:`HiddenStates`) is one
-:class:`Needs`. Errors in a check: ``raise config_error(key, value, valid, fix)``. ``verl-tokensel rules <preset>``
-prints what a preset resolves to.
+The steps of a rule (:class:`Rule`: ``score``, ``select``, ``transform``, ``stats``, ``merge_passes``) each receive
+one :class:`RuleInput` ``x``; ``check(c)``, run once when the config is resolved, receives the resolved config
+(``c.knobs``, ``c.scope``, ``c.actor``, ...). Of the input, ``x.tokens`` are the tokens the rule may treat (valid,
+finite inputs) and ``x.mask`` the tokens its selection kept (after ``select``; every one of ``x.tokens`` for a rule
+that does not rank); a gate (``LossTransform(gate=...)``) narrows the gradient further, and the selection metrics
+count both. What a rule needs from the pipeline (entropy, a pre-pass or the driver's pass, its own policy loss,
+update passes, prompt groups, passes over the last hidden states: a :class:`HiddenStates`) is one :class:`Needs`; a
+rule that declares a need and does not get it fails naming the need. A rule that ranks extends :class:`Ranking` (the
+score, ratio, direction, pool and budget knobs); one that pools over the data-parallel ranks uses ``x.pool`` (a
+:class:`Pool`); one whose per-token score the driver, the pre-pass or ``verl-tokensel view`` evaluates registers it
+(:func:`register_score`). Errors in a check: ``raise config_error(key, value, valid, fix)``. ``verl-tokensel rules
+<name>`` prints what a rule or preset resolves to; docs/rule-api.md lists every field.
 """
 
-from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.presets import register_preset
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, RuleInput, knob, register_rule
-from verl_tokensel.core.rules.hidden import HiddenStates
+from __future__ import annotations
 
-__all__ = ["HiddenStates", "Knobs", "LossTransform", "Needs", "Rule", "RuleInput", "config_error", "knob",
-           "register_preset", "register_rule"]
+from typing import Any
+
+from verl_tokensel.core.errors import config_error
+from verl_tokensel.core.scores import register_score
+from verl_tokensel.core.seam.hidden import HiddenStates
+from verl_tokensel.core.seam.pool import Pool
+from verl_tokensel.core.seam.rule import Knobs, LossTransform, Needs, Ranking, Rule, RuleInput, knob, register_rule
+
+
+def register_preset(name: str, *, rule: str, **values: Any):
+    """Add a ``token_selector`` preset ``name``: the registered ``rule`` with values of its knobs and of the shared
+    keys (``scope``, ``score_source``, ``normaliser``, ``shaping=`` / ``shaping_knobs=``, ...); refuses to overwrite
+    a name. The knobs it leaves out take their defaults; each can be set on the command line."""
+    from verl_tokensel.core.presets import register_preset as add  # it imports the built-in rules, which import this
+
+    return add(name, rule=rule, **values)
+
+
+__all__ = ["HiddenStates", "Knobs", "LossTransform", "Needs", "Pool", "Ranking", "Rule", "RuleInput", "config_error",
+           "knob", "register_preset", "register_rule", "register_score"]

@@ -165,7 +165,7 @@ def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]
     (``policy_loss.loss_mode``), and a loss without a token-mean (sapo, geo_mean) only ``normaliser=all``."""
     from verl_tokensel.core.config import PRESETS as ALL
     from verl_tokensel.core.loss_modes import loss_mode
-    from verl_tokensel.core.rules.base import OWN_LOSS_MODES
+    from verl_tokensel.core.seam.rule import OWN_LOSS_MODES
     from verl_tokensel.core.scores import SCORE_REGISTRY
 
     sel = ALL[preset]
@@ -176,7 +176,7 @@ def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]
         return ("policy_loss.loss_mode",)
     if not sel.impl.needs.policy_loss and sel.normaliser not in loss_mode(mode).normalisers:
         return ("policy_loss.loss_mode",)
-    if SCORE_REGISTRY[sel.knobs.score].needs_omega and mode != "vanilla":
+    if SCORE_REGISTRY[sel.score].needs_omega and mode != "vanilla":
         return ("policy_loss.loss_mode",)
     if sel.rule == "archer" and sel.knobs.selected_kl_weight != 1.0 and not row["kl_loss"]:
         return ("use_kl_loss",)  # archer weights the KL loss per token
@@ -358,8 +358,8 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
             view.worker.train_batch = inner
     except Exception as e:  # noqa: BLE001
         return {**_error(e, stage), **{k: v for k, v in out.items() if k not in ("micro", "minibatches")}}
-    out.update(status="ok", loss=r.loss, ratio=cfg.selection.knobs.ratio, scope=cfg.selection.scope,
-               budget=cfg.selection.knobs.budget, score=cfg.selection.knobs.score,
+    out.update(status="ok", loss=r.loss, ratio=cfg.selection.ratio, scope=cfg.selection.scope,
+               budget=getattr(cfg.selection.knobs, "budget", "count"), score=cfg.selection.score,
                metrics={k: _plain(v) for k, v in r.metrics.items()
                         if k.startswith("tokensel/") and ("tokens" in k or "groups" in k)})
     return out

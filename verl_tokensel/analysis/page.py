@@ -144,7 +144,8 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
     rows = []
     notes = []
     if sel is not None:
-        rows.append(("selection", f"score {sel.knobs.score}, {sel.knobs.direction} {ratio:g} (ceil(ratio*N) tokens), "
+        direction = getattr(sel.knobs, "direction", "top")
+        rows.append(("selection", f"score {sel.score}, {direction} {ratio:g} (ceil(ratio*N) tokens), "
                                   f"scope {scope}, normaliser {sel.normaliser}"))
         rows.append(("in training", training_line(sel)))
         if scope == "sequence":
@@ -171,4 +172,4 @@ def build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, 
         preset=args.preset, shade=shade, shade_help=SHADE_HELP.get(shade, "registered score"),
         shade_reversed=reversed_, rows=rows, notes=notes,
     )
-    return render_page(info, responses, score_name=None if sel is None else sel.knobs.score)
+    return render_page(info, responses, score_name=None if sel is None else sel.score)

@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from verl_tokensel.core.rules import Ranking
 from verl_tokensel.core.batch import ScoreBatch, pad_rows, score_batch
 from verl_tokensel.core.scopes import budget
 from verl_tokensel.core.step import apply_rule
@@ -65,15 +66,16 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     batch as one micro-batch). The ranks are the selector's order; a check confirms that the kept tokens
     are exactly ranks ``1 .. budget`` of each pool.
     """
-    ratio = sel.knobs.ratio if ratio is None else ratio
+    ratio = sel.ratio if ratio is None else ratio
     scope = scope or ("sequence" if sel.scope == "sequence" else "micro_batch")
     selected = apply_rule(sel, batch, stats=False, ratio=ratio, scope=scope)
     scores, mask = selected.scores, selected.mask
-    tokens = selected.loss_tokens
-    valid = tokens & (scores != 0) if sel.knobs.pool == "nonzero" else tokens  # the pool the budget counts
-    ranks = selection_ranks(scores, valid, sel.knobs.direction, scope)
-    spec = SCORE_REGISTRY[sel.knobs.score]
-    if sel.knobs.budget == "quantile" or spec.rule is not None or not spec.ranks:
+    tokens = selected.tokens
+    ranking = sel.knobs if isinstance(sel.knobs, Ranking) else Ranking(score="all", ratio=1.0)
+    valid = tokens & (scores != 0) if ranking.pool == "nonzero" else tokens  # the pool the budget counts
+    ranks = selection_ranks(scores, valid, ranking.direction, scope)
+    spec = SCORE_REGISTRY[sel.score]
+    if ranking.budget == "quantile" or spec.rule is not None or not spec.ranks:
         # the count is the rule's own (a quantile, verl's max(1, int(r N)), Clip-Cov's draw among candidates,
         # STAPO's tokens but the spurious ones):
         # the budget reported is what the rule kept

@@ -52,12 +52,12 @@ def run(args) -> int:
     except Exception as exc:  # noqa: BLE001  (the user's module: say which, and why)
         return error(f"{EXTERNAL_MODULES}={os.environ.get(EXTERNAL_MODULES)!r}: importing it failed: {exc!r}")
     from verl_tokensel.core.describe import describe_preset, describe_rules, unknown_preset
-    from verl_tokensel.core.presets import PRESETS
+    from verl_tokensel.core.presets import selectors
 
     if args.preset is None:
         sys.stdout.write(describe_rules())
         return 0
-    if args.preset not in PRESETS:
+    if args.preset not in selectors():
         return error(unknown_preset(args.preset))
     sys.stdout.write(describe_preset(args.preset))
     return 0

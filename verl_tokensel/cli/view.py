@@ -54,13 +54,13 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from verl_tokensel.cli.common import error, score_with_progress
-    from verl_tokensel.core.config import PRESETS
+    from verl_tokensel.core.presets import selection_for, selectors
 
-    if args.preset not in PRESETS:
-        return error(f"--preset {args.preset!r} is unknown; valid: {', '.join(PRESETS)}")
-    sel = PRESETS[args.preset]
+    if args.preset not in selectors():
+        return error(f"--preset {args.preset!r} is unknown; valid: {', '.join(selectors())}")
+    sel = selection_for(args.preset)
     shades = shade_choices()
-    shade = args.shade if args.shade is not None else (sel.knobs.score if sel is not None and sel.knobs.score in shades
+    shade = args.shade if args.shade is not None else (sel.score if sel is not None and sel.score in shades
                                                        else "entropy")
     if shade not in shades:
         return error(f"--shade {shade!r} is unknown; valid: {', '.join(shades)}")

@@ -81,6 +81,8 @@ class ScoreBatch:
         advantages: the advantages as given (``inputs.advantages`` carries the ``rollout_is_weights`` product),
             for a rule that shapes them; None when none were given.
         is_weights: the ``rollout_is_weights`` given, or None.
+        loss_log_prob / loss_entropy: in the loss, the update forward's log-prob and entropy with their autograd
+            graph (``inputs`` holds detached copies); None elsewhere.
     """
 
     inputs: ScoreInputs
@@ -89,6 +91,8 @@ class ScoreBatch:
     group_ids: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     is_weights: Optional[torch.Tensor] = None
+    loss_log_prob: Optional[torch.Tensor] = None
+    loss_entropy: Optional[torch.Tensor] = None
 
     def score(self, name: str) -> torch.Tensor:
         """The registered score ``name`` (float32, detached), 0 off ``valid``."""

@@ -7,7 +7,7 @@ Two keys on ``actor_rollout_ref.actor`` drive everything:
 - ``token_selection.<knob>``: per-knob overrides; ``null`` (the default) takes the preset's value.
 
 The knobs are one flat namespace: the shared keys of :class:`~verl_tokensel.core.selection.Selection`, the ranking
-(:class:`~verl_tokensel.core.rules.base.Knobs`) and each registered rule's and shaping's own knobs, whose
+(:class:`~verl_tokensel.core.seam.rule.Knobs`) and each registered rule's and shaping's own knobs, whose
 dataclass fields (default, help, paper value) are the single source of truth: :class:`TokenSelectionConfig` is
 built from them, the YAML in ``verl_tokensel/config``, the README's knob table and ``docs/knobs.md`` are generated
 from them (``python scripts/knob_docs.py --write``; a test holds them equal). A knob that the preset's rule does not
@@ -21,10 +21,10 @@ from dataclasses import field, replace
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import TokenSelectionConfigError, check_bool, config_error, suggest
-from verl_tokensel.core.presets import PRESETS, preset, register_preset
-from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, ActorSettings, Knobs
-from verl_tokensel.core.rules.base import knob_fields
-from verl_tokensel.core.rules.checks import validate
+from verl_tokensel.core.presets import PRESETS, preset, register_preset, selection_for, selectors
+from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, ActorSettings, Ranking
+from verl_tokensel.core.seam.rule import knob_fields
+from verl_tokensel.core.seam.checks import validate
 from verl_tokensel.core.selection import NORMALISERS, Selection
 
 #: keys of the ``token_selection`` node that switch engine behaviour rather than override a preset's rule
@@ -70,7 +70,7 @@ def knob_sources() -> dict[str, list[tuple[str, dataclasses.Field]]]:
     for f in dataclasses.fields(Selection):
         if f.name in SHARED_KEYS:
             add(f.name, "shared", f)
-    for f in dataclasses.fields(Knobs):
+    for f in dataclasses.fields(Ranking):
         add(f.name, "ranking", f)
     for name, rule in RULE_REGISTRY.items():
         for f in knob_fields(rule.Knobs):
@@ -136,9 +136,14 @@ def resolve_selection(
     verl's). Raises :class:`TokenSelectionConfigError` naming the key.
     """
     overrides = overrides if overrides is not None else TokenSelectionConfig()
-    if not isinstance(token_selector, str) or token_selector not in PRESETS:
-        raise config_error("token_selector", token_selector, ", ".join(PRESETS))
-    base = PRESETS[token_selector]
+    if not isinstance(token_selector, str) or token_selector not in selectors():
+        near = suggest(token_selector, selectors()) if isinstance(token_selector, str) else None
+        raise config_error(
+            "token_selector", token_selector, ", ".join(selectors()),
+            (f"did you mean {near}? " if near else "") + "A rule or preset of your own registers when its module is "
+            "imported: list the module in VERL_USE_EXTERNAL_MODULES (comma-separated, importable from the working "
+            "directory, e.g. VERL_USE_EXTERNAL_MODULES=my_rules), as verl does for its own plugins.")
+    base = selection_for(token_selector)
     given = overrides.overrides()
     if base is None:
         if given:
@@ -149,7 +154,7 @@ def resolve_selection(
                 "or remove the overrides.")
         return None
     sel = apply_overrides(token_selector, base, given)
-    check_with_actor(sel, auto_enable_entropy=overrides.auto_enable_entropy, **actor)
+    validate(sel, ActorSettings(auto_enable_entropy=overrides.auto_enable_entropy, **actor))
     return sel
 
 
@@ -173,7 +178,7 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
         raise config_error("token_selection.shaping", shaping, ", ".join(("none", *SHAPING_REGISTRY)))
     knobs_cls = RULE_REGISTRY[rule].Knobs
     rule_keys = {f.name for f in dataclasses.fields(knobs_cls)}
-    ranking = {f.name for f in dataclasses.fields(Knobs)}
+    ranking = {f.name for f in dataclasses.fields(Ranking)} if issubclass(knobs_cls, Ranking) else set()
     knobs = {k: v for k, v in dataclasses.asdict(base.knobs).items() if k in ranking or rule == base.rule}
     shaping_cls = SHAPING_REGISTRY[shaping].Knobs if shaping in SHAPING_REGISTRY else None
     shaping_keys = set() if shaping_cls is None else {f.name for f in dataclasses.fields(shaping_cls)}
@@ -209,14 +214,11 @@ def apply_overrides(token_selector: str, base: Selection, given: dict[str, Any])
 
 def override(sel: Selection, **values: Any) -> Selection:
     """``sel`` with flat knobs replaced as ``token_selection.<knob>=value`` would replace them (the shared keys,
-    ``rule``, the rule's and the shaping's knobs); a knob nobody reads is refused."""
-    return apply_overrides("<selection>", sel, values)
-
-
-def check_with_actor(sel: Selection, *, auto_enable_entropy: bool = True, **actor: Any) -> None:
-    """The one validation pass of ``sel`` (:func:`~verl_tokensel.core.rules.checks.validate`) with the actor's
-    settings (``actor_rollout_ref.actor.*`` and ``adv_estimator``, :class:`ActorSettings`' fields)."""
-    validate(sel, ActorSettings(auto_enable_entropy=auto_enable_entropy, **actor))
+    ``rule``, the rule's and the shaping's knobs), validated without the actor's settings; a knob nobody reads is
+    refused."""
+    out = apply_overrides("<selection>", sel, values)
+    validate(out)
+    return out
 
 
 def knob_table_rows() -> list[tuple[str, str, str, str]]:
@@ -232,5 +234,5 @@ def knob_table_rows() -> list[tuple[str, str, str, str]]:
 
 
 __all__ = ["ENGINE_SWITCHES", "NORMALISERS", "PRESETS", "SHARED_KEYS", "Selection", "TokenSelectionConfig",
-           "TokenSelectionConfigError", "apply_overrides", "check_with_actor", "declared_keys", "knob_sources",
+           "TokenSelectionConfigError", "apply_overrides", "declared_keys", "knob_sources",
            "knob_table_rows", "override", "preset", "register_preset", "resolve_selection"]

@@ -2,8 +2,8 @@
 torch, no verl import.
 
 Everything comes from the fields the components carry: a rule's or shaping's ``about`` (source, formula,
-deviations; :func:`~verl_tokensel.core.rules.base.register_rule`), its knobs (default, help, paper value;
-:func:`~verl_tokensel.core.rules.base.knob`) and the presets (:data:`~verl_tokensel.core.presets.PRESETS`). The
+deviations; :func:`~verl_tokensel.core.seam.rule.register_rule`), its knobs (default, help, paper value;
+:func:`~verl_tokensel.core.seam.rule.knob`) and the presets (:data:`~verl_tokensel.core.presets.PRESETS`). The
 generated docs page ``docs/knobs.md`` (``scripts/knob_docs.py``) renders the same fields with the helpers here, so a
 rule registered from user code is described the way a built-in one is.
 """
@@ -15,9 +15,9 @@ import textwrap
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import suggest
-from verl_tokensel.core.presets import PRESETS
-from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Knobs
-from verl_tokensel.core.rules.base import About, knob_fields
+from verl_tokensel.core.presets import PRESETS, selection_for, selectors
+from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Ranking
+from verl_tokensel.core.seam.rule import About, knob_fields
 from verl_tokensel.core.selection import Selection
 
 WIDTH = 116
@@ -56,7 +56,7 @@ def summary(kind: str, name: str) -> str:
 
 
 def own_fields(kind: str, name: str) -> list[dataclasses.Field]:
-    """The component's own knobs: a rule's beyond the ranking (:class:`Knobs`), every field of a shaping's."""
+    """The component's own knobs: a rule's beyond the ranking (:class:`Ranking`), every field of a shaping's."""
     knobs_cls = component(kind, name).Knobs
     if kind == "rule":
         return knob_fields(knobs_cls)
@@ -71,21 +71,22 @@ def presets_using(kind: str, name: str) -> list[str]:
 
 def preset_values(preset: str, kind: str, name: str) -> dict[str, Any]:
     """The own knobs of ``name`` that the preset sets to other than their defaults."""
-    sel = PRESETS[preset]
+    sel = selection_for(preset)
     knobs = sel.knobs if kind == "rule" else sel.shaping_knobs
     return {f.name: getattr(knobs, f.name) for f in own_fields(kind, name)
             if knobs is not None and getattr(knobs, f.name) != f.default}
 
 
 def preset_line(name: str) -> str:
-    """One line of a preset: its rule (and shaping), ranking and where it pools."""
-    sel = PRESETS[name]
+    """One line of a preset: its rule (and shaping), ranking (or none: every token) and where it pools."""
+    sel = selection_for(name)
     if sel is None:
         return "stock verl: no rule, the loss and gradient verl's"
     k = sel.knobs
     rule = sel.rule + ("" if sel.shaping == "none" else f" + shaping {sel.shaping}")
-    return (f"rule {rule}; score {k.score}, ratio {show(k.ratio)} ({k.budget}), {k.direction}; scope {sel.scope}, "
-            f"score_source {sel.score_source}, normaliser {sel.normaliser}")
+    ranking = (f"score {k.score}, ratio {show(k.ratio)} ({k.budget}), {k.direction}" if isinstance(k, Ranking)
+               else f"every token{'' if sel.score == 'all' else ', its own score ' + sel.score}")
+    return f"rule {rule}; {ranking}; scope {sel.scope}, score_source {sel.score_source}, normaliser {sel.normaliser}"
 
 
 def _wrap(text: str, first: str, rest: str) -> list[str]:
@@ -111,12 +112,13 @@ def describe_rules() -> str:
     out += ["", "Shapings (token_selection.shaping; run before the rule):"]
     for name in SHAPING_REGISTRY:
         out += _wrap(summary("shaping", name), f"  {name.ljust(width)}", " " * (width + 2))
-    out += ["", "Presets (actor_rollout_ref.actor.token_selector):"]
-    width = max(len(n) for n in PRESETS) + 2
-    for name in PRESETS:
+    out += ["", "Presets and rules (actor_rollout_ref.actor.token_selector; a rule without a preset of its name "
+            "runs with its knobs' defaults):"]
+    width = max(len(n) for n in selectors()) + 2
+    for name in selectors():
         out += _wrap(preset_line(name), f"  {name.ljust(width)}", " " * (width + 2))
-    out += [""] + _wrap("verl-tokensel rules <preset>: its rule, every knob's value, default and paper value, the "
-                        "formula, the source and the deviations.", "", "")
+    out += [""] + _wrap("verl-tokensel rules <preset or rule>: its rule, every knob's value, default and paper "
+                        "value, the formula, the source and the deviations.", "", "")
     return "\n".join(out) + "\n"
 
 
@@ -140,10 +142,11 @@ def _knob_rows(fields: list[dataclasses.Field], knobs: Any) -> list[tuple[str, .
 def describe_preset(name: str) -> str:
     """What the preset ``name`` does: its rule and shaping, the shared keys, every knob of its rule (and shaping)
     with its value, default and paper value, and the rule's formula, source and deviations. Raises ``KeyError``
-    (naming the valid presets) for an unknown name."""
-    if name not in PRESETS:
+    (naming the valid presets) for an unknown name; a registered rule without a preset of its name is described
+    with its knobs' defaults."""
+    if name not in selectors():
         raise KeyError(unknown_preset(name))
-    sel: Optional[Selection] = PRESETS[name]
+    sel: Optional[Selection] = selection_for(name)
     if sel is None:
         return "\n".join(_wrap(f"token_selector={name}: stock verl, no token rule; the loss and gradient are verl's, "
                                "bit for bit. Setting a token_selection knob with it is an error.", "", "  ")) + "\n"
@@ -155,8 +158,10 @@ def describe_preset(name: str) -> str:
     out += _table([head] + [(f.name, show(getattr(sel, f.name)), show(f.default), f.metadata.get("paper", ""))
                             for f in SHARED_FIELDS])
     out += ["", f"Rule {sel.rule}:"] + _about_lines("rule", sel.rule)
-    out += ["", f"  Ranking and own knobs of rule {sel.rule}:"]
-    fields = list(dataclasses.fields(Knobs)) + own_fields("rule", sel.rule)
+    ranks = isinstance(sel.knobs, Ranking)
+    out += ["", f"  {'Ranking and own knobs' if ranks else 'Knobs'} of rule {sel.rule}"
+                f"{'' if ranks else ' (it ranks nothing: every valid token, but for what it says)'}:"]
+    fields = (list(dataclasses.fields(Ranking)) if ranks else []) + own_fields("rule", sel.rule)
     out += _table([head] + _knob_rows(fields, sel.knobs), indent="    ")
     if sel.shaping != "none":
         out += ["", f"Shaping {sel.shaping} (before the rule):"] + _about_lines("shaping", sel.shaping)
@@ -168,12 +173,12 @@ def describe_preset(name: str) -> str:
 def unknown_preset(name: str) -> str:
     """The error line for an unknown preset: the valid names, the closest one, and the presets of a rule or shaping
     of that name."""
-    msg = f"preset {name!r} is unknown; valid: {', '.join(PRESETS)}."
+    msg = f"preset {name!r} is unknown; valid: {', '.join(selectors())}."
     for kind, registry in (("rule", RULE_REGISTRY), ("shaping", SHAPING_REGISTRY)):
         if name in registry:
             using = presets_using(kind, name)
             msg += f" {name} is a {kind}" + (f"; presets of it: {', '.join(using)}." if using else ".")
-    near = suggest(name, PRESETS)
+    near = suggest(name, selectors())
     return msg + (f" Did you mean {near}?" if near else "")
 
 

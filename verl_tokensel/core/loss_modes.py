@@ -16,7 +16,7 @@ sum (their ``route``) depends on what the loss reads of ``response_mask`` before
 
 Under ``normaliser=all`` every loss gets every valid token and the gradient gate, whatever its route. A loss that
 has no token-mean (SAPO always aggregates seq-mean-token-mean; GMPO's ``geo_mean`` averages responses) cannot serve
-``selected`` / ``kept``: the one validation pass (:mod:`~verl_tokensel.core.rules.checks`) refuses that pair.
+``selected`` / ``kept``: the one validation pass (:mod:`~verl_tokensel.core.seam.checks`) refuses that pair.
 docs/loss-modes.md has the table.
 """
 

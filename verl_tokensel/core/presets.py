@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from verl_tokensel.core.selection import Selection
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY
+from verl_tokensel.core.seam.checks import validate
+from verl_tokensel.core.scopes import SOURCE_SCOPES
+from verl_tokensel.core.selection import Selection
 
 
 def preset(rule: str, *, shaping: str = "none", shaping_knobs: Optional[dict[str, Any]] = None,
@@ -22,10 +24,17 @@ def preset(rule: str, *, shaping: str = "none", shaping_knobs: Optional[dict[str
     knobs = knobs_cls(**{k: v for k, v in values.items() if k in own})
     shared = {k: v for k, v in values.items() if k not in own}
     shaped = None if shaping == "none" else SHAPING_REGISTRY[shaping].Knobs(**(shaping_knobs or {}))
-    return Selection(rule=rule, knobs=knobs, shaping=shaping, shaping_knobs=shaped, **shared)
+    sel = Selection(rule=rule, knobs=knobs, shaping=shaping, shaping_knobs=shaped, **{**_fitting(rule), **shared})
+    validate(sel)
+    return sel
 
 
-_KEEP_ALL = dict(score="all", ratio=1.0, scope="micro_batch", normaliser="all")
+def _fitting(rule: str) -> dict[str, str]:
+    """The shared keys a rule runs with when its preset does not set them: the first score source, scope and
+    normaliser its ``Needs`` allows (for the default ``Needs``: current, micro_batch, all)."""
+    needs = RULE_REGISTRY[rule].needs
+    source = next((s for s in SOURCE_SCOPES if needs.sources.get(s)), "current")
+    return {"score_source": source, "scope": needs.sources[source][0], "normaliser": needs.normalisers[0]}
 
 PRESETS: dict[str, Optional[Selection]] = {
     # stock verl: no selection, loss and gradient bit-identical to verl's ppo_loss
@@ -66,24 +75,24 @@ PRESETS: dict[str, Optional[Selection]] = {
                      archer_kl_mean="class"),
     # AR (Yang et al., arXiv 2505.12929; code zhyang2226/AR-Lopti): every token's advantage times
     # alpha * pi_old + 1 - alpha; alpha 0.3 (the paper's K&K figure; its AR-only script 0.2, its math table 0.1)
-    "ar": preset("gradient_mask", **_KEEP_ALL, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
+    "ar": preset("gradient_mask", score="all", ratio=1.0, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
     # Lopti (same paper): a first whole update pass on the tokens with pi_old < eta (0.5), then one on the rest,
     # each with the other tokens' advantages zeroed and kept in the denominator
-    "lopti": preset("lopti", **_KEEP_ALL, lopti_eta=0.5),
+    "lopti": preset("lopti", lopti_eta=0.5),
     # the paper's best setting on K&K: AR (alpha 0.3) and Lopti (eta 0.5) together (its AR-Lopti script)
-    "ar_lopti": preset("lopti", **_KEEP_ALL, lopti_eta=0.5, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
+    "ar_lopti": preset("lopti", lopti_eta=0.5, shaping="ar", shaping_knobs=dict(ar_alpha=0.3)),
     # entropy advantage shaping (Cheng et al., arXiv 2506.14758, Eq. 5-6): A + min(alpha * H.detach(), |A| / kappa)
     # on every token, H the update pass's entropy; alpha 0.4 (GRPO; 0.1 for PPO), kappa 2 (Sec. 4)
-    "entropy_adv": preset("gradient_mask", **_KEEP_ALL, shaping="entropy_adv",
+    "entropy_adv": preset("gradient_mask", score="all", ratio=1.0, shaping="entropy_adv",
                           shaping_knobs=dict(entropy_alpha=0.4, entropy_kappa=2.0)),
     # STAPO (arXiv 2602.15620, Sec. 3 and 5.1): the spurious tokens (A > 0, pi < 0.002, H under the 0.75 entropy
     # quantile of those candidates in each mini-batch, at the policy starting its update) leave the loss, which is
     # the token-mean over the kept tokens of the whole mini-batch
-    "stapo": preset("stapo", score="stapo", ratio=1.0, scope="mini_batch", normaliser="kept", score_source="prepass",
-                    stapo_prob=0.002, stapo_entropy_quantile=0.75),
+    "stapo": preset("stapo", scope="mini_batch", normaliser="kept", score_source="prepass", stapo_prob=0.002,
+                    stapo_entropy_quantile=0.75),
     # CE-GPPO (arXiv 2509.20712, released code Kwai-Klear/CE-GPPO): every token keeps its gradient, the clipped ones
     # a bounded one: beta1 (0.75) for r < 1 - eps with A < 0, beta2 (1.0) for r > 1 + eps with A > 0
-    "ce_gppo": preset("ce_gppo", **_KEEP_ALL, ce_gppo_beta1=0.75, ce_gppo_beta2=1.0),
+    "ce_gppo": preset("ce_gppo", ce_gppo_beta1=0.75, ce_gppo_beta2=1.0),
     # ASPO (arXiv 2510.06062, released code wizard-III/Archer2.0): per response, the tokens above its 0.8 entropy
     # quantile get clip 0.4 / 0.4, the others the actor's (0.2); A > 0 tokens the flipped ratio and its soft dual clip
     "aspo": preset("aspo", score="entropy", ratio=0.2, scope="sequence", normaliser="all", budget="quantile",
@@ -91,59 +100,63 @@ PRESETS: dict[str, Optional[Selection]] = {
     # KTAE (arXiv 2505.16826, released code xiaolizh1/KTAE): per prompt group, each token id's bounded key-token
     # score (Fisher exact test, information gain, Cohen's h and BM25 term frequencies of correct vs wrong responses)
     # added to every token's advantage; computed on the driver, where the whole group is; the release's constants
-    "ktae": preset("ktae", score="ktae", ratio=1.0, scope="group", normaliser="all", score_source="rollout",
-                   ktae_alpha=1.0, ktae_beta=1.0, ktae_tf=True, ktae_top=1.0),
+    "ktae": preset("ktae", scope="group", normaliser="all", score_source="rollout", ktae_alpha=1.0, ktae_beta=1.0,
+                   ktae_tf=True, ktae_top=1.0),
     # GTPO (arXiv 2508.03772, released code winstonsmith1897/GTPO): within each prompt group, the conflict tokens (same
     # id at the same position, from the start or from the end, in a positive and a negative response) skip the
     # negative update and get the positive one doubled; responses above 0.7 mean entropy get no update, the others
     # A - 0.1 H; each response divided by its conflict count; computed on the driver
-    "gtpo": preset("gtpo", score="gtpo", ratio=1.0, scope="group", normaliser="all", score_source="rollout",
-                   gtpo_conflict_weight=2.0, gtpo_entropy_threshold=0.7, gtpo_entropy_scale=0.1),
+    "gtpo": preset("gtpo", scope="group", normaliser="all", score_source="rollout", gtpo_conflict_weight=2.0,
+                   gtpo_entropy_threshold=0.7, gtpo_entropy_scale=0.1),
     # FIPO (arXiv 2603.19835, released in ms-swift as loss_type=fipo): every token's advantage times
     # clip(exp(FutureKL), 1, 1.2), FutureKL the response's 2^(-1/32)-discounted sum of log pi - log pi_old from the
     # token on (current log-probs); A < 0 tokens with r > 4 keep a weight in [0.8, 1]
-    "fipo": preset("fipo", **_KEEP_ALL, fipo_decay_rate=32.0, fipo_clip_range=0.2, fipo_clip_high_only=True,
+    "fipo": preset("fipo", fipo_decay_rate=32.0, fipo_clip_range=0.2, fipo_clip_high_only=True,
                    fipo_safety_threshold=4.0),
     # M2PO (arXiv 2510.01161, released as AReaL's m2_threshold): the tokens of largest (log pi_rollout -
     # log pi_old)^2 leave the loss until the mean of the rest is under 0.04, the pool the whole mini-batch over all
     # data-parallel ranks (AReaL: each rank's micro-batch); the loss is the token-mean over the kept tokens
-    "m2po_global": preset("m2po", score="m2po", ratio=1.0, scope="mini_batch", normaliser="kept",
-                          score_source="prepass", m2po_threshold=0.04),
+    "m2po_global": preset("m2po", scope="mini_batch", normaliser="kept", score_source="prepass",
+                          m2po_threshold=0.04),
     # DelTA (arXiv 2605.21467, released code RUCBM/DelTA): every token's advantage times a weight in [0.8, 1.2] (mean
     # 1) from how close v = (1 - p) h (h the last hidden state) lies to the positive vs the negative tokens' centroid,
     # measured before the update by K + 3 passes over the step's batch, summed over every data-parallel rank
-    "delta": preset("delta", **_KEEP_ALL, delta_k=1, delta_lam_min=0.8, delta_lam_max=1.2, delta_impl="Normal",
+    "delta": preset("delta", delta_k=1, delta_lam_min=0.8, delta_lam_max=1.2, delta_impl="Normal",
                     delta_stats="global"),
 }
 
 
-def register_preset(name: str, selection: Optional[Selection] = None, *, rule: Optional[str] = None,
-                    **values: Any) -> Selection:
-    """Add a ``token_selector`` preset; refuses to overwrite an existing name.
-
-    ``register_preset(name, rule="<rule>", **values)``: a registered rule and values of the shared keys and of its
-    knobs (as :func:`preset`, ``shaping=`` / ``shaping_knobs=`` included); or ``register_preset(name, selection)``
-    with a :class:`Selection` built by :func:`preset`. The knobs the preset leaves out take their defaults, and every
-    knob can be set on the command line (``token_selection.<knob>``).
+def register_preset(name: str, *, rule: str, **values: Any) -> Selection:
+    """Add a ``token_selector`` preset ``name``: the registered ``rule`` with values of the shared keys and of its
+    knobs (as :func:`preset`, ``shaping=`` / ``shaping_knobs=`` included); refuses to overwrite a name. The knobs the
+    preset leaves out take their defaults, and every knob can be set on the command line (``token_selection.<knob>``).
 
     The registration must run in every process that converts the actor config (driver, TaskRunner, workers): put it
     in a module listed in ``VERL_USE_EXTERNAL_MODULES`` or in your own ``verl.plugins`` entry point.
     """
     if name in PRESETS:
         raise ValueError(f"token_selector preset {name!r} already exists; pick another name")
-    if selection is None:
-        if rule is None:
-            raise TypeError("register_preset needs rule='<a registered rule>' (and its knobs) or a Selection")
-        if rule not in RULE_REGISTRY:
-            raise ValueError(f"register_preset({name!r}): rule {rule!r} is not registered; registered: "
-                             f"{', '.join(RULE_REGISTRY)}")
-        selection = preset(rule, **values)
-    elif rule is not None or values:
-        raise TypeError("register_preset takes a Selection or rule= and its knobs, not both")
-    if not isinstance(selection, Selection):  # a Selection validated itself when it was built
-        raise TypeError(f"register_preset needs a Selection, got {type(selection).__name__}")
-    PRESETS[name] = selection
-    return selection
+    if rule not in RULE_REGISTRY:
+        raise ValueError(f"register_preset({name!r}): rule {rule!r} is not registered; registered: "
+                         f"{', '.join(RULE_REGISTRY)}")
+    PRESETS[name] = preset(rule, **values)
+    return PRESETS[name]
 
 
-__all__ = ["PRESETS", "preset", "register_preset"]
+def selectors() -> tuple[str, ...]:
+    """Every valid ``token_selector``: the presets, then each registered rule without a preset of its name (its
+    knobs' defaults)."""
+    return (*PRESETS, *(name for name in RULE_REGISTRY if name not in PRESETS))
+
+
+def selection_for(name: str) -> Optional[Selection]:
+    """What ``token_selector=name`` trains with: the preset ``name``, else the registered rule ``name`` with its
+    knobs' defaults and the first score source, scope and normaliser its ``Needs`` allows (None for ``none``)."""
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in RULE_REGISTRY:
+        return preset(name)
+    raise KeyError(name)
+
+
+__all__ = ["PRESETS", "preset", "register_preset", "selection_for", "selectors"]

@@ -69,6 +69,20 @@ class ScoreInputs:
     omega_cache: Optional[torch.Tensor] = None  # filled by omega(); scores and metrics share it
     external: dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def need_entropy(self, name: str) -> torch.Tensor:
+        """The entropy (float32, detached) for score ``name``; a clear error where the pass computed none."""
+        if self.entropy is None:
+            raise ValueError(
+                f"score {name!r} needs the policy entropy but the engine returned none: set "
+                "actor_rollout_ref.actor.calculate_entropy=True (or token_selection.auto_enable_entropy=True)")
+        return self.entropy.detach().float()
+
+    def need_advantages(self, name: str) -> torch.Tensor:
+        """The advantages for score ``name``; a clear error where the batch carries none."""
+        if self.advantages is None:
+            raise ValueError(f"score {name!r} needs the advantages of the batch")
+        return self.advantages
+
 
 def policy_gradient_weight(
     log_prob: torch.Tensor,
@@ -277,23 +291,14 @@ def register_score(
     return deco
 
 
-def need_entropy(inp: ScoreInputs, name: str) -> torch.Tensor:
-    if inp.entropy is None:
-        raise ValueError(
-            f"score {name!r} needs the policy entropy but the engine returned none: set "
-            "actor_rollout_ref.actor.calculate_entropy=True (or token_selection.auto_enable_entropy=True)"
-        )
-    return inp.entropy.detach().float()
-
-
 @register_score("entropy", needs_entropy=True, needs_omega=False, help="H_t, nats (80/20 forking tokens)")
 def entropy_score(inp: ScoreInputs) -> torch.Tensor:
-    return need_entropy(inp, "entropy")
+    return inp.need_entropy("entropy")
 
 
 @register_score("gmts", needs_entropy=True, needs_omega=True, help="H_t * |omega_t| (GMTS delta)")
 def gmts_score(inp: ScoreInputs) -> torch.Tensor:
-    return need_entropy(inp, "gmts") * omega(inp).abs()
+    return inp.need_entropy("gmts") * omega(inp).abs()
 
 
 @register_score(
@@ -319,12 +324,6 @@ def random_score(inp: ScoreInputs) -> torch.Tensor:
                 help="no ranking: every valid token is kept (the shaping and update-pass presets)")
 def all_score(inp: ScoreInputs) -> torch.Tensor:
     return torch.zeros_like(inp.log_prob, dtype=torch.float32)
-
-
-def need_advantages(inp: ScoreInputs, name: str) -> torch.Tensor:
-    if inp.advantages is None:
-        raise ValueError(f"score {name!r} needs the advantages of the batch")
-    return inp.advantages
 
 
 @register_score(
@@ -387,7 +386,7 @@ def score_params(actor_config: Any) -> dict[str, Any]:
 
 __all__ = [
     "LOG_RATIO_CLAMP", "SCORE_REGISTRY", "ScoreInputs", "ScoreSpec", "compute_score", "grad_mass",
-    "kl_gradient_weight", "logit_grad_norm", "need_advantages", "need_entropy", "omega", "policy_gradient_weight",
+    "kl_gradient_weight", "logit_grad_norm", "omega", "policy_gradient_weight",
     "register_score",
     "row_keys_from_packed", "row_keys_from_tokens", "score_params", "seeded_uniform", "token_grad_norm"
 ]

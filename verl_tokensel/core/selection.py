@@ -3,7 +3,8 @@
 :class:`Selection` is a fully resolved rule: the registered rule's name and its knobs (a dataclass of the rule's
 own, :mod:`~verl_tokensel.core.rules`), an optional advantage shaping run before it, and the keys every rule
 shares: when the scores are measured, the scope pooled over, the loss's denominator, the seed and the masks of the
-entropy and KL terms. It validates itself once, in ``__post_init__``, and asks the rule for the rest.
+entropy and KL terms. It checks each of its keys in ``__post_init__``; the checks across keys run once per resolution
+(:func:`~verl_tokensel.core.seam.checks.validate`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import check_bool, check_choice, config_error
-from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Rule, Shaping
-from verl_tokensel.core.rules.checks import validate
+from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Ranking, Rule, Shaping
 from verl_tokensel.core.scopes import SCOPES, SCORE_SOURCES, SOURCE_SCOPES
 from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreSpec
 
@@ -70,8 +70,8 @@ class Selection:
     shaping_knobs: Any = _shared(None, "The shaping's knobs (its Knobs dataclass), None without one.", "n/a")
 
     def __post_init__(self) -> None:
-        """Each key's own type and values, then the one validation pass without the actor's settings
-        (:func:`~verl_tokensel.core.rules.checks.validate`; the driver runs it again with them). Errors name the
+        """Each key's own type and values (the checks across keys are one pass,
+        :func:`~verl_tokensel.core.seam.checks.validate`, run once per resolution). Errors name the
         ``token_selection`` key, its valid values and the fix."""
         check_choice("token_selection.rule", self.rule, tuple(RULE_REGISTRY))
         knobs_cls = self.impl.Knobs
@@ -93,7 +93,6 @@ class Selection:
             raise TypeError("shaping=none takes no shaping_knobs")
         if self.shaping != "none" and type(self.shaping_knobs) is not self.shaper.Knobs:
             raise TypeError(f"shaping {self.shaping!r} needs knobs of type {self.shaper.Knobs.__name__}")
-        validate(self)
 
     def as_knobs(self) -> dict[str, Any]:
         """The flat knob view (``token_selection``'s namespace): the rule, the shared keys, the rule's and the
@@ -121,9 +120,22 @@ class Selection:
         return tuple(SCORE_REGISTRY[name] for name in self.scores)
 
     @property
+    def score(self) -> str:
+        """The score the rule is measured by: its ranking's (``Ranking`` knobs), else the first its ``Needs``
+        names, else ``all`` (a rule that keeps every token)."""
+        if isinstance(self.knobs, Ranking):
+            return self.knobs.score
+        return self.impl.needs.scores[0] if self.impl.needs.scores else "all"
+
+    @property
+    def ratio(self) -> float:
+        """The budget of a ranking rule (1: a rule that keeps every token)."""
+        return self.knobs.ratio if isinstance(self.knobs, Ranking) else 1.0
+
+    @property
     def scores(self) -> tuple[str, ...]:
-        """The registered scores the rule evaluates: its knobs' and those its ``Needs`` names."""
-        return tuple(dict.fromkeys((self.knobs.score, *self.impl.needs.scores)))
+        """The registered scores the rule evaluates: its score and those its ``Needs`` names."""
+        return tuple(dict.fromkeys((self.score, *self.impl.needs.scores)))
 
     @property
     def score_needs_entropy(self) -> bool:

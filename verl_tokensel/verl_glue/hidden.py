@@ -2,7 +2,7 @@
 
 At the start of each step's update (``TrainingWorker.train_mini_batch``: this rank's share of the step's batch, the
 advantages given, the weights still those of verl's old-log-prob pass; wrapped by :func:`install_hidden_passes`),
-:func:`hidden_sweeps` runs the rule's :class:`~verl_tokensel.core.rules.hidden.HiddenStates` passes: each is the
+:func:`hidden_sweeps` runs the rule's :class:`~verl_tokensel.core.seam.hidden.HiddenStates` passes: each is the
 engine's own forward-only path (``engine.infer_batch`` with a per-micro-batch collector in place of a loss), during
 which a forward pre-hook on the output layer (``lm_head``; Megatron's ``output_layer``) holds that micro-batch's
 input to it until the collector has laid it out like the log-probs (:func:`packed_hidden`: gathered over Ulysses or
@@ -34,7 +34,7 @@ from verl.utils.device import get_device_id, get_device_name
 from verl.workers.utils.padding import no_padding_2_padding, response_to_nested
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.rules.hidden import HiddenBatch, HiddenStates
+from verl_tokensel.core.seam.hidden import HiddenBatch, HiddenStates
 from verl_tokensel.verl_glue.errors import config_error_at
 from verl_tokensel.verl_glue.loss import SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching

@@ -14,7 +14,7 @@
   covariance pools, bypass mode's sequence weights) run over every valid token, as stock verl's: how the unselected
   tokens leave the sum is the loss's route (:mod:`~verl_tokensel.core.loss_modes`, docs/loss-modes.md);
 - the entropy bonus and KL loss see the mask only with ``mask_entropy_bonus`` / ``mask_kl_loss``;
-- the rule's :class:`~verl_tokensel.core.rules.base.LossTransform` is applied as it is: its gate (None: every
+- the rule's :class:`~verl_tokensel.core.seam.rule.LossTransform` is applied as it is: its gate (None: every
   token keeps the gradient), the advantages' affine map, the KL and entropy weights, and the per-token policy loss
   it names (:func:`~verl_tokensel.verl_glue.policy_loss.transform_policy_loss`; None: ``loss_mode``'s).
 
@@ -37,12 +37,12 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.loss_modes import loss_mode
-from verl_tokensel.core.step import StepResult, apply_rule
-from verl_tokensel.core.step import LossContext
+from verl_tokensel.core.seam.rule import LossContext, RuleInput
+from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
 from verl_tokensel.core.selection import Selection
 from verl_tokensel.verl_glue.announce import announce_loss
-from verl_tokensel.verl_glue.micro_batch import MicroBatch, unpack_micro_batch
+from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 from verl_tokensel.verl_glue.policy_loss import transform_policy_loss
 
 METRIC_PREFIX = "tokensel/"
@@ -127,7 +127,7 @@ def update_pass(sel: Selection, data: TensorDict) -> int | None:
     return int(value)
 
 
-def _context(config, sel: Selection, data: TensorDict) -> LossContext:
+def _where(config, sel: Selection, data: TensorDict) -> LossContext:
     denominator = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)
     rows = tu.get_non_tensor_data(data=data, key="global_batch_size", default=None)
     return LossContext(update_pass=update_pass(sel, data), loss_agg_mode=config.loss_agg_mode,
@@ -135,12 +135,12 @@ def _context(config, sel: Selection, data: TensorDict) -> LossContext:
                        global_rows=None if rows is None else int(rows))
 
 
-def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group) -> tuple[MicroBatch, StepResult]:
-    """The micro-batch and the rule step on it (or, for a selection measured before the update, its fields)."""
-    context = _context(config, sel, data)
+def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group) -> RuleInput:
+    """The rule step on the micro-batch (or, for a selection measured before the update, its fields read back)."""
+    where = _where(config, sel, data)
     if sel.score_source == "current":
-        mb = unpack_micro_batch(config, sel, model_output, data)
-        return mb, apply_rule(sel, mb.scores, dp_group=dp_group, context=context)
+        batch, _ = unpack_micro_batch(config, sel, model_output, data)
+        return apply_rule(sel, batch, dp_group=dp_group, where=where)
     if fields.MASK not in data.keys():
         raise RuntimeError(
             f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
@@ -148,37 +148,43 @@ def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group)
             "rollout, at the start of each mini-batch for prepass) did not run. It is installed by "
             "python -m verl_tokensel.main_ppo (trainer modes tokensel_*); a custom trainer must keep it."
         )
-    mb = unpack_micro_batch(config, sel, model_output, data, rank=False, extra_fields=(fields.MASK, fields.SCORE))
-    scores = mb.padded[fields.SCORE] if fields.SCORE in mb.padded.keys() else torch.zeros_like(mb.log_prob)
-    return mb, apply_rule(sel, mb.scores, measured=(mb.padded[fields.MASK], scores), context=context)
+    batch, padded = unpack_micro_batch(config, sel, model_output, data, rank=False,
+                                       extra_fields=(fields.MASK, fields.SCORE))
+    scores = padded[fields.SCORE] if fields.SCORE in padded.keys() else torch.zeros_like(batch.loss_log_prob)
+    return apply_rule(sel, batch, measured=(padded[fields.MASK], scores), where=where)
 
 
-def _loss_inputs(config, sel: Selection, mb: MicroBatch, selected: StepResult) -> dict:
-    """verl's loss inputs carrying the selection: the gated log-prob, the rule's per-token outputs applied, and
-    finite stand-ins on dropped tokens (masked out; verl's masked sums would turn NaN x 0 into NaN)."""
-    log_prob, entropy, mask, t = mb.log_prob, mb.entropy, selected.mask, selected.transform
+def _policy_loss_kwargs(config, sel: Selection, x: RuleInput) -> tuple[dict, dict]:
+    """verl's policy-loss keyword arguments carrying the selection (the gated log-prob, the rule's per-token outputs
+    applied, finite stand-ins on dropped tokens: masked out, but verl's masked sums would turn NaN x 0 into NaN), and
+    the entropy and KL terms' inputs."""
+    batch, t = x.batch, x.transform
+    log_prob, entropy = batch.loss_log_prob, batch.loss_entropy
     gated = log_prob if t.gate is None else torch.where(t.gate, log_prob, log_prob.detach())
+    old, adv, weights = batch.inputs.old_log_prob, batch.advantages, batch.is_weights
+    ref = batch.inputs.ref_log_prob if config.use_kl_loss else None
     kl_log_prob = log_prob
-    names = (fields.OLD_LOG_PROBS, fields.ADVANTAGES, fields.ROLLOUT_IS_WEIGHTS, fields.REF_LOG_PROB)
-    inputs = {k: mb.padded.get(k, None) for k in names}
-    if selected.dropped:
-        finite = selected.loss_tokens | ~mb.response_mask
+    if x.dropped:
+        finite = x.tokens | ~batch.valid
         gated = torch.where(finite, gated, 0.0)
-        fill = {fields.OLD_LOG_PROBS: gated.detach(), fields.ADVANTAGES: 0.0, fields.ROLLOUT_IS_WEIGHTS: 1.0,
-                fields.REF_LOG_PROB: gated.detach()}
-        inputs = {k: None if v is None else torch.where(finite, v, fill[k]) for k, v in inputs.items()}
+        old = torch.where(finite, old, gated.detach())
+        adv = torch.where(finite, adv, 0.0)
+        weights = None if weights is None else torch.where(finite, weights, 1.0)
+        ref = None if ref is None else torch.where(finite, ref, gated.detach())
         entropy = None if entropy is None else torch.where(finite, entropy, 0.0)
         kl_log_prob = torch.where(finite, log_prob, 0.0)
     if t.advantage_weight is not None:
-        inputs[fields.ADVANTAGES] = inputs[fields.ADVANTAGES] * t.advantage_weight
+        adv = adv * t.advantage_weight
     if t.advantage_shift is not None:
-        inputs[fields.ADVANTAGES] = inputs[fields.ADVANTAGES] + t.advantage_shift
+        adv = adv + t.advantage_shift
     if entropy is not None and sel.mask_entropy_bonus:
-        entropy = torch.where(mask, entropy, entropy.detach())
+        entropy = torch.where(x.mask, entropy, entropy.detach())
     if entropy is not None and t.entropy_weight is not None:
         entropy = entropy * t.entropy_weight
-    inputs.update(log_prob=gated, entropy=entropy, kl_log_prob=gated if sel.mask_kl_loss else kl_log_prob)
-    return inputs
+    kwargs = dict(old_log_prob=old, log_prob=gated, advantages=adv, response_mask=x.tokens,
+                  loss_agg_mode=config.loss_agg_mode, config=config, rollout_is_weights=weights)
+    terms = dict(entropy=entropy, kl_log_prob=gated if sel.mask_kl_loss else kl_log_prob, ref_log_prob=ref)
+    return kwargs, terms
 
 
 def _leave_the_sum(route: str, mode: str, mask: torch.Tensor, kwargs: dict) -> dict:
@@ -199,45 +205,38 @@ def _leave_the_sum(route: str, mode: str, mask: torch.Tensor, kwargs: dict) -> d
 
 
 def _selecting_loss(config, sel: Selection, model_output, data: TensorDict, dp_group, observer=None):
-    mb, selected = _rule_step(config, sel, model_output, data, dp_group)
-    mask, tokens = selected.mask, selected.loss_tokens
+    x = _rule_step(config, sel, model_output, data, dp_group)
     if observer is not None:
-        observer({"mask": mask, "scores": selected.scores, "response_mask": mb.response_mask, "data": data,
-                  "log_prob": mb.log_prob, "advantages": mb.padded[fields.ADVANTAGES]})
-    inputs = _loss_inputs(config, sel, mb, selected)
+        observer({"mask": x.mask, "scores": x.scores, "response_mask": x.valid, "data": data,
+                  "log_prob": x.batch.loss_log_prob, "advantages": x.advantages})
+    kwargs, terms = _policy_loss_kwargs(config, sel, x)
 
     def policy_loss(info):  # verl's registered loss for loss_mode (only its inputs are ours), or the rule's
-        rule_loss = transform_policy_loss(selected.transform)
+        rule_loss = transform_policy_loss(x.transform)
         mode = config.policy_loss.get("loss_mode", "vanilla")
         policy_loss_fn = rule_loss or get_policy_loss_fn(mode)
         saved = info["batch_num_tokens"]
+        call = dict(kwargs)
         leave = sel.normaliser == "kept"  # the unselected tokens' per-token losses leave the sum
         if sel.normaliser == "selected":
-            n_sel = int(mask.sum())
+            n_sel = int(x.mask.sum())
             if n_sel > 0:
                 leave = True
                 # token-mean divides by batch_num_tokens: n_sel * G / rows makes it the selected mean x rows / G
-                info["batch_num_tokens"] = n_sel * _global_responses(data) / int(mb.response_mask.shape[0])
-        kwargs = dict(old_log_prob=inputs[fields.OLD_LOG_PROBS], log_prob=inputs["log_prob"],
-                      advantages=inputs[fields.ADVANTAGES], response_mask=tokens, loss_agg_mode=config.loss_agg_mode,
-                      config=config, rollout_is_weights=inputs[fields.ROLLOUT_IS_WEIGHTS])
+                info["batch_num_tokens"] = n_sel * _global_responses(data) / int(x.valid.shape[0])
         if leave:
-            kwargs.update(_leave_the_sum("mask" if rule_loss is not None else loss_mode(mode).route, mode, mask,
-                                         kwargs))
+            call.update(_leave_the_sum("mask" if rule_loss is not None else loss_mode(mode).route, mode, x.mask, call))
         try:
-            return policy_loss_fn(**kwargs)
+            return policy_loss_fn(**call)
         finally:
             info["batch_num_tokens"] = saved
 
     # normaliser kept: the unselected tokens leave the loss (the pre-pass made the mini-batch's loss_mask the kept
     # tokens, so verl's batch_num_tokens counts them over all ranks)
     loss, metrics = verl_ppo_loss_body(
-        config, data, policy_loss, response_mask=mask if sel.normaliser == "kept" else tokens,
-        entropy=inputs["entropy"], kl_log_prob=inputs["kl_log_prob"],
-        ref_log_prob=inputs[fields.REF_LOG_PROB] if config.use_kl_loss else None,
-        kl_weight=selected.transform.kl_weight,
-    )
-    for key, value in selected.stats.items():
+        config, data, policy_loss, response_mask=x.mask if sel.normaliser == "kept" else x.tokens,
+        kl_weight=x.transform.kl_weight, **terms)
+    for key, value in x.stats.items():
         # A stat that exists only where it is defined (no selected token in this micro-batch: no threshold, no
         # selected entropy) is a plain value: verl concatenates those over data-parallel ranks, while its
         # Metric.aggregate_dp needs the same count on every rank and fails the update otherwise. The driver

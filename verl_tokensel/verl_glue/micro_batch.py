@@ -7,9 +7,6 @@ pre-pass both unpack here, with the field names of :mod:`verl_tokensel.core.fiel
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 from tensordict import TensorDict
 
@@ -49,20 +46,6 @@ def batch_uids(data: TensorDict):
     return data.get(fields.UID)
 
 
-@dataclass
-class MicroBatch:
-    """One engine micro-batch laid out for scoring: padded ``(batch, response_len)``.
-
-    ``log_prob`` / ``entropy`` keep their autograd graph (the loss needs it); ``scores`` holds detached copies.
-    """
-
-    log_prob: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    padded: TensorDict
-    response_mask: torch.Tensor
-    scores: ScoreBatch
-
-
 def _policy_outputs(model_output, data: TensorDict, padded: TensorDict):
     """``(log_prob, entropy, sum_pi_squared)`` padded: the engine's outputs, or (``model_output=None``) the
     old-log-prob pass's values carried by ``data``."""
@@ -73,9 +56,10 @@ def _policy_outputs(model_output, data: TensorDict, padded: TensorDict):
 
 
 def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *, rank: bool = True,
-                       extra_fields: tuple[str, ...] = ()) -> MicroBatch:
-    """The engine's nested ``model_output`` and micro-batch ``data`` as padded tensors and their
-    :func:`~verl_tokensel.core.batch.score_batch`.
+                       extra_fields: tuple[str, ...] = ()) -> tuple[ScoreBatch, TensorDict]:
+    """The engine's nested ``model_output`` and micro-batch ``data`` as padded tensors: their
+    :func:`~verl_tokensel.core.batch.score_batch` (carrying the engine's log-prob and entropy with their autograd
+    graph, for the loss) and the padded fields of ``data``.
 
     ``model_output=None``: the policy values are the old-log-prob pass's (``old_log_probs`` and, when present,
     ``entropy`` of ``data``): the pre-pass at the weights that pass measured.
@@ -106,7 +90,8 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
     external = {fields.HIDDEN: padded[fields.HIDDEN]} if fields.HIDDEN in padded.keys() else None
     sb = score_batch(sel.scores, tensors, input_ids=ids, attention_mask=attn, uids=uids, scope=sel.scope,
                      seed=sel.seed, params=score_params(config), external=external)
-    return MicroBatch(log_prob=log_prob, entropy=entropy, padded=padded, response_mask=response_mask, scores=sb)
+    sb.loss_log_prob, sb.loss_entropy = log_prob, entropy
+    return sb, padded
 
 
-__all__ = ["MicroBatch", "assign_update_micro_batching", "batch_uids", "unpack_micro_batch"]
+__all__ = ["assign_update_micro_batching", "batch_uids", "unpack_micro_batch"]

@@ -1,6 +1,6 @@
 """The glue between a rule's own per-token policy loss and verl's loss conventions.
 
-A rule that computes the policy loss itself carries it in its :class:`~verl_tokensel.core.rules.base.LossTransform`
+A rule that computes the policy loss itself carries it in its :class:`~verl_tokensel.core.seam.rule.LossTransform`
 (``token_loss``, pure torch, in the rule's module). :func:`rule_token_loss` gives it verl's registry signature: the
 actor's clip bounds and dual-clip constant in, verl's ``agg_loss`` over the per-token losses (times the rollout
 importance weights) out. :func:`register_policy_losses` registers verl's vanilla clip with per-token bounds

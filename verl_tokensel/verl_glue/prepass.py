@@ -127,16 +127,16 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
     t0 = time.perf_counter()
     reused = old_pass_measured_these_weights(worker, data, config)
     if reused:
-        mb = unpack_micro_batch(config, sel, None, data)
+        batch, _ = unpack_micro_batch(config, sel, None, data)
     else:
         model_output = _forward_no_grad(worker, data, sel)
         if model_output is None:
             return {}
-        mb = unpack_micro_batch(config, sel, model_output, data)
-    response_mask = mb.response_mask
+        batch, _ = unpack_micro_batch(config, sel, model_output, data)
+    response_mask = batch.valid
     dp_group = worker.engine.get_data_parallel_group()
-    selected = apply_rule(sel, mb.scores, dp_group=dp_group, stats=False)
-    mask, group_ids = selected.mask, mb.scores.group_ids
+    selected = apply_rule(sel, batch, dp_group=dp_group, stats=False)
+    mask, group_ids = selected.mask, batch.group_ids
 
     rm = data[fields.RESPONSE_MASK]
     if data.is_locked:  # a chunk verl's dispatch produced; the fields must travel with the mini-batch
@@ -147,7 +147,7 @@ def prepass_select(worker: TrainingWorker, data: TensorDict, config) -> dict[str
         # the kept tokens are the loss's only tokens: verl's engine counts the mini-batch's token-mean denominator
         # (batch_num_tokens, all-reduced over the data-parallel ranks) from loss_mask; a new tensor, so
         # response_mask (which loss_mask may alias) keeps every valid token
-        data["loss_mask"] = _as_response_field((mask & selected.loss_tokens).to(rm.dtype), rm)
+        data["loss_mask"] = _as_response_field((mask & selected.tokens).to(rm.dtype), rm)
     seconds = time.perf_counter() - t0
 
     counts = torch.stack([mask.sum(), response_mask.sum()]).to(torch.float64)

@@ -65,11 +65,11 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     from verl_tokensel.analysis.page import build_page, token_texts
     from verl_tokensel.analysis.training_masks import scored_batch, select_preset
     from verl_tokensel.analysis.stats import advantages_or_unit
-    from verl_tokensel.core.config import PRESETS
+    from verl_tokensel.core.presets import selection_for
     from verl_tokensel_cpu.demo.tasks import get_task
 
     spec = get_task(task)
-    sel = PRESETS[preset]
+    sel = selection_for(preset)
     records = io.load_records(data)
     tokenizer = io.load_tokenizer(model_dir)
     pairs = [(prompt_ids(tokenizer, rec.prompt, list(p)), list(r))

@@ -1,31 +1,34 @@
-"""The token rules, one module each, registered by name (:mod:`~verl_tokensel.core.rules.base` is the seam).
+"""The built-in token rules, one module each, written with :mod:`verl_tokensel.rules` as a user's rule is.
 
-Importing this package imports every module in it, which registers the built-in rules and shapings: a new rule
-is one module here (and its preset line in :mod:`~verl_tokensel.core.presets`). A rule in user code registers the
-same way, importing :mod:`verl_tokensel.rules` (``examples/custom_rule.py``).
+Importing this package imports every module in it, which registers the built-in rules and shapings: a new rule is
+one module here (and, optionally, its preset line in :mod:`~verl_tokensel.core.presets`). A rule module imports, of
+this project, only :mod:`verl_tokensel.rules` and the helper modules named in :data:`HELPERS` (a family's shared
+maths), which themselves import only it. The seam they are written against is :mod:`verl_tokensel.core.seam`.
 """
 
 import importlib
 import pkgutil
 
-from verl_tokensel.core.rules.base import (
+from verl_tokensel.core.seam.rule import (
     RULE_REGISTRY,
     ActorSettings,
     Knobs,
     LossTransform,
     Needs,
+    Ranking,
     Rule,
     RuleInput,
     knob,
     register_rule,
 )
-from verl_tokensel.core.rules.shaping import SHAPING_REGISTRY, Shaping, register_shaping
+from verl_tokensel.core.seam.shaping import SHAPING_REGISTRY, Shaping, register_shaping
 
-#: modules of this package that hold helpers shared by rules, not rules
-HELPERS = ("base", "checks", "covariance", "group_shift", "hidden", "ppo_clip", "shaping")
+#: modules of this package that hold what several rules share (not rules): each imports, of this project, only
+#: verl_tokensel.rules; ``shaping`` holds the built-in advantage shapings
+HELPERS = ("covariance", "group_shift", "maths", "ppo_clip")
 
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in HELPERS):
+for _module in ("shaping", *sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in HELPERS)):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["RULE_REGISTRY", "SHAPING_REGISTRY", "ActorSettings", "Knobs", "LossTransform", "Needs", "Rule",
-           "RuleInput", "Shaping", "knob", "register_rule", "register_shaping"]
+__all__ = ["HELPERS", "RULE_REGISTRY", "SHAPING_REGISTRY", "ActorSettings", "Knobs", "LossTransform", "Needs",
+           "Ranking", "Rule", "RuleInput", "Shaping", "knob", "register_rule", "register_shaping"]

@@ -27,9 +27,9 @@ from typing import Optional
 
 import torch
 
-from verl_tokensel.core.errors import check_choice, check_number, config_error
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, register_rule, share
+from verl_tokensel.core.rules.maths import share
 from verl_tokensel.core.rules.ppo_clip import ppo_clip_token_losses
+from verl_tokensel.rules import LossTransform, Needs, Ranking, Rule, config_error, knob, register_rule
 
 NAME = "archer"
 KL_MEANS = ("class", "all")
@@ -38,31 +38,22 @@ SUM_AGG_MODES = ("token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
-class ArcherKnobs(Knobs):
+class ArcherKnobs(Ranking):
     selected_clip_ratio_low: Optional[float] = knob(
         None, "The selected tokens' lower clip ratio (null: the actor's clip_ratio_low).",
-        "0.5 (Archer, high-entropy tokens)")
+        "0.5 (Archer, high-entropy tokens)", ge=0, lt=1)
     selected_clip_ratio_high: Optional[float] = knob(
         None, "The selected tokens' upper clip ratio (null: the actor's clip_ratio_high).",
-        "0.5 (Archer, high-entropy tokens)")
+        "0.5 (Archer, high-entropy tokens)", ge=0, lt=1)
     selected_kl_weight: float = knob(
         1.0, "Factor of the KL loss (use_kl_loss) on the selected tokens; the others keep 1.",
-        "0 (Archer: no KL on high-entropy tokens)")
+        "0 (Archer: no KL on high-entropy tokens)", ge=0)
     archer_kl_mean: str = knob(
         "class", f"The KL term's mean: one of {', '.join(KL_MEANS)}. class = the token-mean over each entropy class's "
         "own tokens per micro-batch (per response with loss_agg_mode=seq-mean-token-mean), times its weight (the "
         "released code's agg_loss per class under the actor's loss_agg_mode; with the token-sum modes it equals all); "
         "all = one token-mean over every valid token, selected_kl_weight on the selected ones.",
-        "class (ArcherCodeR dp_actor.py)")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for key in ("selected_clip_ratio_low", "selected_clip_ratio_high"):
-            if getattr(self, key) is not None:
-                check_number(f"token_selection.{key}", getattr(self, key), 0.0, 1.0,
-                             "null (the actor's clip ratio) or a number in [0, 1)", open_high=True)
-        check_number("token_selection.selected_kl_weight", self.selected_kl_weight, 0.0, None, "a number >= 0")
-        check_choice("token_selection.archer_kl_mean", self.archer_kl_mean, KL_MEANS)
+        "class (ArcherCodeR dp_actor.py)", choices=KL_MEANS)
 
 
 def class_mean_weights(mask: torch.Tensor, tokens: torch.Tensor, selected_weight: float,

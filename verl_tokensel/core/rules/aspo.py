@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from functools import partial
 import torch
 
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule, share
+from verl_tokensel.core.rules.maths import masked_mean, share
+from verl_tokensel.rules import LossTransform, Needs, Ranking, Rule, knob, register_rule
 
 NAME = "aspo"
 
 
 @dataclass(frozen=True)
-class AspoKnobs(Knobs):
+class AspoKnobs(Ranking):
     aspo_clip_ratio_low: float = knob(
         0.4, "The high-entropy tokens' lower clip ratio (A < 0: r is clipped below at 1 - this); the others keep "
         "the actor's clip_ratio_low.", "0.4 (Archer2.0, its compute_policy_loss_archer call)", ge=0, lt=1)

@@ -21,7 +21,8 @@ from functools import partial
 
 import torch
 
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule, share
+from verl_tokensel.core.rules.maths import masked_mean, share
+from verl_tokensel.rules import Knobs, LossTransform, Needs, Rule, knob, register_rule
 
 NAME = "ce_gppo"
 

@@ -16,8 +16,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, knob, masked_mean, register_rule
 from verl_tokensel.core.rules.covariance import (
     CovarianceRule,
     cov_budget,
@@ -25,15 +23,16 @@ from verl_tokensel.core.rules.covariance import (
     pooled_count,
     top_k_pooled,
 )
-from verl_tokensel.core.scores import ScoreInputs, need_advantages, register_score
+from verl_tokensel.core.rules.maths import masked_mean
+from verl_tokensel.rules import LossTransform, Needs, Ranking, config_error, knob, register_rule, register_score
 
 NAME = "clip_cov"
 
 
 @register_score(NAME, needs_entropy=False, needs_omega=False, needs_row_keys=True, rule=NAME,
                 help="the covariance as kl_cov; a keyed draw of the tokens with lb < cov < ub, not clipped (Clip-Cov)")
-def clip_cov_score(inp: ScoreInputs) -> torch.Tensor:
-    return cov_scores(need_advantages(inp, NAME), inp.log_prob, inp.response_mask)
+def clip_cov_score(inp) -> torch.Tensor:
+    return cov_scores(inp.need_advantages(NAME), inp.log_prob, inp.response_mask)
 
 
 def clipped_by_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
@@ -89,7 +88,7 @@ def clip_cov_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, ad
 
 
 @dataclass(frozen=True)
-class ClipCovKnobs(Knobs):
+class ClipCovKnobs(Ranking):
     cov_lb: float = knob(1.0, "Candidates have covariance > cov_lb (verl's policy_loss.clip_cov_lb).", "1 (Clip-Cov)",
                          ge=-float("inf"))
     cov_ub: float = knob(5.0, "Candidates have covariance < cov_ub (verl's policy_loss.clip_cov_ub).", "5 (Clip-Cov)",

@@ -11,7 +11,7 @@ inside each micro-batch, so its choice moves with the micro-batch size. Here the
   Clip-Cov);
 - a pooled scope (``micro_batch_dp``, ``mini_batch``, ``batch``): the means are float64 sums all-reduced over the
   data-parallel group (three numbers per rank), then the exact distributed top-k of
-  :mod:`~verl_tokensel.core.dist_topk` picks the tokens (:func:`top_k_pooled`): nothing of size N leaves a rank, and
+  :class:`~verl_tokensel.rules.Pool` picks the tokens (:func:`top_k_pooled`): nothing of size N leaves a rank, and
   the tokens are those of one process holding the whole pool, whatever the micro-batch size, DP size or dynamic
   batching.
 
@@ -25,11 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.dist_topk import topk_mask_distributed
-from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.rules.base import Needs, Rule, RuleInput
-from verl_tokensel.core.scopes import dp_world
-from verl_tokensel.core.select import keep_first_k
+from verl_tokensel.rules import Needs, Pool, Rule, RuleInput, config_error
 
 #: scopes a covariance rule can pool over (its means need every token of the pool)
 COV_SCOPES = ("micro_batch", "micro_batch_dp", "mini_batch", "batch")
@@ -45,10 +41,7 @@ def cov_budget(ratio: float, n: int) -> int:
 
 def pooled_count(pool: torch.Tensor, dp_group: Optional[dist.ProcessGroup]) -> int:
     """Valid tokens of the pool over all ranks of ``dp_group``."""
-    n = pool.sum().to(torch.int64).reshape(1)
-    if dp_world(dp_group) > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=dp_group)
-    return int(n.item())
+    return Pool(dp_group).count(pool)
 
 
 def _pooled_means(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor,
@@ -59,8 +52,7 @@ def _pooled_means(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.
         torch.where(pool, log_prob.detach(), 0.0).sum(dtype=torch.float64),
         pool.sum().double(),
     ])
-    if dp_world(dp_group) > 1:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=dp_group)
+    Pool(dp_group).sum(sums)
     n = sums[2].clamp_min(1.0)
     return (sums[0] / n).float(), (sums[1] / n).float()
 
@@ -99,11 +91,7 @@ def cov_scores(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Ten
 def top_k_pooled(keys: torch.Tensor, pool: torch.Tensor, k: int,
                  dp_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """The ``k`` highest ``keys`` of the pool over the ranks of ``dp_group`` (ties: lower rank, then position)."""
-    if not dp_world(dp_group) > 1:
-        return keep_first_k(keys, pool, k, "top")
-    mask = torch.zeros_like(pool)
-    mask[pool] = topk_mask_distributed(keys[pool], k, dp_group, largest=True)
-    return mask
+    return Pool(dp_group).top_k(keys, pool, k)
 
 
 #: what a covariance rule needs: its own policy loss, every token in the denominator

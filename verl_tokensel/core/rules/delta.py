@@ -14,7 +14,7 @@ policy's probability of the token, ``h`` the output layer's input at it (detache
    its mean over the valid tokens is 1; the loss is verl's (dual-clip PPO) on ``A * w``.
 
 The statistics are O(H) sums, so each pass streams micro-batches (:class:`DeltaStates`, the rule's
-:class:`~verl_tokensel.core.rules.hidden.HiddenStates`): ``K + 3`` passes over the step's batch before its update
+:class:`~verl_tokensel.core.seam.hidden.HiddenStates`): ``K + 3`` passes over the step's batch before its update
 (one forward when ``delta_cache_gib`` holds the rank's hidden states). ``delta_stats=global`` (the default) sums them
 over every data-parallel rank of the step's batch; ``rank`` keeps each rank's own, as the release does.
 """
@@ -27,9 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, register_rule
-from verl_tokensel.core.rules.hidden import HiddenBatch, HiddenStates
+from verl_tokensel.rules import HiddenStates, Knobs, LossTransform, Needs, Rule, config_error, knob, register_rule
 
 NAME = "delta"
 IMPLS = ("Normal", "Memory_efficient")
@@ -97,7 +95,7 @@ class DeltaStates(HiddenStates):
         parts = [p.detach().to(torch.float64).reshape(-1) for p in parts]
         self.acc = parts if self.acc is None else [a + p for a, p in zip(self.acc, parts)]
 
-    def _margins(self, batch: HiddenBatch, v: torch.Tensor):
+    def _margins(self, batch, v: torch.Tensor):
         adv = batch.advantages
         pos, neg = adv > 0, adv < 0
         diff = _distances(v, self.mu_pos, self.mu_neg, self.knobs.delta_impl)
@@ -108,7 +106,7 @@ class DeltaStates(HiddenStates):
         m = torch.where(on, margin, 0.0)
         return torch.stack([m.sum(), (m * m).sum(), on.sum().to(m.dtype)])
 
-    def sweep(self, i: int, batch: HiddenBatch) -> Optional[torch.Tensor]:
+    def sweep(self, i: int, batch) -> Optional[torch.Tensor]:
         v = (1.0 - batch.log_prob.exp()).unsqueeze(-1) * batch.hidden.float()  # (n, H) float32
         adv = batch.advantages
         a_pos, a_neg = adv.clamp_min(0.0), (-adv).clamp_min(0.0)

@@ -25,8 +25,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from verl_tokensel.core.errors import check_bool, check_number, config_error
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, masked_mean, register_rule
+from verl_tokensel.core.rules.maths import masked_mean
+from verl_tokensel.rules import Knobs, LossTransform, Needs, Rule, config_error, knob, register_rule
 
 NAME = "fipo"
 #: the release's safety cap of the weight of a negative-advantage token with a large ratio
@@ -39,34 +39,25 @@ BLOCK = 128
 class FipoKnobs(Knobs):
     fipo_decay_rate: float = knob(
         32.0, "Half-life in tokens of the Future-KL sum: its discount is gamma = 2 ** (-1 / decay_rate); must be > 0.",
-        "32 (ms-swift default and its fipo.sh)")
+        "32 (ms-swift default and its fipo.sh)", gt=0)
     fipo_clip_range: float = knob(
         0.2, "Clip range of the influence weight exp(FutureKL): [1 - range, 1 + range] ([1, 1 + range] with "
-        "fipo_clip_high_only); 0: no clip (the release's 0 / None).", "0.2 (ms-swift default and its fipo.sh)")
+        "fipo_clip_high_only); 0: no clip (the release's 0 / None).", "0.2 (ms-swift default and its fipo.sh)",
+        ge=0)
     fipo_clip_high_only: bool = knob(
         True, "Clip the influence weight to [1, 1 + fipo_clip_range] only (a response whose future is being "
         "suppressed keeps weight 1); false: [1 - range, 1 + range], the paper's clip.",
         "true (ms-swift default); false (its fipo.sh, the paper's two-sided clip)")
     fipo_safety_threshold: float = knob(
         4.0, "A token with A < 0 and ratio r > this has its weight clamped to [0.8, 1] (it is never amplified); "
-        "0: no cap (the release's None).", "4.0 (ms-swift default); 3.0 (its fipo.sh)")
+        "0: no cap (the release's None).", "4.0 (ms-swift default); 3.0 (its fipo.sh)", ge=0)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_number("token_selection.fipo_decay_rate", self.fipo_decay_rate, 0.0, None, "a number > 0",
-                     open_low=True)
-        check_bool("token_selection.fipo_clip_high_only", self.fipo_clip_high_only)
-        if self.fipo_clip_high_only:
-            check_number("token_selection.fipo_clip_range", self.fipo_clip_range, 0.0, None, "a number >= 0")
-        else:
-            value = self.fipo_clip_range
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0.0 <= value < 1.0
-            if not ok:
-                raise config_error("token_selection.fipo_clip_range", value, "a number in [0, 1) (with "
-                                   "fipo_clip_high_only=false)", "The lower bound 1 - range must stay > 0. Fix: "
-                                   "set token_selection.fipo_clip_range below 1, or fipo_clip_high_only=true.")
-        check_number("token_selection.fipo_safety_threshold", self.fipo_safety_threshold, 0.0, None,
-                     "a number >= 0 (0: no cap)")
+        if not self.fipo_clip_high_only and not self.fipo_clip_range < 1.0:
+            raise config_error("token_selection.fipo_clip_range", self.fipo_clip_range, "a number in [0, 1) (with "
+                               "fipo_clip_high_only=false)", "The lower bound 1 - range must stay > 0. Fix: set "
+                               "token_selection.fipo_clip_range below 1, or fipo_clip_high_only=true.")
 
     @property
     def gamma(self) -> float:

@@ -2,13 +2,13 @@
 
 The 80/20 rule's forking tokens (top 20% entropy, arXiv 2506.01939) and its controls (bottom 80%, random 20%),
 GMTS (top 20% of H * |omega| per prompt group, arXiv 2608.30632), the logit-gradient norm, and the score that ranks
-nothing (``all``: every token, under a shaping or a rule's update passes). Its knobs are :class:`Knobs`'s; the
-selection and the gradient gate are the :class:`~verl_tokensel.core.rules.base.Rule` defaults.
+nothing (``all``: every token, under a shaping or a rule's update passes). Its knobs are :class:`Ranking`'s; the
+selection and the gradient gate are the :class:`~verl_tokensel.rules.Rule` defaults.
 """
 
 from __future__ import annotations
 
-from verl_tokensel.core.rules.base import Knobs, Rule, register_rule
+from verl_tokensel.rules import Ranking, Rule, register_rule
 
 
 DEVIATIONS = (
@@ -30,7 +30,7 @@ DEVIATIONS = (
 )
 
 
-@register_rule("gradient_mask", knobs=Knobs,
+@register_rule("gradient_mask", knobs=Ranking,
                source='"Beyond the 80/20 Rule" (Wang et al., arXiv 2506.01939; its released code and its paper '
                       "formula) and GMTS (arXiv 2608.30632; its released code): the ranked gradient masks",
                formula="where(selected, log pi, sg(log pi)) in verl's policy loss: the top (or bottom) ceil(ratio * "

@@ -3,25 +3,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.rules.base import LossTransform, Needs, Rule, RuleInput
+from verl_tokensel.rules import LossTransform, Needs, Rule, RuleInput
 
 
 class GroupShiftRule(Rule):
     """A rule that changes each token's advantage by a quantity only the whole prompt group determines (KTAE's
     key-token score, GTPO's conflict weights): its own score computes the change on the driver (``score_source
     =rollout``, ``scope=group``), every token is kept, and the loss adds the measured score back to verl's
-    advantages. Subclasses override :meth:`score` (and ``stats``); register with ``needs=GROUP_SHIFT``."""
-
-    def check(self, c: Any) -> None:
-        if c.knobs.score != self.name:
-            raise config_error("token_selection.score", c.knobs.score, f"{self.name} (with token_selector's rule "
-                               f"{self.name})", f"rule {self.name} sets each token's advantage itself; it ranks "
-                               "nothing.")
+    advantages. Subclasses override :meth:`score` (and ``stats``); register with ``needs=group_shift_needs(name)``."""
 
     def select(self, x: RuleInput) -> torch.Tensor:
         return x.tokens.clone()
@@ -33,8 +24,10 @@ class GroupShiftRule(Rule):
         return LossTransform(advantage_shift=torch.where(x.tokens, x.scores, 0.0))
 
 
-#: what a :class:`GroupShiftRule` needs: the driver's whole prompt groups, every token in the denominator
-GROUP_SHIFT = Needs(sources={"rollout": ("group",)}, normalisers=("all",), prompt_groups=True)
+def group_shift_needs(name: str, **more) -> Needs:
+    """What a :class:`GroupShiftRule` named ``name`` needs: its own score (registered as ``name``) measured on the
+    driver over whole prompt groups, every token in the denominator."""
+    return Needs(scores=(name,), sources={"rollout": ("group",)}, normalisers=("all",), prompt_groups=True, **more)
 
 
-__all__ = ["GROUP_SHIFT", "GroupShiftRule"]
+__all__ = ["GroupShiftRule", "group_shift_needs"]

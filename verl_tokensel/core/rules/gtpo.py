@@ -27,10 +27,9 @@ from typing import Optional
 
 import torch
 
-from verl_tokensel.core import fields
-from verl_tokensel.core.rules.base import Knobs, knob, register_rule, share
-from verl_tokensel.core.rules.group_shift import GROUP_SHIFT, GroupShiftRule
-from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
+from verl_tokensel.core.rules.group_shift import GroupShiftRule, group_shift_needs
+from verl_tokensel.core.rules.maths import share
+from verl_tokensel.rules import Knobs, knob, register_rule, register_score
 
 NAME = "gtpo"
 
@@ -118,13 +117,13 @@ def gtpo_advantages(ids: torch.Tensor, valid: torch.Tensor, advantages: torch.Te
 
 
 @register_score(NAME, needs_entropy=True, needs_omega=False, ranks=False, rule=NAME,
-                needs_external=(fields.RESPONSE_IDS,),
+                needs_external=("response_ids",),
                 help="GTPO's change of each token's advantage (conflict tokens, entropy filter) within its prompt "
                      "group (the rows given: one group)")
-def gtpo_score(inp: ScoreInputs) -> torch.Tensor:
+def gtpo_score(inp) -> torch.Tensor:
     adv = inp.advantages if inp.advantages is not None else torch.zeros_like(inp.log_prob)
-    new, _ = gtpo_advantages(inp.external[fields.RESPONSE_IDS], inp.response_mask, adv, need_entropy(inp, NAME), None,
-                             GtpoKnobs(score=NAME, ratio=1.0))
+    new, _ = gtpo_advantages(inp.external["response_ids"], inp.response_mask, adv, inp.need_entropy(NAME), None,
+                             GtpoKnobs())
     return torch.where(inp.response_mask.to(torch.bool), new - adv.float(), 0.0)
 
 
@@ -145,7 +144,7 @@ DEVIATIONS = (
 )
 
 
-@register_rule(NAME, knobs=GtpoKnobs, needs=GROUP_SHIFT,
+@register_rule(NAME, knobs=GtpoKnobs, needs=group_shift_needs(NAME, entropy=True),
                source="GTPO (Simoni et al., arXiv 2508.03772; released code winstonsmith1897/GTPO, "
                       "build_conflict_mask and UnslothEfficientGTPO of gtpo_training.py)",
                formula="A'_t = delta_t * 1[H <= gtpo_entropy_threshold] * (A_t - gtpo_entropy_scale * H) / max(1, "
@@ -156,8 +155,8 @@ class Gtpo(GroupShiftRule):
 
     def _parts(self, x):
         adv = x.advantages if x.advantages is not None else torch.zeros_like(x.log_prob)
-        new, parts = gtpo_advantages(x.external[fields.RESPONSE_IDS], x.valid, adv, need_entropy(x.batch.inputs, NAME),
-                                     x.group_ids, x.knobs)
+        new, parts = gtpo_advantages(x.external["response_ids"], x.valid, adv, x.entropy.float(), x.group_ids,
+                                     x.knobs)
         return torch.where(x.valid, new - adv.float(), 0.0), parts
 
     def score(self, x) -> torch.Tensor:
@@ -170,7 +169,7 @@ class Gtpo(GroupShiftRule):
         if shift is None or n == 0:
             return {}
         out = {"mean_shift": float(shift[tokens].mean())}
-        if fields.RESPONSE_IDS not in x.external:  # the conflict runs: on the driver
+        if "response_ids" not in x.external:  # the conflict runs: on the driver
             return out
         _, parts = self._parts(x)
         rows = x.valid.any(1)

@@ -16,7 +16,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.rules.base import Knobs, LossTransform, knob, masked_mean, register_rule
 from verl_tokensel.core.rules.covariance import (
     COVARIANCE,
     CovarianceRule,
@@ -25,15 +24,16 @@ from verl_tokensel.core.rules.covariance import (
     pooled_count,
     top_k_pooled,
 )
-from verl_tokensel.core.scores import ScoreInputs, need_advantages, register_score
+from verl_tokensel.core.rules.maths import masked_mean
+from verl_tokensel.rules import LossTransform, Ranking, knob, register_rule, register_score
 
 NAME = "kl_cov"
 
 
 @register_score(NAME, needs_entropy=False, needs_omega=False, rule=NAME,
                 help="(A_t - mean A)(log pi_t - mean log pi) over the scope's pool; top tokens get KL-Cov's penalty")
-def kl_cov_score(inp: ScoreInputs) -> torch.Tensor:
-    return cov_scores(need_advantages(inp, NAME), inp.log_prob, inp.response_mask)
+def kl_cov_score(inp) -> torch.Tensor:
+    return cov_scores(inp.need_advantages(NAME), inp.log_prob, inp.response_mask)
 
 
 def select_kl_cov(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor, ratio: float, *,
@@ -62,7 +62,7 @@ def kl_cov_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, adva
 
 
 @dataclass(frozen=True)
-class KLCovKnobs(Knobs):
+class KLCovKnobs(Ranking):
     kl_penalty_coef: float = knob(0.1, "Coefficient of |log r| on the selected tokens (verl's "
                                   "policy_loss.ppo_kl_coef).", "0.1 (verl 0.9.1 default); 1 (KL-Cov released scripts)",
                                   ge=0)

@@ -23,16 +23,15 @@ The group's responses are only all in one place on the driver: the preset runs t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from verl_tokensel.core import fields
-from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import Knobs, knob, register_rule, share
-from verl_tokensel.core.rules.group_shift import GROUP_SHIFT, GroupShiftRule
-from verl_tokensel.core.scores import ScoreInputs, register_score
+from verl_tokensel.core.rules.group_shift import GroupShiftRule, group_shift_needs
+from verl_tokensel.core.rules.maths import share
+from verl_tokensel.rules import Knobs, config_error, knob, register_rule, register_score
 
 NAME = "ktae"
 # the release's BM25 constants (compute_tf) and the guards of its divisions
@@ -60,7 +59,9 @@ class KtaeKnobs(Knobs):
         if not self.ktae_alpha + self.ktae_beta > 0:
             raise config_error("token_selection.ktae_beta", self.ktae_beta, "a number > 0 when ktae_alpha is 0",
                                "the statistic is divided by ktae_alpha + ktae_beta. Fix: set one of them > 0.")
-        check_number("token_selection.ktae_correct_above", self.ktae_correct_above, None, None, "a finite number")
+        value = self.ktae_correct_above
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise config_error("token_selection.ktae_correct_above", value, "a finite number")
 
 
 def _log_comb(n: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -163,14 +164,13 @@ def key_token_bonus(ids: torch.Tensor, valid: torch.Tensor, reward: torch.Tensor
 
 
 @register_score(NAME, needs_entropy=False, needs_omega=False, ranks=False, rule=NAME,
-                needs_external=(fields.RESPONSE_IDS, fields.SEQUENCE_REWARD, fields.EOS_TOKEN),
+                needs_external=("response_ids", "sequence_reward", "eos_token"),
                 help="KTAE's key-token score of each token's id within its prompt group (the rows given: one group), "
                      "added to its advantage")
-def ktae_score(inp: ScoreInputs) -> torch.Tensor:
+def ktae_score(inp) -> torch.Tensor:
     ext = inp.external
-    return key_token_bonus(ext[fields.RESPONSE_IDS], inp.response_mask.to(torch.bool),
-                           ext[fields.SEQUENCE_REWARD][:, 0], None, KtaeKnobs(score=NAME, ratio=1.0),
-                           ext.get(fields.EOS_TOKEN))
+    return key_token_bonus(ext["response_ids"], inp.response_mask.to(torch.bool), ext["sequence_reward"][:, 0], None,
+                           KtaeKnobs(), ext.get("eos_token"))
 
 
 DEVIATIONS = (
@@ -188,7 +188,7 @@ DEVIATIONS = (
 )
 
 
-@register_rule(NAME, knobs=KtaeKnobs, needs=GROUP_SHIFT,
+@register_rule(NAME, knobs=KtaeKnobs, needs=group_shift_needs(NAME),
                source="KTAE (Sun et al., arXiv 2505.16826; released code xiaolizh1/KTAE, "
                       "compute_ktae_outcome_advantage_and_keytokens of its core_algos.py and ComputeKeyTokens of "
                       "compute_key_tokens.py)",
@@ -201,11 +201,11 @@ class Ktae(GroupShiftRule):
 
     def score(self, x) -> torch.Tensor:
         ext = x.external
-        reward = ext[fields.SEQUENCE_REWARD]
+        reward = ext["sequence_reward"]
         rows = torch.arange(reward.shape[0], device=reward.device)
         first = x.valid.float().argmax(1)  # the reward is the same on every token of a response
-        return key_token_bonus(ext[fields.RESPONSE_IDS], x.valid, reward[rows, first], x.group_ids, x.knobs,
-                               ext.get(fields.EOS_TOKEN))
+        return key_token_bonus(ext["response_ids"], x.valid, reward[rows, first], x.group_ids, x.knobs,
+                               ext.get("eos_token"))
 
     def stats(self, x) -> dict[str, float]:
         bonus, tokens = x.transform.advantage_shift, x.tokens

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from verl_tokensel.core.rules.base import Knobs, LossTransform, Needs, Rule, knob, register_rule
+from verl_tokensel.rules import Knobs, LossTransform, Needs, Rule, knob, register_rule
 
 NAME = "lopti"
 #: actor metrics also reported per pass (``tokensel/lopti/phase<n>/<key>``)

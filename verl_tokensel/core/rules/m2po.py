@@ -27,14 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core import fields
-from verl_tokensel.core.dist_topk import all_reduce_sum, ordered_keys32, topk_mask_distributed
-from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.rules.base import Knobs, Needs, Rule, knob, register_rule, share
-from verl_tokensel.core.rules.checks import check_no_budget
-from verl_tokensel.core.scopes import dp_world
-from verl_tokensel.core.scores import ScoreInputs, register_score
-from verl_tokensel.core.select import keep_first_k
+from verl_tokensel.core.rules.maths import share
+from verl_tokensel.rules import Knobs, Needs, Pool, Rule, knob, register_rule, register_score
 
 NAME = "m2po"
 _BITS, _PASSES, _BINS = 8, 4, 256
@@ -45,11 +39,11 @@ _INT32_MIN = -(2**31)
                 reads_policy=False,
                 help="(log pi_rollout - log pi_old)^2, the second moment of the rollout-vs-recomputed log-ratio; "
                      "M2PO masks the largest until the mean of the rest is under m2po_threshold")
-def m2po_score(inp: ScoreInputs) -> torch.Tensor:
+def m2po_score(inp) -> torch.Tensor:
     if inp.rollout_log_prob is None or inp.old_log_prob is None:
         raise ValueError(
-            f"score {NAME!r} needs the rollout engine's log-probs ({fields.ROLLOUT_LOG_PROBS}) and verl's recomputed "
-            f"{fields.OLD_LOG_PROBS} in the update batch, and this batch has no {fields.ROLLOUT_LOG_PROBS}. Fix: set "
+            f"score {NAME!r} needs the rollout engine's log-probs (rollout_log_probs) and verl's recomputed "
+            "old_log_probs in the update batch, and this batch has no rollout_log_probs. Fix: set "
             "actor_rollout_ref.rollout.calculate_log_probs=True and algorithm.rollout_correction.bypass_mode=False "
             "(a custom trainer must keep the field in the batch it sends to update_actor).")
     delta = inp.rollout_log_prob.detach().float() - inp.old_log_prob.detach().float()
@@ -57,7 +51,7 @@ def m2po_score(inp: ScoreInputs) -> torch.Tensor:
 
 
 def _key_value(ukey: int) -> float:
-    """The float32 value whose unsigned order key (:func:`~verl_tokensel.core.dist_topk.ordered_keys32` shifted to
+    """The float32 value whose unsigned order key (:meth:`~verl_tokensel.rules.Pool.order_keys` shifted to
     ``[0, 2^32)``) is ``ukey``: the key map is its own inverse on the signed int32 bits."""
     key = torch.tensor([ukey + _INT32_MIN], dtype=torch.int32)
     bits = key ^ ((key >> 31) & 0x7FFFFFFF)
@@ -73,10 +67,10 @@ def kept_count(values: torch.Tensor, threshold: float, dp_group: Optional[dist.P
     over the float32 order finds the value at which the running sum of ``value - threshold`` (float64, ascending)
     stops being negative, and how many of its ties still fit.
     """
-    world = dp_world(dp_group)
-    ukey = ordered_keys32(values.flatten()).to(torch.int64) - _INT32_MIN
+    ranks = Pool(dp_group)
+    ukey = Pool.order_keys(values).to(torch.int64) - _INT32_MIN
     excess = values.detach().flatten().double() - float(threshold)
-    n = int(all_reduce_sum(torch.tensor([ukey.numel()], dtype=torch.int64, device=ukey.device), dp_group, world).item())
+    n = int(ranks.sum(torch.tensor([ukey.numel()], dtype=torch.int64, device=ukey.device)).item())
     if n == 0:
         return 0, 0
     base, below, prefix, ties = 0.0, 0, 0, 0
@@ -86,7 +80,7 @@ def kept_count(values: torch.Tensor, threshold: float, dp_group: Optional[dist.P
         hist = torch.zeros(2, _BINS, dtype=torch.float64, device=ukey.device)
         hist[0].index_add_(0, digit, torch.ones_like(excess))
         hist[1].index_add_(0, digit, excess)
-        hist = all_reduce_sum(hist, dp_group, world).cpu()
+        hist = ranks.sum(hist).cpu()
         counts, sums = hist[0], hist[1]
         running = base + torch.cumsum(sums, 0)  # sum of value - threshold up to the end of each bin
         crossing = ((counts > 0) & (running >= 0)).nonzero()
@@ -117,15 +111,11 @@ def m2po_kept_tokens(m2: torch.Tensor, pool: torch.Tensor, threshold: float,
     (:func:`kept_count`), ties earliest first (lower rank, then row-major position)."""
     pool = pool.to(torch.bool)
     values = m2.detach().float()
-    pooled = dp_world(dp_group) > 1
-    kept, n = kept_count(values[pool], threshold, dp_group if pooled else None)
+    ranks = Pool(dp_group)
+    kept, n = kept_count(values[pool], threshold, dp_group if ranks.world > 1 else None)
     if n - kept <= 0:
         return pool.clone()
-    if not pooled:
-        return pool & ~keep_first_k(values, pool, n - kept, "top")
-    masked = torch.zeros_like(pool)
-    masked[pool] = topk_mask_distributed(values[pool], n - kept, dp_group, largest=True)
-    return pool & ~masked
+    return pool & ~ranks.top_k(values, pool, n - kept)
 
 
 @dataclass(frozen=True)
@@ -151,7 +141,8 @@ DEVIATIONS = (
 )
 
 
-@register_rule(NAME, knobs=M2poKnobs, needs=Needs(sources={"prepass": ("mini_batch",)}, normalisers=("kept", "all")),
+@register_rule(NAME, knobs=M2poKnobs,
+               needs=Needs(scores=(NAME,), sources={"prepass": ("mini_batch",)}, normalisers=("kept", "all")),
                source='M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161; released in AReaL as '
                       "actor.m2_threshold, _apply_m2po_masking / _get_m2po_loss_mask of areal/trainer/ppo/actor.py)",
                formula="m2_t = (log pi_rollout - log pi_old)^2; the largest are masked until the mean of the rest is "
@@ -159,12 +150,6 @@ DEVIATIONS = (
                deviations=DEVIATIONS)
 class M2po(Rule):
     """Every token but those of the largest second moment keeps the gradient; the masked ones leave the loss."""
-
-    def check(self, c) -> None:
-        if c.knobs.score != NAME:
-            raise config_error("token_selection.score", c.knobs.score, f"{NAME} (with token_selector's rule {NAME})",
-                               f"rule {NAME} masks by its own second moment. Fix: remove token_selection.score.")
-        check_no_budget(c, "every token but M2PO's masked ones")
 
     def select(self, x):
         return m2po_kept_tokens(x.scores, x.tokens, x.knobs.m2po_threshold, dp_group=x.dp_group)

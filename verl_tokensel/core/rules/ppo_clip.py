@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from verl_tokensel.core.rules.base import masked_mean
+from verl_tokensel.core.rules.maths import masked_mean
 
 
 def _ratio_bound(bound, fallback: float, sign: float) -> Any:

@@ -13,68 +13,12 @@ torch, no verl import.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
 
 import torch
 
-from verl_tokensel.core.errors import check_number, config_error
-from verl_tokensel.core.rules.base import About, LossTransform, Needs, RuleInput, knob
-
-
-class Shaping:
-    """An advantage shaping: ``A' = weight * A + shift`` on every token, nothing ranked. Runs before the rule
-    (``token_selection.shaping``), so a score that reads the advantage (omega) ranks by the shaped one.
-    Register with :func:`register_shaping`; its knobs are a frozen dataclass of its own (``x.knobs``)."""
-
-    name: ClassVar[str] = ""
-    Knobs: ClassVar[type] = type(None)
-    needs: ClassVar[Needs] = Needs()
-    #: where it comes from (paper, released code), for the knob docs
-    source: ClassVar[str] = ""
-
-    def shape(self, x: RuleInput, advantages: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``(weight, shift)`` on every token (None where it leaves A as is)."""
-        raise NotImplementedError
-
-    def transform(self, x: RuleInput, tokens: torch.Tensor) -> LossTransform:
-        """The shaping as a transform; off ``tokens`` (padding, dropped tokens) A stays as is, so a NaN input
-        there never reaches a masked sum."""
-        adv = x.advantages if x.advantages is not None else torch.zeros_like(x.log_prob)
-        weight, shift = self.shape(x, adv)
-        return LossTransform(advantage_weight=None if weight is None else torch.where(tokens, weight, 1.0),
-                             advantage_shift=None if shift is None else torch.where(tokens, shift, 0.0))
-
-    def stats(self, x: RuleInput) -> dict[str, float]:
-        """Its own metrics (keys without the ``tokensel/`` prefix; ``x.tokens`` and ``x.transform`` set)."""
-        return {}
-
-
-SHAPING_REGISTRY: dict[str, Shaping] = {}
-
-
-def register_shaping(name: str, *, knobs: type, needs: Optional[Needs] = None, source: str = "", formula: str = "",
-                     deviations: tuple[str, ...] = ()) -> Callable[[type], type]:
-    """Class decorator: register a :class:`Shaping` subclass as ``name`` (a ``token_selection.shaping`` value) with
-    its ``knobs`` (a frozen dataclass of :func:`knob` fields), ``needs`` and what the docs say of it (as
-    :func:`register_rule`); refuses to overwrite a name."""
-
-    def deco(cls: type) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, Shaping)):
-            raise TypeError(f"register_shaping({name!r}) needs a subclass of Shaping, got {cls!r}")
-        if name in SHAPING_REGISTRY or name == "none":
-            raise ValueError(f"shaping {name!r} is already registered; pick another name")
-        if not dataclasses.is_dataclass(knobs):
-            raise TypeError(f"shaping {name!r}: knobs must be a dataclass")
-        cls.name, cls.Knobs, cls.needs = name, knobs, needs if needs is not None else Needs()
-        cls.about = About(source=source or cls.source, formula=formula, deviations=tuple(deviations))
-        SHAPING_REGISTRY[name] = cls()
-        return cls
-
-    return deco
-
-
+from verl_tokensel.core.seam.shaping import Shaping, register_shaping
+from verl_tokensel.rules import Knobs, Needs, knob
 
 
 def ar_weight(old_log_prob: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -89,12 +33,9 @@ def entropy_shift(advantages: torch.Tensor, entropy: torch.Tensor, alpha: float,
 
 
 @dataclass(frozen=True)
-class ARKnobs:
+class ARKnobs(Knobs):
     ar_alpha: float = knob(0.3, "alpha in [0, 1] of A * (alpha * pi_old + 1 - alpha).",
-                           "0.3 (K&K figure, AR-Lopti script); 0.2 (AR-only script); 0.1 (math table)")
-
-    def __post_init__(self) -> None:
-        check_number("token_selection.ar_alpha", self.ar_alpha, 0.0, 1.0, "a number in [0, 1]")
+                           "0.3 (K&K figure, AR-Lopti script); 0.2 (AR-only script); 0.1 (math table)", ge=0, le=1)
 
 
 AR_DEVIATIONS = (
@@ -126,17 +67,10 @@ class AdvantageReweighting(Shaping):
 
 
 @dataclass(frozen=True)
-class EntropyKnobs:
-    entropy_alpha: float = knob(0.4, "alpha of min(alpha * H, |A| / kappa).", "0.4 (GRPO); 0.1 (PPO)")
-    entropy_kappa: float = knob(2.0, "kappa > 1 of min(alpha * H, |A| / kappa); the shaped advantage keeps its sign.",
-                                "2")
-
-    def __post_init__(self) -> None:
-        check_number("token_selection.entropy_alpha", self.entropy_alpha, 0.0, None, "a number >= 0")
-        check_number("token_selection.entropy_kappa", self.entropy_kappa, 1.0, None, "a number > 1")
-        if self.entropy_kappa <= 1.0:
-            raise config_error("token_selection.entropy_kappa", self.entropy_kappa, "a number > 1",
-                               "kappa > 1 keeps the shaped advantage's sign (the paper's condition; its value is 2).")
+class EntropyKnobs(Knobs):
+    entropy_alpha: float = knob(0.4, "alpha of min(alpha * H, |A| / kappa).", "0.4 (GRPO); 0.1 (PPO)", ge=0)
+    entropy_kappa: float = knob(2.0, "kappa > 1 of min(alpha * H, |A| / kappa): the shaped advantage keeps its sign "
+                                "(the paper's condition; its value is 2).", "2", gt=1)
 
 
 ENTROPY_ADV_DEVIATIONS = (
@@ -174,5 +108,4 @@ class EntropyShaping(Shaping):
         return out
 
 
-__all__ = ["SHAPING_REGISTRY", "ARKnobs", "AdvantageReweighting", "EntropyKnobs", "EntropyShaping", "Shaping",
-           "ar_weight", "entropy_shift", "register_shaping"]
+__all__ = ["ARKnobs", "AdvantageReweighting", "EntropyKnobs", "EntropyShaping", "ar_weight", "entropy_shift"]

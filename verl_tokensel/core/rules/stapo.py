@@ -21,14 +21,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.rules.covariance import pooled_count
-from verl_tokensel.core.dist_topk import topk_mask_distributed
-from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.rules.base import Knobs, Rule, knob, register_rule, share
-from verl_tokensel.core.rules.checks import check_no_budget
-from verl_tokensel.core.scopes import dp_world
-from verl_tokensel.core.scores import ScoreInputs, need_entropy, register_score
-from verl_tokensel.core.select import keep_first_k
+from verl_tokensel.core.rules.maths import share
+from verl_tokensel.rules import Knobs, Needs, Pool, Rule, config_error, knob, register_rule, register_score
 
 NAME = "stapo"
 
@@ -36,8 +30,8 @@ NAME = "stapo"
 @register_score(NAME, needs_entropy=True, needs_omega=False, rule=NAME,
                 help="H_t; keeps every token but STAPO's spurious ones (A > 0, pi < stapo_prob, H under the "
                      "candidates' stapo_entropy_quantile)")
-def stapo_score(inp: ScoreInputs) -> torch.Tensor:
-    return need_entropy(inp, NAME)
+def stapo_score(inp) -> torch.Tensor:
+    return inp.need_entropy(NAME)
 
 
 def stapo_candidates(advantages: torch.Tensor, log_prob: torch.Tensor, pool: torch.Tensor,
@@ -59,13 +53,9 @@ def spurious_tokens(advantages: torch.Tensor, log_prob: torch.Tensor, entropy: t
                     dp_group: Optional[dist.ProcessGroup] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(spurious, candidates)`` bool masks over this rank's tokens, the quantile pooled over ``dp_group``."""
     cand = stapo_candidates(advantages, log_prob, pool, prob_threshold)
-    k = quantile_below_count(pooled_count(cand, dp_group), entropy_quantile)
-    ent = entropy.detach().float()
-    if dp_world(dp_group) <= 1:
-        return keep_first_k(ent, cand, k, "bottom"), cand
-    spurious = torch.zeros_like(cand)
-    spurious[cand] = topk_mask_distributed(ent[cand], k, dp_group, largest=False)
-    return spurious, cand
+    pool_ranks = Pool(dp_group)
+    k = quantile_below_count(pool_ranks.count(cand), entropy_quantile)
+    return pool_ranks.top_k(entropy.detach().float(), cand, k, largest=False), cand
 
 
 @dataclass(frozen=True)
@@ -89,7 +79,7 @@ DEVIATIONS = (
 )
 
 
-@register_rule(NAME, knobs=StapoKnobs,
+@register_rule(NAME, knobs=StapoKnobs, needs=Needs(scores=(NAME,)),
                source='STAPO (Liu et al., "STAPO: Stabilizing Reinforcement Learning for LLMs by Silencing Rare '
                       'Spurious Tokens", arXiv 2602.15620, Sec. 3 and 5.1; no released code)',
                formula="spurious: A > 0, pi < stapo_prob and H under the stapo_entropy_quantile quantile of those "
@@ -100,7 +90,6 @@ class Stapo(Rule):
     """Every token but the spurious ones keeps the gradient; the loss averages over the kept tokens only."""
 
     def check(self, c) -> None:
-        check_no_budget(c, "every token but STAPO's spurious ones")
         want = (("scope", "mini_batch"), ("score_source", "prepass"), ("normaliser", "kept"))
         for key, value in want:
             if getattr(c, key) != value:
@@ -115,7 +104,7 @@ class Stapo(Rule):
 
     def select(self, x):
         k = x.knobs
-        x.scores = x.score(k.score)
+        x.scores = x.score(NAME)
         adv = x.advantages if x.advantages is not None else x.weighted_advantages
         spurious, _ = spurious_tokens(adv, x.log_prob, x.scores, x.tokens, prob_threshold=k.stapo_prob,
                                       entropy_quantile=k.stapo_entropy_quantile,

@@ -1,9 +1,9 @@
 """The one validation pass of a resolved rule: every check across keys, in one place. Pure torch, no verl import.
 
 :func:`validate` runs the shared keys' checks against each other, what the rule declares it needs
-(:class:`~verl_tokensel.core.rules.base.Needs`: its score sources and scopes, normalisers, own policy loss, update
+(:class:`~verl_tokensel.core.seam.rule.Needs`: its score sources and scopes, normalisers, own policy loss, update
 passes, prompt groups), the score's requirements, the actor's settings where they are known, and last the rule's own
-:meth:`~verl_tokensel.core.rules.base.Rule.check`. A preset validates itself when it is built (the actor unknown);
+:meth:`~verl_tokensel.core.seam.rule.Rule.check`. A preset validates itself when it is built (the actor unknown);
 the driver validates the resolved rule once with the actor's settings, before Ray starts. Each error names the key,
 its valid values and the fix.
 """
@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from verl_tokensel.core.errors import TokenSelectionConfigError, config_error
 from verl_tokensel.core.loss_modes import LOSS_MODES, loss_mode
-from verl_tokensel.core.rules.base import OWN_LOSS_MODES, ActorSettings
+from verl_tokensel.core.seam.rule import OWN_LOSS_MODES, ActorSettings, Ranking
 from verl_tokensel.core.scores import SCORE_REGISTRY
 
 QUANTILE_SCOPES = ("sequence", "micro_batch")
@@ -26,9 +26,9 @@ GROUPLESS_ESTIMATORS = ("gae", "reinforce_plus_plus", "remax")
 
 
 class RuleCheck:
-    """What a rule's :meth:`~verl_tokensel.core.rules.base.Rule.check` reads: the resolved rule's keys (``c.knobs``,
+    """What a rule's :meth:`~verl_tokensel.core.seam.rule.Rule.check` reads: the resolved rule's keys (``c.knobs``,
     ``c.scope``, ``c.score_source``, ``c.normaliser``, ...) and ``c.actor``, the actor's settings
-    (:class:`~verl_tokensel.core.rules.base.ActorSettings`), or None while a preset is built (the check then runs
+    (:class:`~verl_tokensel.core.seam.rule.ActorSettings`), or None while a preset is built (the check then runs
     again when the config is resolved)."""
 
     def __init__(self, sel: Any, actor: Optional[ActorSettings]) -> None:
@@ -45,7 +45,7 @@ def validate(sel: Any, actor: Optional[ActorSettings] = None) -> None:
     check_shared(sel)
     check_needs(sel, rule)
     if actor is not None:
-        check_with_actor(sel, rule, actor)
+        check_actor(sel, rule, actor)
     rule.check(RuleCheck(sel, actor))
 
 
@@ -69,51 +69,45 @@ def check_shared(sel: Any) -> None:
 
 def check_needs(sel: Any, rule: Any) -> None:
     """What the rule declares it needs, and what its score needs: the scope fits the source (for this rule), the
-    normaliser, the score's owner, the driver's fields, the quantile budget, and a score that ranks nothing has no
-    budget knobs."""
+    normaliser, the score's owner, the driver's fields, the quantile budget, and a ranking by a score that ranks
+    nothing has no budget knobs."""
     k = sel.knobs
+    ranking = isinstance(k, Ranking)
     check_scope_fits_source(sel, rule)
     if sel.normaliser not in rule.needs.normalisers:
         raise config_error("token_selection.normaliser", sel.normaliser,
                            f"{' or '.join(rule.needs.normalisers)} (with token_selector's rule {rule.name})",
                            f"rule {rule.name} changes the selected tokens' loss and keeps every token in the "
                            "denominator, as its reference does. Fix: set token_selection.normaliser=all.")
-    spec = SCORE_REGISTRY[k.score]
-    if spec.rule is not None and spec.rule != rule.name:
+    spec = SCORE_REGISTRY[sel.score]
+    if ranking and spec.rule is not None and spec.rule != rule.name:
         raise config_error("token_selection.score", k.score, f"a score other than {k.score} (with token_selector's "
                            f"rule {rule.name})", f"score={k.score} is rule {spec.rule}'s own selection. Fix: use a "
                            f"preset of rule {spec.rule} or another score.")
     if spec.needs_external and sel.score_source != "rollout":
         raise config_error(
-            "token_selection.score_source", sel.score_source, "rollout (with score=" + k.score + ")",
-            f"token_selection.score={k.score} needs {', '.join(spec.needs_external)}, which only the driver "
+            "token_selection.score_source", sel.score_source, "rollout (with score=" + sel.score + ")",
+            f"token_selection.score={sel.score} needs {', '.join(spec.needs_external)}, which only the driver "
             "computes, once per step, for the whole batch. Fix: set token_selection.score_source=rollout "
             "(scope batch, group or sequence; normaliser all).")
     if sel.ref_model_path is not None and "ref_entropy" not in spec.needs_external:
         raise config_error(
-            "token_selection.ref_model_path", sel.ref_model_path, "null (with score=" + k.score + ")",
-            f"token_selection.score={k.score} does not read a reference model, so the path would be ignored. "
+            "token_selection.ref_model_path", sel.ref_model_path, "null (with score=" + sel.score + ")",
+            f"token_selection.score={sel.score} does not read a reference model, so the path would be ignored. "
             "Fix: remove it or set token_selection.score=ref_entropy.")
-    if k.budget == "quantile" and (sel.scope not in QUANTILE_SCOPES or k.direction != "top" or k.pool != "valid"
-                                   or spec.rule is not None):
+    if ranking and k.budget == "quantile" and (sel.scope not in QUANTILE_SCOPES or k.direction != "top"
+                                               or k.pool != "valid" or spec.rule is not None):
         raise config_error("token_selection.budget", "quantile",
                            f"count, or quantile with scope {' or '.join(QUANTILE_SCOPES)}, direction top, pool valid "
                            "and a score that is not a rule's own selection",
                            f"got scope={sel.scope}, direction={k.direction}, pool={k.pool}, score={k.score}. "
                            "Fix: set token_selection.budget=count or those keys.")
-    if not spec.ranks:
-        check_no_budget(sel, "every valid token")
-
-
-def check_no_budget(sel: Any, keeps: str) -> None:
-    """A selection with no budget (every token, or a rule's own choice): its ranking knobs stay at the
-    defaults, since any other value would be ignored."""
-    k = sel.knobs
-    for key, want in (("ratio", 1.0), ("direction", "top"), ("budget", "count"), ("pool", "valid")):
-        if getattr(k, key) != want:
-            raise config_error(f"token_selection.{key}", getattr(k, key), f"{want} (with score={k.score})",
-                               f"score={k.score} has no budget: it keeps {keeps}, so {key} would be ignored. "
-                               f"Fix: remove token_selection.{key}.")
+    if ranking and not spec.ranks:
+        for key, want in (("ratio", 1.0), ("direction", "top"), ("budget", "count"), ("pool", "valid")):
+            if getattr(k, key) != want:
+                raise config_error(f"token_selection.{key}", getattr(k, key), f"{want} (with score={k.score})",
+                                   f"score={k.score} has no budget: it keeps every valid token, so {key} would be "
+                                   f"ignored. Fix: remove token_selection.{key}.")
 
 
 def check_scope_fits_source(sel: Any, rule: Any) -> None:
@@ -140,7 +134,7 @@ def check_scope_fits_source(sel: Any, rule: Any) -> None:
         f"{fitting[0]} or pick one of the scopes above.")
 
 
-def check_with_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
+def check_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
     """The checks that need the actor's other settings (``actor_rollout_ref.actor.*``, ``algorithm.adv_estimator``):
     the denominator's aggregation, the rule's own policy loss, the normaliser verl's loss_mode can serve, omega's loss
     and KL type, the entropy the rule reads, the KL loss and the prompt groups it needs."""
@@ -159,22 +153,22 @@ def check_with_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
             + (f" The preset already is the global version of verl's loss_mode={actor.loss_mode}."
                if actor.loss_mode == rule.name else ""))
     check_loss_mode_serves_normaliser(sel, rule, actor.loss_mode)
-    spec = SCORE_REGISTRY[sel.knobs.score]
+    spec = SCORE_REGISTRY[sel.score]
     if spec.needs_omega:
         if actor.loss_mode not in OMEGA_LOSS_MODES:
             raise config_error(
                 "policy_loss.loss_mode", actor.loss_mode, ", ".join(OMEGA_LOSS_MODES),
-                f"token_selection.score={sel.knobs.score} uses omega = r*A*1[not clipped] of the token-level clipped "
+                f"token_selection.score={sel.score} uses omega = r*A*1[not clipped] of the token-level clipped "
                 "surrogate. Fix: use loss_mode=vanilla or a score without omega (entropy, random).")
         if actor.use_kl_loss and actor.kl_loss_type not in OMEGA_KL_TYPES:
             raise config_error(
                 "kl_loss_type", actor.kl_loss_type, ", ".join(OMEGA_KL_TYPES),
-                f"token_selection.score={sel.knobs.score} adds the KL term's gradient weight to omega.")
+                f"token_selection.score={sel.score} adds the KL term's gradient weight to omega.")
     reads_entropy = sel.score_needs_entropy or sel.shaping_needs_entropy
     if reads_entropy and not (actor.calculate_entropy or actor.entropy_coeff != 0 or actor.auto_enable_entropy):
         raise config_error(
             "calculate_entropy", actor.calculate_entropy, "true",
-            f"token_selection.score={sel.knobs.score} / shaping={sel.shaping} reads the policy entropy, which the "
+            f"token_selection.score={sel.score} / shaping={sel.shaping} reads the policy entropy, which the "
             "engine only computes when calculate_entropy=true or entropy_coeff != 0, and "
             "token_selection.auto_enable_entropy=false. Fix: set actor_rollout_ref.actor.calculate_entropy=true or "
             "token_selection.auto_enable_entropy=true.")
@@ -208,5 +202,5 @@ def check_prompt_groups(sel: Any, adv_estimator: Optional[str]) -> None:
 
 
 __all__ = ["GROUPLESS_ESTIMATORS", "OMEGA_KL_TYPES", "OMEGA_LOSS_MODES", "QUANTILE_SCOPES", "RuleCheck",
-           "check_loss_mode_serves_normaliser", "check_needs", "check_no_budget", "check_prompt_groups",
-           "check_scope_fits_source", "check_shared", "check_with_actor", "validate"]
+           "check_actor", "check_loss_mode_serves_normaliser", "check_needs", "check_prompt_groups",
+           "check_scope_fits_source", "check_shared", "validate"]

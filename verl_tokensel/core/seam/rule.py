@@ -20,7 +20,7 @@ import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional
+from typing import Any, Callable, ClassVar, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,12 +28,10 @@ import torch.distributed as dist
 from verl_tokensel.core import fields
 from verl_tokensel.core.errors import check_bool, check_choice, config_error
 from verl_tokensel.core.scopes import DIRECTIONS, POOLS, SOURCE_SCOPES, invalid_rule_arg
-from verl_tokensel.core.rules.hidden import HiddenStates
+from verl_tokensel.core.seam.hidden import HiddenStates
+from verl_tokensel.core.seam.pool import POOLED_SCOPES, Pool
 from verl_tokensel.core.scores import SCORE_REGISTRY
 from verl_tokensel.core.select import above_quantile, select_tokens
-
-if TYPE_CHECKING:  # pragma: no cover
-    from verl_tokensel.core.batch import ScoreBatch
 
 # How many tokens a ranking selects: count = ceil(ratio * N) of the scope's pool; quantile = those strictly above
 # the (1 - ratio) quantile of their response (scope sequence) or micro-batch, linear interpolation (Archer's
@@ -68,15 +66,40 @@ def _valid_range(bounds: dict[str, float]) -> str:
     return "a number " + " and ".join(f"{words[k]} {v:g}" for k, v in bounds.items())
 
 
+def check_knob_fields(knobs: Any) -> None:
+    """Each :func:`knob` field of ``knobs`` in its range (``ge``/``lt``/...), among its ``choices``, a bool where
+    declared one; errors name ``token_selection.<field>``."""
+    for f in dataclasses.fields(knobs):
+        value, bounds, choices = getattr(knobs, f.name), f.metadata.get("bounds"), f.metadata.get("choices")
+        if f.type in ("bool", bool):
+            check_bool(f"token_selection.{f.name}", value)
+        if choices:
+            check_choice(f"token_selection.{f.name}", value, tuple(choices))
+        if bounds and not (value is None and f.default is None):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or not all(_COMPARE[k](value, v) for k, v in bounds.items()):
+                raise config_error(f"token_selection.{f.name}", value,
+                                   ("null or " if f.default is None else "") + _valid_range(bounds))
+
+
 @dataclass(frozen=True)
 class Knobs:
-    """Which tokens a rule treats (a registered score ranked over the scope's pool, or kept whole for a score that
-    ranks nothing) and the base of every rule's knobs: a rule's own knobs are fields of a frozen subclass, each a
-    :func:`knob`. Each checks itself (its ``ge``/``lt``/``choices``) when the knobs are built."""
+    """The base of every rule's knobs: a rule's own knobs are fields of a frozen subclass, each a :func:`knob`,
+    checked when the knobs are built (their ``ge``/``lt``/``choices``). A rule whose knobs are plain :class:`Knobs`
+    keeps every valid token; one that ranks tokens extends :class:`Ranking`."""
 
-    score: str = knob("entropy", "Per-token ranking score: a registered score (verl-tokensel view lists them).",
-                      "entropy (80/20); gmts (GMTS)")
-    ratio: float = knob(0.2, "Fraction of the scope's valid tokens the rule selects, in (0, 1]; exactly "
+    def __post_init__(self) -> None:
+        check_knob_fields(self)
+
+
+@dataclass(frozen=True)
+class Ranking(Knobs):
+    """The knobs of a rule that ranks: which registered score it ranks over the scope's pool, and how many tokens it
+    keeps (a score that ranks nothing, ``all``, keeps every token)."""
+
+    score: str = knob("entropy", "Per-token ranking score of a rule that ranks: a registered score (verl-tokensel "
+                      "view lists them).", "entropy (80/20); gmts (GMTS)")
+    ratio: float = knob(0.2, "Fraction of the scope's valid tokens a ranking rule selects, in (0, 1]; exactly "
                         "ceil(ratio*N) tokens (the covariance rules' own scores: max(1, int(ratio*N)), verl's).",
                         "0.2 (80/20 and GMTS); 2e-4 (verl's KL-Cov / Clip-Cov)")
     direction: str = knob("top", "Keep the highest (top) or lowest (bottom) scores.",
@@ -98,17 +121,7 @@ class Knobs:
         check_choice("token_selection.direction", self.direction, DIRECTIONS)
         check_choice("token_selection.pool", self.pool, POOLS)
         check_choice("token_selection.budget", self.budget, BUDGETS)
-        for f in dataclasses.fields(self):
-            value, bounds, choices = getattr(self, f.name), f.metadata.get("bounds"), f.metadata.get("choices")
-            if f.type in ("bool", bool):
-                check_bool(f"token_selection.{f.name}", value)
-            if choices:
-                check_choice(f"token_selection.{f.name}", value, tuple(choices))
-            if bounds and not (value is None and f.default is None):
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-                if not ok or not all(_COMPARE[k](value, v) for k, v in bounds.items()):
-                    raise config_error(f"token_selection.{f.name}", value,
-                                       ("null or " if f.default is None else "") + _valid_range(bounds))
+        check_knob_fields(self)
 
 
 @dataclass(frozen=True)
@@ -126,7 +139,7 @@ class Needs:
         kl_loss: it weights the KL loss per token (``LossTransform.kl_weight``): recipes turn ``use_kl_loss`` on.
         passes: whole update passes per step (Lopti: 2; each micro-batch sees its ``update_pass``).
         prompt_groups: it reads the responses of each prompt together (an advantage estimator with groups).
-        hidden_states: a :class:`~verl_tokensel.core.rules.hidden.HiddenStates` subclass: the rule reads the last
+        hidden_states: a :class:`~verl_tokensel.core.seam.hidden.HiddenStates` subclass: the rule reads the last
             hidden states (the output layer's input) of no-grad passes over the step's batch before the update;
             the last pass's per-token values reach its steps as ``x.hidden``. None: nothing is kept or run.
     """
@@ -212,49 +225,71 @@ class ActorSettings:
     adv_estimator: Optional[str] = None
 
 
-class RuleInput:
-    """The one input every hook of a rule receives: one micro-batch (or a pre-pass's mini-batch, the driver's batch)
-    and where the rule step stands on it. Tensors are ``(batch, response_len)``, detached unless said.
+@dataclass(frozen=True)
+class LossContext:
+    """Where a micro-batch sits in the loss, for a rule whose weights depend on it (the loss builds it; ``x.where``).
 
     Attributes:
-        knobs: the rule's knobs (its ``Knobs`` dataclass). ``config``: the resolved rule (``scope``,
+        update_pass: the driver's update pass (``Needs(passes=...)``; None: the one pass).
+        denominator: the token-mean denominator of verl's loss (``batch_num_tokens``, over all ranks); None
+            outside the loss (the micro-batch alone then is the whole).
+        global_rows: the mini-batch's responses over all ranks (``global_batch_size``); None as above.
+        loss_agg_mode: the actor's ``loss_agg_mode``.
+    """
+
+    update_pass: Optional[int] = None
+    denominator: Optional[float] = None
+    global_rows: Optional[int] = None
+    loss_agg_mode: str = "token-mean"
+
+
+class RuleInput:
+    """The one input every step of a rule receives: one micro-batch (or a pre-pass's mini-batch, the driver's batch)
+    and where the rule step stands on it; after the step, its result. Tensors are ``(batch, response_len)``,
+    detached unless said.
+
+    What a rule reads:
+        knobs: the rule's knobs (its ``Knobs`` dataclass). ``selection``: the resolved selection (``scope``,
             ``score_source``, ``normaliser``, ``seed``, ...).
         log_prob: the scored policy's log p(a_t) (the update pass's for ``score_source=current``).
         old_log_prob / rollout_log_prob: the old policy's (verl's old-log-prob pass) / the rollout engine's, or None.
         advantages: verl's advantages as the batch carries them (None: not given); ``weighted_advantages``: times
-            the rollout importance weights (the token loss's weight).
-        entropy: the scored policy's entropy, or None (declare ``Needs(entropy=True)`` or a score that reads it).
+            the rollout importance weights (the token loss's weight), after the shaping for a score that reads them.
+        entropy: the scored policy's entropy (declare ``Needs(entropy=True)``, or rank a score that reads it: a
+            rule that declares it and gets none fails, naming the need).
         valid: bool, the valid response tokens. ``finite``: False on a valid token with a non-finite input.
-        tokens: bool, the tokens this rule treats (valid, finite inputs, finite score): the pool it selects from.
-        scores: float32, the step's scores (None before :meth:`Rule.score`; NaN on dropped tokens).
-        mask: bool, the selected tokens (None before :meth:`Rule.select`).
-        transform: the :class:`LossTransform` (only in :meth:`Rule.stats`).
-        ratio / scope: the budget and the pool of this call. ``dp_group``: the data-parallel group of the pooled
-            scopes (None: this process alone).
+        tokens: bool, the tokens the rule treats (valid, finite inputs, finite score): the pool it selects from.
         group_ids: ``(batch,)`` int64 prompt-group ids (``scope=group``), or None.
         external: the per-token fields the driver filled (``response_ids``, ``sequence_reward``, ...).
         hidden: float32, the per-token values of the rule's hidden-state passes (``Needs(hidden_states=...)``), or
             None where they did not run.
         clip_ratio_low / clip_ratio_high / clip_ratio_c: the actor's PPO clip.
-        update_pass: the driver's update pass (``Needs(passes=...)``; None: the one pass, or outside the loss).
-        denominator / global_rows: verl's token-mean denominator (``batch_num_tokens``) and the mini-batch's
-            responses over all ranks; None outside the loss. ``loss_agg_mode``: the actor's.
-        batch: the underlying :class:`~verl_tokensel.core.batch.ScoreBatch` (``x.score(name)`` evaluates a
-            registered score on it).
+        ratio / scope: the budget and the pool of this call. ``pool``: the ranks the scope spans (a :class:`Pool`:
+            exact sums, counts and top-k over them); ``dp_group`` its process group (None: this process alone).
+        where: the micro-batch's place in the loss (:class:`LossContext`: ``update_pass``, ``denominator``,
+            ``global_rows``, ``loss_agg_mode``, also readable as ``x.update_pass`` ...).
+        score(name): a registered score evaluated on this batch.
+
+    What the steps fill in, in order (each step sees those before it):
+        scores: float32, the step's scores (None before :meth:`Rule.score`; NaN on dropped tokens).
+        mask: bool, the tokens the rule selected (None before :meth:`Rule.select`; every token of ``tokens`` for a
+            rule that does not rank).
+        transform: the :class:`LossTransform` (only in :meth:`Rule.stats`).
+        selected: bool, the selected tokens that keep the policy gradient: ``mask`` and the transform's ``gate``
+            (what the selection metrics count).
     """
 
-    def __init__(self, config: Any, knobs: Any, batch: "ScoreBatch", *, ratio: float, scope: str,
-                 dp_group: Optional[dist.ProcessGroup] = None, update_pass: Optional[int] = None,
-                 denominator: Optional[float] = None, global_rows: Optional[int] = None,
-                 loss_agg_mode: str = "token-mean") -> None:
-        self.config, self.knobs, self.batch = config, knobs, batch
-        self.ratio, self.scope, self.dp_group = ratio, scope, dp_group
-        self.update_pass, self.denominator, self.global_rows = update_pass, denominator, global_rows
-        self.loss_agg_mode = loss_agg_mode
+    def __init__(self, selection: Any, batch: Any, *, ratio: float, scope: str,
+                 dp_group: Optional[dist.ProcessGroup] = None, where: LossContext = LossContext()) -> None:
+        self.selection, self.batch = selection, batch
+        self.knobs = selection.knobs
+        self.ratio, self.scope, self.dp_group, self.where = ratio, scope, dp_group, where
         self.tokens: torch.Tensor = batch.valid & batch.finite
         self.scores: Optional[torch.Tensor] = None
         self.mask: Optional[torch.Tensor] = None
         self.transform: Optional[LossTransform] = None
+        self.dropped = False
+        self.stats: dict[str, float] = {}
 
     def with_knobs(self, knobs: Any) -> "RuleInput":
         """A copy of this input with other knobs (a shaping's, run on the same micro-batch)."""
@@ -266,12 +301,33 @@ class RuleInput:
         """The registered score ``name`` on this batch (float32, detached, 0 off ``valid``)."""
         return self.batch.score(name)
 
+    @property
+    def pool(self) -> Pool:
+        """The ranks this call's scope spans: every data-parallel rank for a pooled scope, else this process."""
+        return Pool(self.dp_group if self.scope in POOLED_SCOPES else None)
+
+    @property
+    def entropy(self) -> Optional[torch.Tensor]:
+        entropy = self.batch.inputs.entropy
+        rule = self.selection.impl
+        if entropy is None and rule.needs.entropy:
+            raise RuntimeError(
+                f"rule {rule.name} declares Needs(entropy=True) but its input carries no policy entropy: the pass "
+                "that fed it ran without it (actor_rollout_ref.actor.calculate_entropy=False and "
+                "token_selection.auto_enable_entropy=False, or a harness that built the batch without it). Fix: "
+                "run through verl_tokensel's loss installed by its trainer, or set calculate_entropy=True.")
+        return entropy
+
+    @property
+    def selected(self) -> torch.Tensor:
+        gate = None if self.transform is None else self.transform.gate
+        return self.mask if gate is None else self.mask & gate
+
     log_prob = property(lambda self: self.batch.inputs.log_prob)
     old_log_prob = property(lambda self: self.batch.inputs.old_log_prob)
     rollout_log_prob = property(lambda self: self.batch.inputs.rollout_log_prob)
     advantages = property(lambda self: self.batch.advantages)
     weighted_advantages = property(lambda self: self.batch.inputs.advantages)
-    entropy = property(lambda self: self.batch.inputs.entropy)
     valid = property(lambda self: self.batch.valid)
     finite = property(lambda self: self.batch.finite)
     group_ids = property(lambda self: self.batch.group_ids)
@@ -280,6 +336,10 @@ class RuleInput:
     clip_ratio_low = property(lambda self: float(self.batch.inputs.clip_ratio_low))
     clip_ratio_high = property(lambda self: float(self.batch.inputs.clip_ratio_high))
     clip_ratio_c = property(lambda self: float(self.batch.inputs.clip_ratio_c))
+    update_pass = property(lambda self: self.where.update_pass)
+    denominator = property(lambda self: self.where.denominator)
+    global_rows = property(lambda self: self.where.global_rows)
+    loss_agg_mode = property(lambda self: self.where.loss_agg_mode)
 
 
 class Rule:
@@ -287,9 +347,10 @@ class Rule:
     (which sets :attr:`name`, :attr:`Knobs` and :attr:`needs`). A rule whose only step is :meth:`transform` is
     simpler written as a function (``@register_rule(name, knobs=...)`` on ``def rule(x) -> LossTransform``).
 
-    The base is the ranked gradient mask: :meth:`select` ranks ``knobs.score`` over the scope (or keeps every
-    token for a score that ranks nothing) and :meth:`transform` keeps the policy gradient on the selected tokens.
-    Every step receives one :class:`RuleInput` ``x``.
+    The base keeps every valid token unless the rule says otherwise: with :class:`Ranking` knobs, :meth:`select` ranks
+    ``knobs.score`` over the scope (a score that ranks nothing keeps every token); with plain :class:`Knobs` it keeps
+    every token of ``x.tokens``. :meth:`transform` keeps the policy gradient on the selected tokens. Every step
+    receives one :class:`RuleInput` ``x``.
     """
 
     #: the registered name; also the metric group (``tokensel/<name>/...``)
@@ -302,15 +363,15 @@ class Rule:
     about: ClassVar["About"]
 
     def score(self, x: RuleInput) -> Optional[torch.Tensor]:
-        """Step 1: the scores (a NaN drops its token), or None for a score that ranks nothing."""
-        if not SCORE_REGISTRY[x.knobs.score].ranks:
-            return None
-        return x.score(x.knobs.score)
+        """Step 1: the scores (a NaN drops its token): the ranking's score, or the rule's own (the first of
+        ``Needs.scores``); None where that score ranks nothing (or the rule has none)."""
+        name = x.selection.score
+        return x.score(name) if SCORE_REGISTRY[name].ranks else None
 
     def select(self, x: RuleInput) -> torch.Tensor:
-        """Step 2: the selected tokens, a subset of ``x.tokens``, ranked by ``x.scores``."""
+        """Step 2: the selected tokens, a subset of ``x.tokens``, ranked by ``x.scores`` (none: every token)."""
         k = x.knobs
-        if x.scores is None:  # a score that ranks nothing keeps every token of the pool
+        if x.scores is None or not isinstance(k, Ranking):  # nothing ranked: every token of the pool
             return x.tokens.clone()
         if k.budget == "quantile":
             return above_quantile(x.scores, x.tokens, 1.0 - x.ratio, per_row=x.scope == "sequence")
@@ -378,19 +439,10 @@ def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Ne
 
 
 def knob_fields(knobs_cls: type) -> list[dataclasses.Field]:
-    """A knobs class's own fields (those :class:`Knobs` does not declare)."""
-    shared = {f.name for f in dataclasses.fields(Knobs)} if issubclass(knobs_cls, Knobs) else set()
+    """A knobs class's own fields (those :class:`Ranking` does not declare)."""
+    shared = {f.name for f in dataclasses.fields(Ranking)} if issubclass(knobs_cls, Ranking) else set()
     return [f for f in dataclasses.fields(knobs_cls) if f.name not in shared]
 
 
-def share(n: int, of: int) -> float:
-    return n / of if of else 0.0
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's ``masked_mean`` (``sum(values * mask) / (sum(mask) + 1e-8)``), for the metrics of a rule's own loss."""
-    return (values * mask).sum() / (mask.sum() + 1e-8)
-
-
 __all__ = ["About", "ActorSettings", "BUDGETS", "Knobs", "LossTransform", "Needs", "OWN_LOSS_MODES", "RULE_REGISTRY",
-           "Rule", "RuleInput", "knob", "knob_fields", "masked_mean", "register_rule", "share"]
+           "Ranking", "Rule", "RuleInput", "check_knob_fields", "knob", "knob_fields", "register_rule"]
