@@ -163,7 +163,7 @@ def test_fipo_is_verls_loss_where_every_probability_went_down():
      r"token_selection.fipo_clip_range=1.0 is invalid; valid values: a number in \[0, 1\) \(with "
      r"fipo_clip_high_only=false\).*Fix:"),
     ({"fipo_safety_threshold": -1.0},
-     r"token_selection.fipo_safety_threshold=-1.0 is invalid; valid values: a number >= 0 \(0: no cap\)"),
+     r"token_selection.fipo_safety_threshold=-1.0 is invalid; valid values: a number >= 0"),
 ])
 def test_fipo_refuses_bad_knobs(knobs, message):
     """Refused where the actor config is built (on the driver, before Ray), naming the key (Hydra wraps the error)."""
