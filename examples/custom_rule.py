@@ -60,15 +60,15 @@ def surprise_weight(x) -> LossTransform:
 
 
 def main(argv: list[str]) -> None:
-    from verl_tokensel_cpu import worker
+    from verl_tokensel_cpu import update, worker
 
     knobs = {"surprise_alpha": float(argv[0])} if argv else {}
     actor = worker.make_training_worker(ppo_mini_batch_size=2, rollout_n=2, ppo_micro_batch_size_per_gpu=2)
-    result, selection = worker.train_with(actor, NAME, **knobs)  # old-log-prob pass, then one update_actor
+    result, selection = update.train_with(actor, NAME, **knobs)  # old-log-prob pass, then one update_actor
     print(f"token_selector={NAME} -> {selection}")
     print(f"update_actor: loss {result.loss:.6f}, grad_norm {result.grad_norm:.6f}, "
           f"max |param change| {result.max_abs_param_delta:.3e}")
-    for key, value in worker.metric_means(result, "tokensel/").items():
+    for key, value in update.metric_means(result, "tokensel/").items():
         print(f"{key} = {value:.6f} (mean over the micro-batches)")
 
 

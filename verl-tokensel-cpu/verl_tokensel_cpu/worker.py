@@ -521,30 +521,6 @@ def _as_float(v) -> Optional[float]:
     return float(v)
 
 
-def train_with(actor: CpuActor, selector: str, *, seed: int = 0, **knobs) -> tuple["StepResult", Any]:
-    """One update of ``actor`` with ``token_selector=selector`` (a preset or a registered rule; ``knobs`` are
-    ``token_selection.*`` values): a fresh update batch, verl's old-log-prob pass, then ``update_actor`` with the
-    selecting loss. Returns the step's result and the resolved selection."""
-    from verl_tokensel.verl_glue.loss import SelectingLoss
-    from verl_tokensel_cpu.batches import make_update_batch
-
-    config = selecting_actor_config(actor, selector, **knobs)
-    batch = make_update_batch(actor, seed=seed)
-    compute_old_log_probs(actor, batch)
-    return run_train_step(actor, batch, loss_fn=SelectingLoss(config)), config.selection
-
-
-def metric_means(result: "StepResult", prefix: str) -> dict[str, float]:
-    """The step's metrics under ``prefix``, each the mean of its micro-batches' values."""
-    out = {}
-    for key in sorted(result.metrics):
-        if key.startswith(prefix):
-            values = result.metrics[key]
-            values = [_as_float(v) for v in (values if isinstance(values, list) else [values])]
-            out[key] = sum(values) / len(values)
-    return out
-
-
 def run_train_step(
     actor: CpuActor,
     batch,
@@ -629,9 +605,7 @@ __all__ = [
     "full_params",
     "make_actor_config",
     "make_training_worker",
-    "metric_means",
     "run_train_step",
     "selecting_actor_config",
     "setup_cpu_process",
-    "train_with",
 ]
