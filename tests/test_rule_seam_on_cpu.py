@@ -144,3 +144,23 @@ def test_every_built_in_rule_imports_only_the_public_module():
         got = _project_imports(folder / f"{module.rsplit('.', 1)[1]}.py")
         assert "verl_tokensel.rules" in got, module
         assert got <= allowed, (module, got - allowed)
+
+
+def test_provenance_is_one_data_file_for_every_built_in_component():
+    """Each built-in rule's and shaping's source, formula and deviations stand in ``core/rules/provenance.toml``
+    (none in the rule modules): an entry for each, none for anything else, and ``verl-tokensel rules`` reads it."""
+    import tomllib
+
+    from verl_tokensel.core.describe import about
+    from verl_tokensel.core.rules import PROVENANCE, RULE_REGISTRY, SHAPING_REGISTRY
+
+    data = tomllib.loads(PROVENANCE.read_text(encoding="utf-8"))
+    builtin = {name for name, rule in RULE_REGISTRY.items()
+               if type(rule).__module__.startswith("verl_tokensel.core.rules.")}
+    assert set(data["rule"]) == builtin and set(data["shaping"]) == set(SHAPING_REGISTRY)
+    for kind in ("rule", "shaping"):
+        for name, entry in data[kind].items():
+            assert entry["source"] and entry["formula"], (kind, name)
+            assert about(kind, name).deviations == tuple(entry["deviations"]), (kind, name)
+    for path in set(Path(PROVENANCE).parent.glob("*.py")) - {Path(PROVENANCE).with_name("__init__.py")}:
+        assert "deviations=" not in path.read_text(encoding="utf-8"), path

@@ -8,9 +8,12 @@ maths), which themselves import only it. The seam they are written against is :m
 
 import importlib
 import pkgutil
+import tomllib
+from pathlib import Path
 
 from verl_tokensel.core.seam.rule import (
     RULE_REGISTRY,
+    About,
     ActorSettings,
     Knobs,
     LossTransform,
@@ -27,8 +30,25 @@ from verl_tokensel.core.seam.shaping import SHAPING_REGISTRY, Shaping, register_
 #: verl_tokensel.rules; ``shaping`` holds the built-in advantage shapings
 HELPERS = ("covariance", "group_shift", "maths", "ppo_clip")
 
+#: where each built-in rule and shaping comes from, its formula and its deviations: one data file
+PROVENANCE = Path(__file__).with_name("provenance.toml")
+
 for _module in ("shaping", *sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in HELPERS)):
     importlib.import_module(f"{__name__}.{_module}")
 
-__all__ = ["HELPERS", "RULE_REGISTRY", "SHAPING_REGISTRY", "ActorSettings", "Knobs", "LossTransform", "Needs",
-           "Ranking", "Rule", "RuleInput", "Shaping", "knob", "register_rule", "register_shaping"]
+
+def _attach_provenance() -> None:
+    """Each built-in rule's and shaping's ``about`` from :data:`PROVENANCE` (every one has an entry; a test holds
+    the file and the registries to each other)."""
+    data = tomllib.loads(PROVENANCE.read_text(encoding="utf-8"))
+    for kind, registry in (("rule", RULE_REGISTRY), ("shaping", SHAPING_REGISTRY)):
+        for name, entry in data.get(kind, {}).items():
+            component = type(registry[name])
+            component.about = About(source=entry["source"], formula=entry["formula"],
+                                    deviations=tuple(entry["deviations"]))
+
+
+_attach_provenance()
+
+__all__ = ["HELPERS", "PROVENANCE", "RULE_REGISTRY", "SHAPING_REGISTRY", "ActorSettings", "Knobs", "LossTransform",
+           "Needs", "Ranking", "Rule", "RuleInput", "Shaping", "knob", "register_rule", "register_shaping"]

@@ -88,28 +88,7 @@ def class_mean_weights(mask: torch.Tensor, tokens: torch.Tensor, selected_weight
     return torch.where(selected, w_sel, torch.where(others, w_other, 0.0)).to(torch.float32)
 
 
-DEVIATIONS = (
-    "The high-entropy class's KL coefficient is selected_kl_weight times kl_loss_coef (the released "
-    "high_entropy_kl_loss_scale_coef is absolute): one coefficient for the KL term; equal at the released script's "
-    "value, 0.",
-    "The policy-gradient term is verl 0.9.1's global token-mean over the mini-batch (the release: each micro-batch's "
-    "token-mean, weighted by its share of the responses; equal for one micro-batch per mini-batch): verl's "
-    "denominator, the one every other preset's policy loss uses; the KL term is the released one "
-    "(archer_kl_mean=class).",
-    "The policy loss aggregates by the actor's loss_agg_mode (the released script ran token-mean on micro-batches of "
-    "one response, in effect seq-mean-token-mean, which the archer_r1_distill_qwen_1.5b_code recipe sets): verl's "
-    "aggregation, set by the recipe.",
-    "Unset class bounds fall back to the actor's clip_ratio_low / clip_ratio_high (the released low-entropy upper "
-    "bound falls back to clip_ratio_low): verl's convention.",
-)
-
-
-@register_rule(NAME, knobs=ArcherKnobs, needs=Needs(normalisers=("all",), policy_loss=True, kl_loss=True),
-               source="Archer (Wang et al., arXiv 2507.15778; released code wizard-III/ArcherCodeR, its dp_actor.py)",
-               formula="tokens above their response's (1 - ratio) entropy quantile: clip selected_clip_ratio_low / "
-                       "_high and selected_kl_weight of the KL loss; the others the actor's clip and KL; the KL a "
-                       "token-mean per entropy class",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=ArcherKnobs, needs=Needs(normalisers=("all",), policy_loss=True, kl_loss=True))
 class Archer(Rule):
     """High-entropy tokens (per-response quantile) get their own clip bounds and KL weight."""
 

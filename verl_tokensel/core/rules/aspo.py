@@ -39,7 +39,6 @@ class AspoKnobs(Ranking):
         "the actor's clip_ratio_high.", "0.4 (Archer2.0, its compute_policy_loss_archer call)", ge=0, lt=1)
 
 
-
 def aspo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor,
                       response_mask: torch.Tensor, *, clip_low: float, clip_high: float, clip_ratio_c: float,
                       selected: torch.Tensor, selected_low: float, selected_high: float,
@@ -74,25 +73,7 @@ def aspo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     return pg_losses, metrics
 
 
-DEVIATIONS = (
-    "The low-entropy bounds and clip_ratio_c are the actor's and the high-entropy bounds the knobs (the released call "
-    "hard-codes 0.2 / 0.4 and 3.0 for both signs; its script sets the actor's to 0.2 and 3.0): verl's keys for what "
-    "verl already has.",
-    "The released mask named high_entropy_mask holds the low-entropy tokens and its bound names are swapped to match; "
-    "both inversions cancel, so the high-entropy tokens get 0.4 as here: the released behaviour, with names that say "
-    "what they hold.",
-    "The KL term is verl's, over every token (the released script does not set use_token_entropy_separate): the "
-    "released script's setting.",
-)
-
-
-@register_rule(NAME, knobs=AspoKnobs, needs=Needs(normalisers=("all",), policy_loss=True),
-               source="ASPO (arXiv 2510.06062; released code wizard-III/Archer2.0, compute_policy_loss_archer and its "
-                      "call in dp_actor.py)",
-               formula="above the response's 0.8 entropy quantile clip aspo_clip_ratio_low / _high, the rest the "
-                       "actor's; A > 0: -A rp / sg(rp)^2, rp = min(r, 1 + eps_high); A < 0: -A max(r, 1 - eps_low); "
-                       "past clip_ratio_c: -A clip_ratio_c log pi",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=AspoKnobs, needs=Needs(normalisers=("all",), policy_loss=True))
 class Aspo(Rule):
     """High-entropy tokens (per-response quantile) get wider bounds; positive-advantage tokens the flipped ratio."""
 

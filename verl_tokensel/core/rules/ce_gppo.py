@@ -69,22 +69,7 @@ def gppo_token_losses(old_log_prob: torch.Tensor, log_prob: torch.Tensor, advant
     return pg_losses, metrics
 
 
-DEVIATIONS = (
-    "The released code's gppo path (no beta, only_high) is not offered: it references a name it never defines, and "
-    "gppo_general is the path every released script runs.",
-    "The ratio is unclamped, as in the released loss (verl's vanilla loss clamps the log-ratio to +-20): the released "
-    "formula.",
-    "The clip bounds and clip_ratio_c are the actor's and the loss aggregates by its loss_agg_mode: verl's keys for "
-    "what verl already has.",
-)
-
-
-@register_rule(NAME, knobs=CeGppoKnobs, needs=Needs(normalisers=("all",), policy_loss=True),
-               source="CE-GPPO (Su et al., arXiv 2509.20712; released code Kwai-Klear/CE-GPPO, "
-                      "compute_gppo_loss_general_beta of its core_algos.py)",
-               formula="r < 1 - eps_low, A < 0: -beta1 (1 - eps_low) r / sg(r) A; r > 1 + eps_high, A > 0: -beta2 (1 "
-                       "+ eps_high) r / sg(r) A; every other token -r A; then verl's dual clip for A < 0",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=CeGppoKnobs, needs=Needs(normalisers=("all",), policy_loss=True))
 class CeGppo(Rule):
     """Every token keeps its gradient; the clipped ones a bounded one (the policy loss of the rule's own)."""
 

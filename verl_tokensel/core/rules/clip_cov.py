@@ -101,29 +101,7 @@ class ClipCovKnobs(Ranking):
                                f"a number > token_selection.cov_lb={self.cov_lb}")
 
 
-DEVIATIONS = (
-    "The pool is the scope's, for clip_cov_global the optimizer mini-batch over all data-parallel ranks (verl 0.9.1's "
-    "loss_mode=clip_cov and the paper's code: each micro-batch on each GPU; scope=micro_batch score_source=current "
-    "reproduces theirs bit for bit): the selection should not move with the micro-batch size or the DP layout.",
-    "Over a pooled scope the means are float64 sums (verl: a float32 masked_mean): one result on one rank or many.",
-    "With rollout_is_weights the covariance's advantages are A * w, as every score here reads them: the weight "
-    "multiplies the token's loss, hence its advantage.",
-    "The random subset is the random score's keyed draw (seed, the prompt's and the response's tokens, the position), "
-    "not torch.randperm: the same tokens on every rank and rerun; equal to verl's whenever the candidates fit the "
-    "budget.",
-    "With score_source=prepass, 'already clipped' is judged on the pre-pass ratio (the log-probs at the mini-batch's "
-    "start): the weights every micro-batch of the mini-batch trains from.",
-    "The defaults are verl 0.9.1's (ratio 2e-4, cov_lb 1, cov_ub 5): moving from loss_mode=clip_cov changes only the "
-    "pool and the draw.",
-)
-
-
-@register_rule(NAME, knobs=ClipCovKnobs, needs=Needs(scores=("random",), normalisers=("all",), policy_loss=True),
-               source='Clip-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617; verl '
-                      "0.9.1's compute_policy_loss_clip_cov, the paper's released code)",
-               formula="a keyed draw of max(1, int(ratio * N)) of the unclipped tokens with cov_lb < (A - mean A)(log "
-                       "pi - mean log pi) < cov_ub gets no policy loss; the rest verl's PPO clip without the dual clip",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=ClipCovKnobs, needs=Needs(scores=("random",), normalisers=("all",), policy_loss=True))
 class ClipCov(CovarianceRule):
     """A keyed draw of the covariance's candidates (or another score's top tokens) gets no policy loss."""
 

@@ -160,28 +160,7 @@ class DeltaStates(HiddenStates):
         return torch.where(valid, values * self.scale, 1.0)
 
 
-DEVIATIONS = (
-    "The sums run over every data-parallel rank of the step's batch (delta_stats=global, a few O(H) all-reduces per "
-    "pass): the paper's centroids are the batch's; the release sums each rank's share alone, so its weights change "
-    "with the DP size and the balancing (delta_stats=rank reproduces it).",
-    "The passes run at the start of the step's update over the rank's share (the weights still those verl's "
-    "old-log-prob pass measured, the advantages given), not in a reordered old-log-prob pass: K + 3 no-grad forwards "
-    "added (the release adds K + 2 to its merged pass), or one with delta_cache_gib; verl's trainer order is kept.",
-    "Each token's own advantage weights it (the release reads advantages[:, 0], the first token's): equal for every "
-    "outcome-reward estimator (GRPO, RLOO, REINFORCE++, ...), defined for per-token ones.",
-    "Sums accumulate in float64 (the release: float32): the weights agree with the release's to float32 rounding; "
-    "the per-dimension variance the release computes and then replaces by 1 is not computed.",
-    "Runs with and without remove-padding, under Ulysses sequence parallel and on the Megatron engine (the release: "
-    "FSDP with use_remove_padding=True only).",
-)
-
-
-@register_rule(NAME, knobs=DeltaKnobs, needs=Needs(normalisers=("all",), hidden_states=DeltaStates),
-               source="DelTA (arXiv 2605.21467; released code RUCBM/DelTA @cf048bd, compute_log_prob_h of "
-                      "verl-DelTA/verl/workers/actor/dp_actor.py, recipe/dapo/srcs/run_DelTA.sh)",
-               formula="v = (1 - p) h; A' = A * w, w = lam_min + (lam_max - lam_min) sigmoid((|v - mu-|^2 - |v - "
-                       "mu+|^2) / gamma) on the token's side (lam_min where A = 0), mean 1 over the valid tokens",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=DeltaKnobs, needs=Needs(normalisers=("all",), hidden_states=DeltaStates))
 class Delta(Rule):
     """The selected tokens (every token under the preset's score ``all``) keep their gradient; each advantage is scaled
     by the weight the hidden-state passes measured."""

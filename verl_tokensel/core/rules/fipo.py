@@ -131,29 +131,7 @@ def _weights(x) -> FipoWeights:
                         safety_threshold=float(k.fipo_safety_threshold) or None, ratio_cap=x.clip_ratio_c)
 
 
-DEVIATIONS = (
-    "The release's delta (the ratio above which a token leaves the Future-KL sum, and the dual clip's bound) is the "
-    "actor's clip_ratio_c, which verl always applies (3.0 by default; the release's default None has neither, its "
-    "script sets 10): verl's key for the dual clip the release ties the filter to; clip_ratio_c=1e9 gives the "
-    "release's default.",
-    "fipo_safety_threshold=0 turns the cap off (the release: None): null in token_selection means the preset's value.",
-    "The loss aggregates by the actor's loss_agg_mode and verl's vanilla loss clamps the log-ratio to +-20 (the "
-    "release: DAPO's global token-mean, the ratio unclamped); the weight's own ratio is unclamped, as released: "
-    "verl's aggregation; equal with token-mean and any |log r| < 20.",
-    "The sequence-level importance ratio (importance_sampling_level=sequence) is not offered for the safety cap, only "
-    "the token ratio, the release's default: verl's ratio is per token.",
-    "FutureKL is summed in float64 by 128-token blocks chained from the response's end (the release: one matmul per "
-    "128 columns in the log-probs' dtype): the same sum, O(T x 128) per response; only rounding differs.",
-)
-
-
-@register_rule(NAME, knobs=FipoKnobs, needs=Needs(normalisers=("all",)),
-               source="FIPO (Ma et al., arXiv 2603.19835; released in ms-swift as loss_type=fipo, "
-                      "GRPOTrainer._compute_fipo_influence of swift/rlhf_trainers/grpo_trainer.py)",
-               formula="A'_t = A_t * clip(exp(sum_{k >= t} gamma^(k - t) (log pi_k - log pi_old_k)), 1, 1 + "
-                       "fipo_clip_range), gamma = 2^(-1 / fipo_decay_rate), detached; in [0.8, 1] where A < 0 and r > "
-                       "fipo_safety_threshold",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=FipoKnobs, needs=Needs(normalisers=("all",)))
 class Fipo(Rule):
     """Every token's advantage times its clipped exp(discounted Future-KL), from the loss's current log-probs."""
 

@@ -127,29 +127,7 @@ def gtpo_score(inp) -> torch.Tensor:
     return torch.where(inp.response_mask.to(torch.bool), new - adv.float(), 0.0)
 
 
-DEVIATIONS = (
-    "The advantage enters verl's configured loss (PPO clip) with the ratio; the release's loss is -A' delta at ratio "
-    "1 (one on-policy update per batch): equal on the first update of a step; verl's recipes clip the later "
-    "mini-batches.",
-    "H is the old-policy pass's entropy (verl's), the release's the training forward's: the same policy at the "
-    "release's single update.",
-    "The conflict count is the longer of the two runs, as released (its code ORs the leading run with the trailing "
-    "one in the end-aligned frame, where both start at index 0), not their union: the released numbers.",
-    "A response is positive or negative by the sign of its mean advantage over its tokens (the release: its one "
-    "advantage), and padding is verl's response_mask (the release: tokens other than PAD_ID 128004): verl's per-token "
-    "advantages and masks.",
-    "The loss aggregates by the actor's loss_agg_mode; the release sums over the responses each one's token-mean "
-    "divided by its conflict count, N times verl's seq-mean-token-mean for N responses per mini-batch "
-    "(docs/toolbox.md#gtpo says what to set for its scale): verl's aggregation, set by the recipe.",
-)
-
-
-@register_rule(NAME, knobs=GtpoKnobs, needs=group_shift_needs(NAME, entropy=True),
-               source="GTPO (Simoni et al., arXiv 2508.03772; released code winstonsmith1897/GTPO, "
-                      "build_conflict_mask and UnslothEfficientGTPO of gtpo_training.py)",
-               formula="A'_t = delta_t * 1[H <= gtpo_entropy_threshold] * (A_t - gtpo_entropy_scale * H) / max(1, "
-                       "n_conflict); conflict tokens' delta 0 (negative responses) or gtpo_conflict_weight (positive)",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=GtpoKnobs, needs=group_shift_needs(NAME, entropy=True))
 class Gtpo(GroupShiftRule):
     """Every token is trained; its advantage is GTPO's (conflict tokens protected or amplified, entropy filter)."""
 

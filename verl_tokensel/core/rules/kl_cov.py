@@ -68,26 +68,7 @@ class KLCovKnobs(Ranking):
                                   ge=0)
 
 
-DEVIATIONS = (
-    "The pool is the scope's, for kl_cov_global the optimizer mini-batch over all data-parallel ranks (verl 0.9.1's "
-    "loss_mode=kl_cov and the paper's code: each micro-batch on each GPU; scope=micro_batch score_source=current "
-    "reproduces theirs bit for bit): the selection should not move with the micro-batch size or the DP layout.",
-    "Over a pooled scope the means are float64 sums and ties at the threshold go to the earlier position (verl: a "
-    "float32 mean, torch.topk's order): one result on one rank or many.",
-    "With rollout_is_weights the covariance's advantages are A * w, as every score here reads them: the weight "
-    "multiplies the token's loss, hence its advantage.",
-    "The defaults are verl 0.9.1's (ratio 2e-4, kl_penalty_coef 0.1), not the paper scripts' (k_percent 0.2 for 7B, "
-    "i.e. ratio 0.002, and a coefficient of 1, which the kl_cov_qwen2.5_7b recipe sets): moving from loss_mode=kl_cov "
-    "changes only the pool.",
-)
-
-
-@register_rule(NAME, knobs=KLCovKnobs, needs=COVARIANCE,
-               source='KL-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning LMs", arXiv 2505.22617; verl '
-                      "0.9.1's compute_policy_loss_kl_cov, the paper's released code)",
-               formula="loss_t = -A_t r_t + kl_penalty_coef * |log r_t| on the top max(1, int(ratio * N)) of (A - "
-                       "mean A)(log pi - mean log pi) over the pool; nothing clipped",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=KLCovKnobs, needs=COVARIANCE)
 class KLCov(CovarianceRule):
     """The covariance's top tokens (or another score's) get the |log r| penalty; nothing is clipped."""
 

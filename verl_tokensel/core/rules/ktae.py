@@ -173,29 +173,7 @@ def ktae_score(inp) -> torch.Tensor:
                            KtaeKnobs(), ext.get("eos_token"))
 
 
-DEVIATIONS = (
-    "The bonus is added to the advantage verl's estimator computed (the release: to GRPO's normalised score with "
-    "torch.std's unbiased std, which is verl's GRPO with norm_adv_by_std_in_grpo): the rule works with the recipe's "
-    "estimator.",
-    "The excluded token is the tokenizer's eos_token_id, behind a knob (ktae_exclude_eos); the release zeroes id "
-    "151643 whatever the tokenizer: that id is Qwen2.5's <|endoftext|>, another tokenizer's EOS has another id.",
-    "A group of one response gets no bonus (the release gives it a table one entry too short for its largest token "
-    "id), and a group whose correct (or wrong) responses have no valid token gets no BM25 term (the release divides "
-    "by their token count): no bonus where the release would fail.",
-    "A response is correct when its reward is above ktae_correct_above (a knob, default the release's 0): binary "
-    "rewards other than 1 / 0.",
-    "The loss aggregates by the actor's loss_agg_mode: verl's, set by the recipe.",
-)
-
-
-@register_rule(NAME, knobs=KtaeKnobs, needs=group_shift_needs(NAME),
-               source="KTAE (Sun et al., arXiv 2505.16826; released code xiaolizh1/KTAE, "
-                      "compute_ktae_outcome_advantage_and_keytokens of its core_algos.py and ComputeKeyTokens of "
-                      "compute_key_tokens.py)",
-               formula="A'_t = A_t + key(v_t), key(v) = top * (2 sigmoid((alpha exp(-2 p) + beta IG) h / (alpha + "
-                       "beta)) - 1) per prompt group (p Fisher's exact test, IG the information gain, h Cohen's h "
-                       "plus the BM25 contrast)",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=KtaeKnobs, needs=group_shift_needs(NAME))
 class Ktae(GroupShiftRule):
     """Every token keeps its gradient; its advantage gets the key-token score of its id in its prompt group."""
 

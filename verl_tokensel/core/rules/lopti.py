@@ -42,18 +42,7 @@ class LoptiKnobs(Knobs):
                             "0.5 (paper; AR-Lopti script); 0.4 (Lopti-only script)", gt=0, le=1)
 
 
-DEVIATIONS = (
-    "The passes follow verl 0.9.1's update loop (its mini-batch size in prompts, ppo_epochs, shuffling) and each "
-    "steps the lr scheduler: the released code's own two update_actor calls, on today's verl.",
-)
-
-
-@register_rule(NAME, knobs=LoptiKnobs, needs=Needs(passes=2),
-               source='Lopti (Yang et al., "Do Not Let Low-Probability Tokens Over-Dominate in RL for LLMs", arXiv '
-                      "2505.12929; released code zhyang2226/AR-Lopti, ray_trainer.py)",
-               formula="pass 1 updates the tokens with pi_old < lopti_eta, pass 2 the rest; in each pass the other "
-                       "tokens' advantage, KL and entropy terms are 0 and they stay in the denominators",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=LoptiKnobs, needs=Needs(passes=2))
 class Lopti(Rule):
     """Two whole update passes: the low-probability tokens first, then the rest."""
 

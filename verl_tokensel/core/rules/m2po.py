@@ -126,28 +126,8 @@ class M2poKnobs(Knobs):
         "0.04 (M2PO paper, every experiment; AReaL examples/math/gsm8k_m2po.yaml; AReaL's default None = off)", gt=0)
 
 
-DEVIATIONS = (
-    "The pool is the optimizer mini-batch over all data-parallel ranks (AReaL: each micro-batch its loss function "
-    "sees on each rank): the masked tokens should not move with the micro-batch size or the DP layout.",
-    "The denominator is the kept tokens of the whole mini-batch over all ranks (AReaL: each micro-batch's kept "
-    "tokens, the micro-batch weighted by its share of the loss_mask tokens; equal for one micro-batch per rank and "
-    "one rank): verl's global token-mean, as stapo's normaliser=kept.",
-    "Ties at the boundary are masked earliest first (AReaL: torch.sort's order, unstable) and the stopping test is "
-    "sum(m2 - tau) < 0 over the rest in float64 (AReaL: the suffix mean < tau in the inputs' dtype): one result on "
-    "one rank or many; the same test up to rounding.",
-    "The mask applies to every valid token and the kept tokens keep the actor's PPO clip (the paper: only the "
-    "trust-region tokens, and no clip; its denominator all tokens, normaliser=all): the released code, which does the "
-    "same; the clip is the actor's clip_ratio.",
-)
-
-
 @register_rule(NAME, knobs=M2poKnobs,
-               needs=Needs(scores=(NAME,), sources={"prepass": ("mini_batch",)}, normalisers=("kept", "all")),
-               source='M2PO (Zheng et al., "Prosperity before Collapse", arXiv 2510.01161; released in AReaL as '
-                      "actor.m2_threshold, _apply_m2po_masking / _get_m2po_loss_mask of areal/trainer/ppo/actor.py)",
-               formula="m2_t = (log pi_rollout - log pi_old)^2; the largest are masked until the mean of the rest is "
-                       "under m2po_threshold; the token-mean over the kept tokens (normaliser=kept)",
-               deviations=DEVIATIONS)
+               needs=Needs(scores=(NAME,), sources={"prepass": ("mini_batch",)}, normalisers=("kept", "all")))
 class M2po(Rule):
     """Every token but those of the largest second moment keeps the gradient; the masked ones leave the loss."""
 

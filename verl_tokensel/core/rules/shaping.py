@@ -38,18 +38,7 @@ class ARKnobs(Knobs):
                            "0.3 (K&K figure, AR-Lopti script); 0.2 (AR-only script); 0.1 (math table)", ge=0, le=1)
 
 
-AR_DEVIATIONS = (
-    "The factor is applied in each micro-batch's loss, not once per step on the driver: the same numbers (it reads "
-    "only the old log-prob), with any driver and any rule's mask.",
-)
-
-
-@register_shaping("ar", knobs=ARKnobs,
-                  source='AR, Advantage Reweighting (Yang et al., "Do Not Let Low-Probability Tokens Over-Dominate in '
-                         'RL for LLMs", arXiv 2505.12929; released code zhyang2226/AR-Lopti, ray_trainer.py, '
-                         "reweight_method=both_linear_normal)",
-                  formula="A'_t = (ar_alpha * pi_old(o_t) + 1 - ar_alpha) * A_t",
-                  deviations=AR_DEVIATIONS)
+@register_shaping("ar", knobs=ARKnobs)
 class AdvantageReweighting(Shaping):
     """A * (ar_alpha * pi_old + 1 - ar_alpha)"""
 
@@ -73,18 +62,7 @@ class EntropyKnobs(Knobs):
                                 "(the paper's condition; its value is 2).", "2", gt=1)
 
 
-ENTROPY_ADV_DEVIATIONS = (
-    "H is each micro-batch's update-pass entropy, and where a token's loss inputs are not finite the shift is 0: the "
-    "paper's current policy; dropped tokens never reach the loss.",
-)
-
-
-@register_shaping("entropy_adv", knobs=EntropyKnobs, needs=Needs(entropy=True),
-                  source='Cheng et al., "Reasoning with Exploration: An Entropy Perspective", arXiv 2506.14758, Sec. '
-                         "3.2, Eq. 5-6 (no released code)",
-                  formula="A'_t = A_t + min(entropy_alpha * H_t.detach(), |A_t| / entropy_kappa), H_t the update "
-                          "pass's entropy",
-                  deviations=ENTROPY_ADV_DEVIATIONS)
+@register_shaping("entropy_adv", knobs=EntropyKnobs, needs=Needs(entropy=True))
 class EntropyShaping(Shaping):
     """A + min(entropy_alpha * H, |A| / entropy_kappa), H the update pass's entropy, detached"""
 

@@ -68,24 +68,7 @@ class StapoKnobs(Knobs):
         "0.75 (STAPO Sec. 5.1 and its hyperparameter table, the latest text; early summaries: 0.8)", ge=0, le=1)
 
 
-DEVIATIONS = (
-    "pi and H are the pre-pass's, at the start of each mini-batch, not each micro-batch's forward: the paper's "
-    "Algorithm 1 measures them before the mini-batch's update.",
-    "Ties at the quantile go by rank, then position (the exact distributed bottom-k): one answer on one rank or many.",
-    "The dropped tokens also leave the KL and entropy terms (the paper runs without either): one token set for every "
-    "term of the loss.",
-    "q is 0.75, the latest text's (Sec. 5.1 and its hyperparameter table; summaries of its first versions give 0.8, "
-    "stapo_entropy_quantile=0.8): the version the reported numbers use.",
-)
-
-
-@register_rule(NAME, knobs=StapoKnobs, needs=Needs(scores=(NAME,)),
-               source='STAPO (Liu et al., "STAPO: Stabilizing Reinforcement Learning for LLMs by Silencing Rare '
-                      'Spurious Tokens", arXiv 2602.15620, Sec. 3 and 5.1; no released code)',
-               formula="spurious: A > 0, pi < stapo_prob and H under the stapo_entropy_quantile quantile of those "
-                       "candidates in the mini-batch; they leave the loss, the token-mean over the kept tokens "
-                       "(normaliser=kept)",
-               deviations=DEVIATIONS)
+@register_rule(NAME, knobs=StapoKnobs, needs=Needs(scores=(NAME,)))
 class Stapo(Rule):
     """Every token but the spurious ones keeps the gradient; the loss averages over the kept tokens only."""
 
