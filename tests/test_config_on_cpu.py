@@ -140,6 +140,8 @@ def test_readme_knob_table_and_yaml_are_generated_from_the_knob_fields():
     assert knob_docs.readme_with_table(readme) == readme, "README knob table is stale: run scripts/knob_docs.py --write"
     assert knob_docs.actor_yaml() == knob_docs.ACTOR_YAML.read_text(), "actor.yaml is stale: run knob_docs --write"
     assert knob_docs.knobs_md() == knob_docs.KNOBS_MD.read_text(), "docs/knobs.md is stale: run knob_docs --write"
+    for path, text in knob_docs.wanted().items():  # docs/fidelity.md's deviations and docs/rule-api.md too
+        assert path.read_text(encoding="utf-8") == text, f"{path.name} is stale: run scripts/knob_docs.py --write"
     page = knob_docs.KNOBS_MD.read_text()
     rows = {row[0]: row[1] for row in knob_table_rows()}
     for name, default, meta in declared_keys():

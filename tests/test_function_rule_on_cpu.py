@@ -80,3 +80,32 @@ def test_a_function_rule_trains_through_fsdp2_and_the_metrics_report_its_gate(us
     for name, grad in gate_grads.items():
         torch.testing.assert_close(grad, weight_grads[name], rtol=1e-5, atol=1e-7, msg=name)
     assert any(float(g.abs().sum()) > 0 for g in gate_grads.values())
+
+
+def test_a_rule_that_declares_a_need_and_does_not_get_it_fails_naming_it():
+    """A rule with ``Needs(entropy=True)`` on a batch whose pass computed no entropy fails with a message naming the
+    need (not a ``'NoneType' object has no attribute`` deep in the rule)."""
+    from verl_tokensel.core.batch import score_batch
+    from verl_tokensel.core.config import resolve_selection
+    from verl_tokensel.core.step import apply_rule
+    from verl_tokensel.rules import LossTransform, Needs, register_rule
+
+    name = "test_needs_entropy"
+
+    @register_rule(name, needs=Needs(entropy=True))
+    def entropy_gate(x) -> LossTransform:
+        return LossTransform(gate=x.tokens & (x.entropy > 0.5))
+
+    try:
+        sel = resolve_selection(name)
+        valid = torch.ones(2, 4, dtype=torch.bool)
+        batch = score_batch(sel.scores, {"response_mask": valid, "old_log_probs": torch.full((2, 4), -1.0)})
+        with pytest.raises(RuntimeError, match=r"rule test_needs_entropy declares Needs\(entropy=True\)"):
+            apply_rule(sel, batch)
+        entropy = torch.tensor([[0.1, 0.9, 0.2, 0.8], [1.0, 0.0, 0.7, 0.3]])
+        batch = score_batch(sel.scores, {"response_mask": valid, "old_log_probs": torch.full((2, 4), -1.0),
+                                         "entropy": entropy})
+        out = apply_rule(sel, batch)
+        assert torch.equal(out.mask, valid) and out.stats["selected_fraction"] == 0.5
+    finally:
+        RULE_REGISTRY.pop(name, None)

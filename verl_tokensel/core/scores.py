@@ -262,7 +262,9 @@ def register_score(
     needs_rollout_log_probs: bool = False,
     reads_policy: bool = True,
 ):
-    """Decorator registering a score; refuses to overwrite an existing name.
+    """Decorator registering a score ``fn(inp) -> (batch, response_len) tensor`` as ``name``; refuses to overwrite
+    an existing name. ``inp`` is a :class:`ScoreInputs` (the padded per-token inputs by name; ``inp.need_entropy(name)``
+    and ``inp.need_advantages(name)`` fail clearly where the batch lacks them).
 
     ``needs_row_keys``: the score reads :attr:`ScoreInputs.row_keys` (one int64 per response).
     ``needs_external``: names of :attr:`ScoreInputs.external` fields the score reads; the core cannot
