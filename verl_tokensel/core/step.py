@@ -23,13 +23,14 @@ from verl_tokensel.core.select import selection_stats
 from verl_tokensel.core.selection import Selection
 
 
-def _shaped(sel: Selection, x: RuleInput) -> Optional[LossTransform]:
-    """The shaping's transform over the tokens the rule may treat (None without a shaping); a score that reads the
-    advantage (omega) then ranks a copy of the batch whose advantages are shaped (the caller's batch is not
-    written)."""
+def _shaped(sel: Selection, x: RuleInput) -> tuple[Optional[LossTransform], Optional[RuleInput]]:
+    """The shaping's transform over the tokens the rule may treat and the shaping's view of the input (None, None
+    without a shaping); a score that reads the advantage (omega) then ranks a copy of the batch whose advantages
+    are shaped (the caller's batch is not written)."""
     if sel.shaper is None:
-        return None
-    shaping = sel.shaper.transform(x.with_knobs(sel.shaping_knobs), x.tokens)
+        return None, None
+    y = x.with_knobs(sel.shaping_knobs)
+    shaping = sel.shaper.transform(y, x.tokens)
     batch = x.batch
     if batch.advantages is not None and SCORE_REGISTRY[sel.score].needs_omega:
         adv = batch.advantages.float()
@@ -38,7 +39,7 @@ def _shaped(sel: Selection, x: RuleInput) -> Optional[LossTransform]:
         adv = adv * batch.is_weights.float() if batch.is_weights is not None else adv
         x.batch = dataclasses.replace(batch, inputs=dataclasses.replace(batch.inputs, advantages=adv,
                                                                           omega_cache=None))
-    return shaping
+    return shaping, y
 
 
 def apply_rule(
@@ -71,7 +72,7 @@ def apply_rule(
     rule = sel.impl
     x = RuleInput(sel, batch, ratio=sel.ratio if ratio is None else ratio, scope=sel.scope if scope is None else scope,
                   dp_group=dp_group, where=where)
-    shaping = _shaped(sel, x)
+    shaping, y = _shaped(sel, x)
     scores = measured[1].float() if measured is not None else rule.score(x)
     finite = batch.finite if scores is None else batch.finite & ~torch.isnan(scores)
     x.tokens = batch.valid & finite
@@ -90,7 +91,7 @@ def apply_rule(
             entropy = torch.where(finite, entropy, 0.0)
         x.stats = selection_stats(x.selected, batch.valid, x.scores, entropy=entropy,
                                   grad_mass=grad_mass(sel.score, x.scores, x.batch.inputs))
-        x.stats.update(rule_stats(sel, x, own, shaping))
+        x.stats.update(rule_stats(sel, x, own, shaping, y))
     return x
 
 
@@ -98,14 +99,14 @@ def _numbers(group: str, metrics: dict) -> dict[str, float]:
     return {f"{group}/{k}": float(v) for k, v in metrics.items()}
 
 
-def rule_stats(sel: Selection, x: RuleInput, own: LossTransform, shaping: Optional[LossTransform]) -> dict[str, float]:
+def rule_stats(sel: Selection, x: RuleInput, own: LossTransform, shaping: Optional[LossTransform],
+               y: Optional[RuleInput]) -> dict[str, float]:
     """The rule's and its shaping's own metrics (``<rule>/...``, ``<shaping>/...``): those the transforms carry and
-    those of their ``stats`` step."""
+    those of their ``stats`` step (``y``: the shaping's view of the input)."""
     stats = _numbers(sel.rule, own.metrics)
     stats.update(_numbers(sel.rule, sel.impl.stats(x)))
     if shaping is not None:
-        y = x.with_knobs(sel.shaping_knobs)
-        y.transform = shaping
+        y.tokens, y.mask, y.scores, y.transform = x.tokens, x.mask, x.scores, shaping
         stats.update(_numbers(sel.shaping, shaping.metrics))
         stats.update(_numbers(sel.shaping, sel.shaper.stats(y)))
     return stats

@@ -136,22 +136,24 @@ def _where(config, sel: Selection, data: TensorDict) -> LossContext:
 
 
 def _rule_step(config, sel: Selection, model_output, data: TensorDict, dp_group) -> RuleInput:
-    """The rule step on the micro-batch (or, for a selection measured before the update, its fields read back)."""
-    where = _where(config, sel, data)
-    if sel.score_source == "current":
-        batch, _ = unpack_micro_batch(config, sel, model_output, data)
-        return apply_rule(sel, batch, dp_group=dp_group, where=where)
-    if fields.MASK not in data.keys():
+    """The rule step on the micro-batch; for a selection measured before the update (``score_source`` prepass or
+    rollout), its mask and scores read back from the micro-batch instead of ranked again."""
+    measured = sel.score_source != "current"
+    if measured and fields.MASK not in data.keys():
         raise RuntimeError(
             f"token_selection.score_source={sel.score_source} but the update micro-batch has no "
             f"'{fields.MASK}' field: the selection that runs before the update (on the driver for "
             "rollout, at the start of each mini-batch for prepass) did not run. It is installed by "
             "python -m verl_tokensel.main_ppo (trainer modes tokensel_*); a custom trainer must keep it."
         )
-    batch, padded = unpack_micro_batch(config, sel, model_output, data, rank=False,
-                                       extra_fields=(fields.MASK, fields.SCORE))
-    scores = padded[fields.SCORE] if fields.SCORE in padded.keys() else torch.zeros_like(batch.loss_log_prob)
-    return apply_rule(sel, batch, measured=(padded[fields.MASK], scores), where=where)
+    batch, padded = unpack_micro_batch(config, sel, model_output, data, rank=not measured,
+                                       extra_fields=(fields.MASK, fields.SCORE) if measured else ())
+    pair = None
+    if measured:
+        scores = padded[fields.SCORE] if fields.SCORE in padded.keys() else torch.zeros_like(batch.loss_log_prob)
+        pair = (padded[fields.MASK], scores)
+    return apply_rule(sel, batch, dp_group=None if measured else dp_group, measured=pair,
+                      where=_where(config, sel, data))
 
 
 def _policy_loss_kwargs(config, sel: Selection, x: RuleInput) -> tuple[dict, dict]:
