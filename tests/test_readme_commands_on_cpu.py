@@ -1,8 +1,9 @@
 """The README's commands and figures agree with what they stand for: the CPU ``main_ppo`` command composes on the
-demo's data and passes every driver check (ours, the CPU switch's, verl's ``validate_config``; the run itself was
-measured at 2.7 min for its 2 steps, too long for every CI run: ``tests/test_e2e_on_cpu.py`` runs the same pipeline);
-the custom-rule command is the one of ``examples/custom_rule.py``; the demo's output folder and warm-up time are the
-ones ``verl-tokensel demo --help`` gives; the examples register presets one way, and name the rule they register.
+demo's data and passes every driver check (ours, the CPU switch's, verl's ``validate_config``; the run itself took
+2.2 and 2.7 min for its 2 steps on 2 cores, too long for every CI run: ``tests/test_e2e_on_cpu.py`` runs the same
+pipeline); the custom-rule command is the one of ``examples/custom_rule.py``; the demo's output folder and warm-up
+time are the ones ``verl-tokensel demo --help`` gives; the examples register presets one way, and name the rule they
+register.
 """
 
 from __future__ import annotations

@@ -7,10 +7,14 @@ drivers: ``trainer.use_v1=true`` runs verl's TaskRunnerV1 with the ``tokensel_sy
 ``trainer.use_v1=false`` runs verl's v0 TaskRunner with the hooks that install the selecting loss
 and select on the driver (all fenced in :mod:`verl_tokensel.verl_glue.v0`).
 
-Imports: composing (``--cfg job``) needs only Hydra and our configs; verl's trainer, checkpoint and rollout modules
-are imported when a run starts, after a check that names, in one line, any package they import that ``pip install
-verl`` does not bring (uvicorn, fastapi, TransferQueue, cachetools: verl's ``verl-core`` extra), with its install
-command (exit 2; :func:`verl_tokensel.stack.missing_run_packages`).
+Refusals: a config we refuse (a token-selection value, a conflict of ``trainer.device=cpu``) is one line on stderr
+and exit 2, before Hydra creates its run folder or prints the config (:func:`preflight`, for a run and for ``--cfg
+job`` alike) and before verl's trainer modules are imported (:func:`check`).
+
+Imports: composing (``--cfg job``) needs only Hydra, our configs and the token-selection checks; verl's trainer,
+checkpoint and rollout modules are imported when a run starts, after a check that names, in one line, any package
+they import that ``pip install verl`` does not bring (uvicorn, fastapi, TransferQueue, cachetools: verl's
+``verl-core`` extra), with its install command (exit 2; :func:`verl_tokensel.stack.missing_run_packages`).
 
 Signals: none of ours, so SIGINT / SIGTERM do what they do to verl's own ``run_ppo`` (measured on the CPU
 pipeline, Ray 2.60, with the run's Ray instance up and its TaskRunner building workers): SIGINT raises
