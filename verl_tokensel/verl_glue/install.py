@@ -20,7 +20,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.core.errors import TokenSelectionConfigError
-from verl_tokensel.core.rules.checks import check_prompt_groups
+from verl_tokensel.core.seam.checks import check_prompt_groups
 
 from verl_tokensel.verl_glue.actor_config import actor_selection, resolve_actor_config
 from verl_tokensel.verl_glue.errors import config_error_at

@@ -85,7 +85,7 @@ def validate_rollout_config(config: DictConfig, selection: Optional[Selection] =
     unknown = [f for f in sel.needs_external if f not in DRIVER_EXTERNAL_FIELDS]
     if unknown:
         raise config_error_at(
-            "actor_rollout_ref.actor.token_selection.score", sel.knobs.score,
+            "actor_rollout_ref.actor.token_selection.score", sel.score,
             "a score whose per-token fields the driver fills (with score_source=rollout)",
             f"The score needs the per-token field(s) {unknown}, which the driver cannot compute (it fills "
             f"{', '.join(DRIVER_EXTERNAL_FIELDS)}). Fix: pick another score or fill the field in your own glue.")
@@ -93,7 +93,7 @@ def validate_rollout_config(config: DictConfig, selection: Optional[Selection] =
             config, "actor_rollout_ref.model.use_fused_kernels", default=False):
         raise config_error_at(
             "actor_rollout_ref.model.use_fused_kernels", True, "False",
-            f"token_selection.score={sel.knobs.score} with score_source=rollout reads sum_j p_j^2 from the "
+            f"token_selection.score={sel.score} with score_source=rollout reads sum_j p_j^2 from the "
             "old-log-prob pass, which verl's engines refuse to compute with fused kernels. Fix: "
             "actor_rollout_ref.model.use_fused_kernels=False, or another score.")
 
@@ -188,11 +188,11 @@ def response_fields(sel: Selection, responses: torch.Tensor, rewards: Optional[t
         out[fields.RESPONSE_IDS] = ids
     if fields.EOS_TOKEN in need:
         if eos_token_id is None:
-            raise ValueError(f"token_selection.score={sel.knobs.score} reads the tokenizer's eos_token_id; none given")
+            raise ValueError(f"token_selection.score={sel.score} reads the tokenizer's eos_token_id; none given")
         out[fields.EOS_TOKEN] = (ids == int(eos_token_id)) & valid
     if fields.SEQUENCE_REWARD in need:
         if rewards is None:
-            raise RuntimeError(f"token_selection.score={sel.knobs.score} reads the responses' rewards, but the update "
+            raise RuntimeError(f"token_selection.score={sel.score} reads the responses' rewards, but the update "
                                f"batch has no '{fields.TOKEN_LEVEL_REWARDS}' field")
         total = (rewards.float() * valid).sum(-1, keepdim=True)
         out[fields.SEQUENCE_REWARD] = total.expand_as(ids).contiguous()
@@ -239,7 +239,7 @@ class DriverSelector:
                 raise config_error_at(
                     "actor_rollout_ref.model.path", self.config.actor_rollout_ref.model.path,
                     "a model whose tokenizer has an eos_token_id",
-                    f"token_selection.score={self.sel.knobs.score} reads it (the EOS token's exclusion). Fix: set the "
+                    f"token_selection.score={self.sel.score} reads it (the EOS token's exclusion). Fix: set the "
                     "tokenizer's eos_token, or switch the exclusion off in the rule's knobs.")
             self._eos_token_id = int(eos)
         return self._eos_token_id
@@ -263,7 +263,7 @@ class DriverSelector:
         if self.sel.uses_sum_pi_squared and padded.get("sum_pi_squared") is None and not self._warned_sp2:
             self._warned_sp2 = True
             logger.warning("verl_tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
-                           "using its (1 - p_a) lower bound", self.sel.knobs.score)
+                           "using its (1 - p_a) lower bound", self.sel.score)
         tensors = {k: padded.get(k) for k in fields.DRIVER_INPUTS}
         if not self.params["kl_coef"]:
             tensors[fields.REF_LOG_PROB] = None
