@@ -10,27 +10,19 @@ produce the same gradient.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
 import pytest
 
-# find_spec, not importorskip: verl must not be imported before the harness selects the CPU platform
-# (an installed verl plugin can resolve verl's platform during `import verl`).
-for _mod, _why in [
-    ("verl", "verl is not installed: the CPU engine tests need verl 0.9"),
-    ("tensordict", "tensordict is not installed (verl dependency)"),
-    ("transformers", "transformers is not installed (verl dependency)"),
-    ("tokenizers", "tokenizers is not installed (transformers dependency)"),
-]:
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(_why, allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H
+from helpers import distributed as D
 
-from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
-from helpers import distributed as D  # noqa: E402
+# checked before this module is imported, by find_spec: verl must not be imported before the harness selects the CPU
+# platform (an installed verl plugin can resolve verl's platform during `import verl`)
+pytestmark = pytest.mark.requires("verl", "tensordict", "transformers", "tokenizers")
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]  # (use_dynamic_bsz, use_remove_padding)
 COMBO_IDS = [f"dynbsz={d}-rmpad={r}" for d, r in COMBOS]

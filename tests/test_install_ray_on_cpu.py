@@ -25,34 +25,25 @@ D. V1 driver: ``get_trainer_cls("tokensel_sync")`` is constructed on the compose
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
 
-for _mod, _why in [
-    ("verl", "verl is not installed: these tests need verl 0.9"),
-    ("ray", "ray is not installed (verl dependency)"),
-    ("tensordict", "tensordict is not installed (verl dependency)"),
-    ("transformers", "transformers is not installed (verl dependency)"),
-    ("tokenizers", "tokenizers is not installed (transformers dependency)"),
-]:
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(_why, allow_module_level=True)
+from helpers import ray_actor as RA  # selects the CPU platform
+from verl_tokensel_cpu import tiny_model
 
-from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
-from verl_tokensel_cpu import tiny_model  # noqa: E402
+import ray
+from omegaconf import open_dict
 
-import ray  # noqa: E402
-from omegaconf import open_dict  # noqa: E402
-
-from verl_tokensel.verl_glue import install  # noqa: E402
-from verl_tokensel.verl_glue.install import (  # noqa: E402
+from verl_tokensel.verl_glue import install
+from verl_tokensel.verl_glue.install import (
     install_actor_loss,
     prepare_driver_config,
     register_v1_trainers,
 )
-from verl_tokensel.verl_glue.v0 import CHECKPOINT_MANAGER_FQN, TokenselCheckpointEngineManager  # noqa: E402
+from verl_tokensel.verl_glue.v0 import CHECKPOINT_MANAGER_FQN, TokenselCheckpointEngineManager
+
+pytestmark = pytest.mark.requires("verl", "ray", "tensordict", "transformers", "tokenizers")
 
 SELECTOR = "forking"
 RATIO = 0.2  # forking preset: top-20% entropy tokens per micro-batch pool (ceil)

@@ -29,21 +29,16 @@ One layout costs ~10-25 s (process start, Megatron build, 10 updates); the modul
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:  # pragma: no cover
-    pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
-                allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel_cpu import tiny_model
+from helpers import distributed as D
+from helpers.megatron_runs import HIDDEN_PRESETS, PRESETS, megatron_rank_run
 
-from verl_tokensel_cpu import tiny_model  # noqa: E402
-from helpers import distributed as D  # noqa: E402
-from helpers.megatron_runs import HIDDEN_PRESETS, PRESETS, megatron_rank_run  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "megatron", "mbridge")
 
 # (name, world size, TP, PP, use_dynamic_bsz, use_remove_padding, engine dtype); bf16 is verl's engine default
 LAYOUTS = [

@@ -38,7 +38,6 @@ PP 2 / DP 2 130 / 123 / 149 s, the killed worker 121 s), the resume (two runs) 2
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -48,20 +47,12 @@ from pathlib import Path
 
 import pytest
 
-for _mod, _why in [
-    ("verl", "verl is not installed: these tests need verl 0.9"),
-    ("megatron.core", "megatron-core is not installed: pip install -e '.[test,megatron]'"),
-    ("mbridge", "mbridge is not installed: pip install -e '.[test,megatron]'"),
-]:
-    if importlib.util.find_spec(_mod.split(".")[0]) is None:
-        pytest.skip(_why, allow_module_level=True)
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
-from hydra import compose, initialize_config_module  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from verl_tokensel_cpu import pipeline as cpu_pipeline  # noqa: E402
-from verl_tokensel_cpu.megatron import SHIMS_ANNOUNCEMENT, SHIMS_ENV, install_on_megatron_import  # noqa: E402
-from verl_tokensel_cpu.pipeline import (  # noqa: E402
+from verl_tokensel_cpu import pipeline as cpu_pipeline
+from verl_tokensel_cpu.megatron import SHIMS_ANNOUNCEMENT, SHIMS_ENV, install_on_megatron_import
+from verl_tokensel_cpu.pipeline import (
     ENV_VARS_KEY,
     FSDP_SETTINGS,
     MEGATRON_ENV_SETTINGS,
@@ -70,7 +61,9 @@ from verl_tokensel_cpu.pipeline import (  # noqa: E402
     apply_cpu_pipeline,
     cli_override_keys,
 )
-from verl_tokensel_cpu.launch import ENGINE_OVERRIDES  # noqa: E402
+from verl_tokensel_cpu.launch import ENGINE_OVERRIDES
+
+pytestmark = pytest.mark.requires("verl", "megatron", "mbridge")
 
 (MEGATRON,) = ENGINE_OVERRIDES["megatron"]  # model_engine=megatron, as the demo's --engine megatron passes it
 

@@ -22,24 +22,17 @@ default suite; the data-parallel run (two spawned ranks) 23-46 s, marked ``slow`
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:  # pragma: no cover
-    pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
-                allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel.core.rules.covariance import cov_budget
+from verl_tokensel_cpu import tiny_model
 
-from verl_tokensel.core.rules.covariance import cov_budget  # noqa: E402
-from verl_tokensel_cpu import tiny_model  # noqa: E402
-
-from helpers import distributed as D  # noqa: E402
-from helpers.megatron_rules import (  # noqa: E402
+from helpers import distributed as D
+from helpers.megatron_rules import (
     COV_PRESETS,
     DP_SPLITS,
     RATIO,
@@ -48,7 +41,9 @@ from helpers.megatron_rules import (  # noqa: E402
     dp_rank_run,
     one_rank_run,
 )
-from helpers.megatron_runs import assert_grads_agree  # noqa: E402
+from helpers.megatron_runs import assert_grads_agree
+
+pytestmark = pytest.mark.requires("verl", "megatron", "mbridge")
 
 
 @pytest.fixture(scope="module")

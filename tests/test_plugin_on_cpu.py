@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl")
+pytestmark = pytest.mark.requires("verl")
 
 # every import of the CPU port fails in the child process, as a broken install or a bad edit would make it
 BREAK_CPU_PORT = "import sys; sys.modules['verl_tokensel_cpu'] = None\n"

@@ -19,18 +19,14 @@ both ranks.
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
-
-from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
-from helpers import distributed as D  # noqa: E402
-from helpers.grad_probe import (  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H
+from helpers import distributed as D
+from helpers.grad_probe import (
     capture_logit_grads,
     padded_response_field,
     prompt_lengths,
@@ -38,6 +34,8 @@ from helpers.grad_probe import (  # noqa: E402
     row_ids,
     token_grad_norms,
 )
+
+pytestmark = pytest.mark.requires("verl")
 
 RATIO = 0.2
 N = 12  # responses in the update batch (6 per rank)

@@ -10,16 +10,13 @@ After ``install_actor_loss`` (what the drivers call), one ``update_actor`` with 
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-for _mod in ("verl", "ray", "tensordict", "transformers", "tokenizers"):
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(f"{_mod} is not installed: this test needs verl 0.9", allow_module_level=True)
+from helpers import ray_actor as RA  # selects the CPU platform
+from verl_tokensel_cpu import tiny_model
 
-from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
-from verl_tokensel_cpu import tiny_model  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "ray", "tensordict", "transformers", "tokenizers")
 
 N = 8
 GROUP_SIZE = 4

@@ -12,24 +12,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: these tests need verl 0.9", allow_module_level=True)
+from helpers import ray_actor as RA  # selects the CPU platform
+from verl_tokensel_cpu import tiny_model
 
-from helpers import ray_actor as RA  # noqa: E402  (selects the CPU platform)
-from verl_tokensel_cpu import tiny_model  # noqa: E402
+import torch
+from verl.experimental.separation.engine_workers import DetachActorWorker
+from verl.trainer.ppo.utils import Role
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-import torch  # noqa: E402
-from verl.experimental.separation.engine_workers import DetachActorWorker  # noqa: E402
-from verl.trainer.ppo.utils import Role  # noqa: E402
-from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker  # noqa: E402
+from verl_tokensel.core.batch import group_ids as stable_group_ids
+from verl_tokensel.verl_glue.micro_batch import batch_uids
+from verl_tokensel.verl_glue.workers import TokenselTrainingWorker, tokensel_worker_class
 
-from verl_tokensel.core.batch import group_ids as stable_group_ids  # noqa: E402
-from verl_tokensel.verl_glue.micro_batch import batch_uids  # noqa: E402
-from verl_tokensel.verl_glue.workers import TokenselTrainingWorker, tokensel_worker_class  # noqa: E402
+pytestmark = pytest.mark.requires("verl")
 
 
 def batch_group_ids(td):

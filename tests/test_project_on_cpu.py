@@ -97,10 +97,11 @@ def _default_suite_tests(path: Path) -> set[str]:
     tree = ast.parse(path.read_text(encoding="utf-8"))
 
     def slow(decorators) -> bool:
-        return any("slow" in ast.unparse(d) for d in decorators)
+        return any("mark.slow" in ast.unparse(d) for d in decorators)
 
+    # the module's marks (pytestmark: one mark or a list, e.g. [pytest.mark.requires("verl"), pytest.mark.slow])
     if any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
-           and "slow" in ast.unparse(n.value) for n in tree.body):
+           and slow([n.value]) for n in tree.body):
         return set()
     return {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
             and not slow(n.decorator_list)}

@@ -11,14 +11,15 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 
-ray = pytest.importorskip("ray")
+from helpers.procs import alive, wait_until_busy
+from verl_tokensel.analysis.ray_scorer import RayScorerGroup, ScoreWorkerError, balanced_shards
+from verl_tokensel.analysis.scorer import score_responses
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
 
-from helpers.procs import alive, wait_until_busy  # noqa: E402
-from verl_tokensel.analysis.ray_scorer import RayScorerGroup, ScoreWorkerError, balanced_shards  # noqa: E402
-from verl_tokensel.analysis.scorer import score_responses  # noqa: E402
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
+pytestmark = pytest.mark.requires("ray")
 
 
 @pytest.fixture(scope="module")

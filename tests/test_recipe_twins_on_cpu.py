@@ -32,27 +32,20 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.util
 import math
 import re
 from pathlib import Path
 
 import pytest
 
-for _mod, _why in [
-    ("verl", "verl is not installed: these tests need verl 0.9"),
-    ("megatron.core", "megatron-core is not installed: pip install -e '.[test,megatron]'"),
-    ("mbridge", "mbridge is not installed: pip install -e '.[test,megatron]'"),
-]:
-    if importlib.util.find_spec(_mod.split(".")[0]) is None:
-        pytest.skip(_why, allow_module_level=True)
+import yaml
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
-import yaml  # noqa: E402
-from hydra import compose, initialize_config_module  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from verl_tokensel.core.config import PRESETS
+from verl_tokensel_cpu.pipeline import CpuConflictError, apply_cpu_pipeline, cli_override_keys
 
-from verl_tokensel.core.config import PRESETS  # noqa: E402
-from verl_tokensel_cpu.pipeline import CpuConflictError, apply_cpu_pipeline, cli_override_keys  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "megatron", "mbridge")
 
 RECIPES_MODULE = "verl_tokensel.recipes"
 RECIPES = Path(__file__).resolve().parents[1] / "verl_tokensel" / "recipes"

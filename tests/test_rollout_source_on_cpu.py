@@ -20,25 +20,23 @@ together hold exactly the driver's ``ceil(0.2 N)`` tokens (batch) or ``ceil(0.2 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed: the engine tests need verl 0.9", allow_module_level=True)
+import torch
 
-import torch  # noqa: E402
-
-from verl_tokensel_cpu import batches as B, tiny_model, worker as H  # noqa: E402
-from helpers import distributed as D  # noqa: E402
-from helpers.grad_probe import (  # noqa: E402
+from verl_tokensel_cpu import batches as B, tiny_model, worker as H
+from helpers import distributed as D
+from helpers.grad_probe import (
     capture_logit_grads,
     prompt_lengths,
     response_lengths,
     row_ids,
     token_grad_norms,
 )
+
+pytestmark = pytest.mark.requires("verl")
 
 N = 12
 GROUP_SIZE = 4

@@ -10,19 +10,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 
-if importlib.util.find_spec("verl") is None:  # pragma: no cover
-    pytest.skip("verl is not installed", allow_module_level=True)
+import torch
+from hydra import compose, initialize_config_module
+from transfer_queue import KVBatchMeta
 
-import torch  # noqa: E402
-from hydra import compose, initialize_config_module  # noqa: E402
-from transfer_queue import KVBatchMeta  # noqa: E402
+from verl_tokensel.verl_glue import install
+from verl_tokensel.verl_glue import v0 as glue_v0
 
-from verl_tokensel.verl_glue import install  # noqa: E402
-from verl_tokensel.verl_glue import v0 as glue_v0  # noqa: E402
+pytestmark = pytest.mark.requires("verl")
 
 SEL = "actor_rollout_ref.actor.token_selector"
 KNOB = "actor_rollout_ref.actor.token_selection."

