@@ -18,7 +18,7 @@ N = 2^16, 2^18, ... valid tokens per rank, every rank computes its mask twice:
 (a) this project: :func:`verl_tokensel.core.rules.kl_cov.select_kl_cov` (the preset's own path):
     :func:`~verl_tokensel.core.rules.covariance.cov_scores` with the group's pooled means (one all-reduce of three
     float64 sums), :func:`~verl_tokensel.core.rules.covariance.pooled_count` for N_total, then
-    :func:`verl_tokensel.core.dist_topk.topk_mask_distributed` with k = ``cov_budget(ratio, N_total)``
+    :func:`verl_tokensel.core.ranking.dist_topk.topk_mask_distributed` with k = ``cov_budget(ratio, N_total)``
     (radix select over all-reduced 256-bin histograms; nothing of size N leaves the rank);
 (b) the design of verl's open PR #7830: every rank's valid advantages and log-probs, float32 each, padded to the
     largest rank, go to every rank (two tensor all-gathers after one of the counts: the cheapest form of that

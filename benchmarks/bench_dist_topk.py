@@ -12,10 +12,10 @@ each). For N = 2^16, 2^18, ... 2^max-log2 float32 scores per rank (rounded to 1/
 and the global threshold is a tie; a few NaN) and k = ceil(ratio * W * N), each rank computes its
 share of the global top-k twice:
 
-(a) radix: :func:`verl_tokensel.core.dist_topk.topk_mask_distributed` (all-reduces of 256-bin
+(a) radix: :func:`verl_tokensel.core.ranking.dist_topk.topk_mask_distributed` (all-reduces of 256-bin
     histograms; nothing of size N leaves the rank);
 (b) all-gather: gather every rank's scores (padded to the largest rank), select over the
-    rank-ordered union with :func:`verl_tokensel.core.select.keep_first_k` (``torch.topk`` on the keys,
+    rank-ordered union with :func:`verl_tokensel.core.ranking.select.keep_first_k` (``torch.topk`` on the keys,
     ties to the earliest position, i.e. the stable order the radix path promises) and keep this
     rank's slice.
 
@@ -61,8 +61,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_tokensel.core.dist_topk import ordered_keys, topk_mask_distributed
-from verl_tokensel.core.select import keep_first_k
+from verl_tokensel.core.ranking.dist_topk import ordered_keys, topk_mask_distributed
+from verl_tokensel.core.ranking.select import keep_first_k
 
 # Peak resident memory of one rank: the all-gather baseline dominates (the radix path only ever holds
 # a few copies of its own N). Per element of the union (W * N): gathered copies + concatenation (8),

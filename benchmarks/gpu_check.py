@@ -27,7 +27,7 @@ What it does, in one process, through verl's own ``TrainingWorker`` built by the
    the same weights and the old log-probs (the real log-prob pass, once) stay on-policy. The batch
    (``--workload``): ``compare``, 16 responses of 3584..4096 tokens (4 GRPO groups of 4, ~66k tokens), for up
    to 8 variants; ``sweep``, 8 responses of 2048..2560 (2 groups of 4, ~21k tokens), for more.
-   Variants: by default every preset of ``verl_tokensel.core.presets.PRESETS``, read at run time (``none``
+   Variants: by default every preset of ``verl_tokensel.core.resolve.presets.PRESETS``, read at run time (``none``
    first, the baseline), plus ``none+entropy`` (stock verl with the entropy pass on) and
    ``forking:no_grad_scores=false`` (``forking`` with verl's entropy graph kept), two references for what the
    no-graph entropy saves: ``default_variants()``; ``--variants`` narrows the list (the presets it leaves out
@@ -171,7 +171,7 @@ def variant_preset(spec: str) -> str:
 
 
 def default_variants() -> list[str]:
-    """Every preset of ``verl_tokensel.core.presets.PRESETS`` (read now: presets registered later are included),
+    """Every preset of ``verl_tokensel.core.resolve.presets.PRESETS`` (read now: presets registered later are included),
     ``none`` first (the baseline), each of :data:`EXTRA_VARIANTS` right after its preset."""
     from verl_tokensel.core.config import PRESETS
 
@@ -455,7 +455,7 @@ class SanityRecorder:
         """
         import torch
 
-        from verl_tokensel.core.scopes import budget
+        from verl_tokensel.core.ranking.scopes import budget
 
         out = {"micro_batches": len(self.calls), "count_checked": 0, "grad_checked": 0, "failures": []}
         if not self.calls:
@@ -684,7 +684,7 @@ def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     or None when the pool is the micro-batch (checked per micro-batch instead) or the rule's count is its own
     (STAPO, Clip-Cov's draw among its candidates, KTAE, GTPO: checked by what their selection reports).
     KL-Cov: ``max(1, int(ratio N))`` of the mini-batch (``core.rules.covariance.cov_budget``)."""
-    from verl_tokensel.core.scopes import budget
+    from verl_tokensel.core.ranking.scopes import budget
 
     if sel is None or sel.scope == "micro_batch":
         return None
@@ -1248,7 +1248,7 @@ def parse_args(argv=None):
                     help="JSON results path (default $OUT/gpu_check.json if $OUT is set)")
     ap.add_argument("--variants", nargs="+", default=None,
                     help="presets to compare, the first is the baseline; 'P+entropy' turns the entropy pass on "
-                         "(default: every preset of verl_tokensel.core.presets.PRESETS, none first, plus "
+                         "(default: every preset of verl_tokensel.core.resolve.presets.PRESETS, none first, plus "
                          f"{' and '.join(EXTRA_VARIANTS)})")
     ap.add_argument("--warmup", type=int, default=None,
                     help=f"untimed rounds after the sanity step (default 1; 0 with more than {MANY_VARIANTS} variants)")

@@ -1,6 +1,6 @@
 """Your own token score, and a preset that selects with it.
 
-A score is a function of :class:`verl_tokensel.core.scores.ScoreInputs` returning ``(batch,
+A score is a function of :class:`verl_tokensel.core.ranking.scores.ScoreInputs` returning ``(batch,
 response_len)`` scores; a preset names a score plus the selection rule. Both registries refuse to
 overwrite an existing name. This one, ``low_confidence``: ``1 - p(a_t)``, the tokens the policy sampled
 with low probability (no entropy needed, so the engine computes nothing extra).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from verl_tokensel.core.scores import ScoreInputs, register_score
+from verl_tokensel.core.ranking.scores import ScoreInputs, register_score
 from verl_tokensel.rules import register_preset
 
 NAME = "low_confidence"
@@ -37,7 +37,7 @@ register_preset(NAME, rule="gradient_mask", score=NAME, ratio=0.2, direction="to
 
 if __name__ == "__main__":
     from verl_tokensel.core.config import resolve_selection
-    from verl_tokensel.core.select import select_tokens
+    from verl_tokensel.core.ranking.select import select_tokens
 
     rule = resolve_selection(NAME)  # what every process derives from token_selector=low_confidence
     print(f"token_selector={NAME} -> {rule}")

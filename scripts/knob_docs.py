@@ -5,7 +5,7 @@ every registered rule and shaping (default, help text, paper value; a rule's sou
 - the README's knob table, between the markers :data:`BEGIN` and :data:`END`: the shared keys, the ranking and the
   engine switches;
 - ``docs/knobs.md``: per rule and per shaping its source, formula, deviations, the presets that use it and its own
-  knobs (the fields ``verl-tokensel rules <preset>`` prints, rendered by :mod:`verl_tokensel.core.describe`).
+  knobs (the fields ``verl-tokensel rules <preset>`` prints, rendered by :mod:`verl_tokensel.core.resolve.describe`).
 
 A test holds all three equal to what this script renders, so a knob's meaning cannot drift between the code, the
 YAML and the docs. After changing a knob or a rule's fields (or adding a rule)::
@@ -21,7 +21,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from verl_tokensel.core import describe
+from verl_tokensel.core.resolve import describe
 from verl_tokensel.core.config import PRESETS, declared_keys
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY
 
@@ -219,7 +219,7 @@ def rule_api_md() -> str:
     for fn in (public.register_rule, public.register_preset, public.register_score, public.knob,
                public.config_error):
         out += _signature(fn)
-    from verl_tokensel.core.scores import ScoreInputs
+    from verl_tokensel.core.ranking.scores import ScoreInputs
 
     out += ["## `ScoreInputs`: what a registered score reads (`inp`)", "", *_attributes(ScoreInputs),
             "## `HiddenStates`: passes over the last hidden states", "", *_attributes(public.HiddenStates)]

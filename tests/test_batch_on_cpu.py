@@ -1,4 +1,4 @@
-"""The one score-input builder (``core.batch``): row keys, group ids, and training vs analysis agreement."""
+"""The one score-input builder (``core.ranking.batch``): row keys, group ids, and training vs analysis agreement."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from helpers.loss_inputs import make_micro_batch
 from verl_tokensel.analysis.scorer import TokenScores
 from verl_tokensel.analysis.training_masks import scored_batch, select_preset
 from verl_tokensel.analysis.stats import exact_grad_norms, gmts_scores
-from verl_tokensel.core.batch import group_ids, pad_rows, row_keys, score_batch
+from verl_tokensel.core.ranking.batch import group_ids, pad_rows, row_keys, score_batch
 from verl_tokensel.core.config import PRESETS, override, preset
-from verl_tokensel.core.scores import logit_grad_norm
+from verl_tokensel.core.ranking.scores import logit_grad_norm
 from verl_tokensel.core.driver_select import select_on_driver
 from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 
@@ -132,7 +132,7 @@ def test_pad_rows():
 
 
 def test_score_inputs_are_built_in_one_place():
-    """Every ScoreInputs of the package comes from core.batch.score_batch (no second assembly to drift)."""
+    """Every ScoreInputs of the package comes from core.ranking.batch.score_batch (no second assembly to drift)."""
     builders = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
                 if re.search(r"\bScoreInputs\(", p.read_text(encoding="utf-8"))]
-    assert sorted(builders) == ["core/batch.py"], builders
+    assert sorted(builders) == ["core/ranking/batch.py"], builders

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_tokensel.core.dist_topk import kth_largest_key, ordered_keys, topk_mask_distributed
-from verl_tokensel.core.select import keep_first_k
+from verl_tokensel.core.ranking.dist_topk import kth_largest_key, ordered_keys, topk_mask_distributed
+from verl_tokensel.core.ranking.select import keep_first_k
 
 
 def _free_port() -> int:
@@ -158,7 +158,7 @@ def _group_cases(world: int, seed: int):
 
 
 def _group_worker(rank, world, port, seed, out_dir):
-    from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed
+    from verl_tokensel.core.ranking.dist_topk import grouped_topk_mask_distributed
 
     _init_gloo(rank, world, port)
     try:
@@ -173,7 +173,7 @@ def _group_worker(rank, world, port, seed, out_dir):
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_grouped_topk_equals_single_process_over_union(world, tmp_path):
-    from verl_tokensel.core.select import _select_grouped, budget
+    from verl_tokensel.core.ranking.select import _select_grouped, budget
 
     per_rank = _run(world, world, tmp_path, worker=_group_worker)
     for i, (parts, ratio, largest) in enumerate(_group_cases(world, world)):
@@ -190,8 +190,8 @@ def test_grouped_topk_equals_single_process_over_union(world, tmp_path):
 
 
 def test_grouped_topk_single_process_is_select_grouped():
-    from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed
-    from verl_tokensel.core.select import _select_grouped
+    from verl_tokensel.core.ranking.dist_topk import grouped_topk_mask_distributed
+    from verl_tokensel.core.ranking.select import _select_grouped
 
     for parts, ratio, largest in _group_cases(1, 9):
         s, valid, gid = parts[0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfig, resolve_selection
-from verl_tokensel.core.batch import group_ids as group_ids_from_uids
+from verl_tokensel.core.ranking.batch import group_ids as group_ids_from_uids
 from verl_tokensel.core.driver_select import score_params, select_on_driver
 
 

@@ -124,7 +124,7 @@ def test_custom_preset_loads_from_a_verl_plugins_entry_point(tmp_path):
 def restored_registries():
     """The score, rule and preset registries as they were before the test (an example registers into them)."""
     from verl_tokensel.core.config import PRESETS
-    from verl_tokensel.core.scores import SCORE_REGISTRY
+    from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
 
     from verl_tokensel.core.rules import RULE_REGISTRY
 

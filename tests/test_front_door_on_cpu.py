@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_module
 from verl.utils.config import omega_conf_to_dataclass
 from verl_tokensel.analysis.page import TRAINING_NORMALISER, TRAINING_SCOPE, TRAINING_SOURCE, training_line
 from verl_tokensel.core.errors import TokenSelectionConfigError, config_error, suggest
-from verl_tokensel.core.presets import PRESETS
+from verl_tokensel.core.resolve.presets import PRESETS
 
 SEL = "actor_rollout_ref.actor.token_selector"
 

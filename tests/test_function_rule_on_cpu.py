@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from verl_tokensel.core.presets import PRESETS
+from verl_tokensel.core.resolve.presets import PRESETS
 from verl_tokensel.core.rules import RULE_REGISTRY
 
 GATE, WEIGHT = "test_low_confidence_gate", "test_low_confidence_weight"
@@ -45,7 +45,7 @@ def user_rules():
 
 def test_a_five_line_function_rule_is_one_registration(user_rules):
     from verl_tokensel.core.config import resolve_selection
-    from verl_tokensel.core.describe import describe_preset
+    from verl_tokensel.core.resolve.describe import describe_preset
 
     assert GATE not in PRESETS
     sel = resolve_selection(GATE)
@@ -85,7 +85,7 @@ def test_a_function_rule_trains_through_fsdp2_and_the_metrics_report_its_gate(us
 def test_a_rule_that_declares_a_need_and_does_not_get_it_fails_naming_it():
     """A rule with ``Needs(entropy=True)`` on a batch whose pass computed no entropy fails with a message naming the
     need (not a ``'NoneType' object has no attribute`` deep in the rule)."""
-    from verl_tokensel.core.batch import score_batch
+    from verl_tokensel.core.ranking.batch import score_batch
     from verl_tokensel.core.config import resolve_selection
     from verl_tokensel.core.step import apply_rule
     from verl_tokensel.rules import LossTransform, Needs, register_rule

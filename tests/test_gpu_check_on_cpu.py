@@ -107,7 +107,7 @@ def test_default_variants_are_every_preset_and_the_two_references():
     """The FSDP phase's default list is PRESETS (read at run time) plus the references: a preset added to PRESETS
     is in it without anyone listing it, and a registered one too."""
     from verl_tokensel.core.config import PRESETS, preset
-    from verl_tokensel.core.presets import register_preset
+    from verl_tokensel.core.resolve.presets import register_preset
 
     gc = _load_script()
     names = gc.default_variants()

@@ -31,7 +31,7 @@ import pytest
 
 import torch
 
-from verl_tokensel.core.scopes import budget
+from verl_tokensel.core.ranking.scopes import budget
 from verl_tokensel_cpu import batches as B, tiny_model, worker as H
 from verl_tokensel.verl_glue.loss import SelectingLoss, tokensel_ppo_loss
 from verl_tokensel.verl_glue.no_graph import entropy_no_graph
@@ -277,7 +277,7 @@ def test_groups_of_one(actor):
 def _empty_rank(rank, world_size):
     import torch.distributed as dist
 
-    from verl_tokensel.core.select import select_tokens
+    from verl_tokensel.core.ranking.select import select_tokens
 
     cfg = actor_config("forking", {"scope": "micro_batch_dp"})
     mo, data, lp = micro_batch(seed=rank, batch=4, resp_len=10, dp_size=world_size)

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.presets import PRESETS
+from verl_tokensel.core.resolve.presets import PRESETS
 from verl_tokensel.verl_glue import v0 as glue_v0
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 from verl_tokensel.verl_glue.rollout_source import DriverSelector

@@ -61,10 +61,10 @@ def test_the_import_contracts_of_pyproject_hold():
 
 
 @pytest.mark.parametrize("module,line,contract", [
-    ("core/select.py", "import verl_tokensel_cpu.worker", "the product never imports the CPU distribution"),
-    ("core/select.py", "from verl_tokensel.verl_glue import loss", "the product's layers"),
-    ("core/scores.py", "import verl.utils", "the selector core is pure torch"),
-    ("core/selection.py", "from verl_tokensel.core import step", "no import cycle"),
+    ("core/ranking/select.py", "import verl_tokensel_cpu.worker", "the product never imports the CPU distribution"),
+    ("core/ranking/select.py", "from verl_tokensel.verl_glue import loss", "the product's layers"),
+    ("core/ranking/scores.py", "import verl.utils", "the selector core is pure torch"),
+    ("core/resolve/selection.py", "from verl_tokensel.core import step", "no import cycle"),
 ])
 def test_the_contracts_fail_on_an_import_against_them(tmp_path, module, line, contract):
     """A copy of the product with one import against a contract (a lazy one: inside a function) breaks it."""

@@ -28,7 +28,7 @@ from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core import fields
 from verl_tokensel.core.config import TokenSelectionConfigError
-from verl_tokensel.core.loss_modes import LOSS_MODES, loss_mode
+from verl_tokensel.core.seam.loss_modes import LOSS_MODES, loss_mode
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
 from helpers.actor_configs import actor_config, micro_batch, padded

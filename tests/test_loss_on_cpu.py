@@ -22,7 +22,7 @@ from verl.workers.utils.losses import ppo_loss
 
 import verl_tokensel.verl_glue.loss as loss_mod
 from verl_tokensel.core.config import PRESETS
-from verl_tokensel.core.scores import SCORE_REGISTRY
+from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
 from verl_tokensel.verl_glue.actor_config import StockLossGuard, TokenselFSDPActorConfig
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 

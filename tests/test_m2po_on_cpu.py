@@ -17,7 +17,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.batch import score_batch
+from verl_tokensel.core.ranking.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override
 from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.rules.m2po import kept_count, m2po_kept_tokens

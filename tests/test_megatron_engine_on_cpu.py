@@ -175,9 +175,9 @@ def test_prepass_threshold_is_exact_across_data_parallel_ranks(model_dir, preset
     """Over both DP ranks of each mini-batch: exactly ``ceil(0.2 n)`` of the mini-batch's (``mini_batch``) or each
     prompt group's (``group``, a group split over the ranks included) valid tokens, and the very mask one process
     selects over the rank-ordered union with the scores the pre-pass wrote."""
-    from verl_tokensel.core.batch import group_ids
-    from verl_tokensel.core.scopes import budget
-    from verl_tokensel.core.select import select_tokens
+    from verl_tokensel.core.ranking.batch import group_ids
+    from verl_tokensel.core.ranking.scopes import budget
+    from verl_tokensel.core.ranking.select import select_tokens
 
     run = _layout(model_dir, "dp2")
     n_mini = len(run[0]["presets"][preset]["minibatches"])
@@ -218,7 +218,7 @@ def test_driver_mask_reaches_the_right_rows(model_dir, layout):
         assert seen == res["rows_on_rank"]
     total_sel = sum(int(v.sum()) for v in run[0]["presets"]["forking_paper"]["driver_mask_by_row"].values())
     total = sum(v.numel() for v in run[0]["presets"]["forking_paper"]["driver_mask_by_row"].values())
-    from verl_tokensel.core.scopes import budget
+    from verl_tokensel.core.ranking.scopes import budget
 
     assert total_sel == budget(0.2, total)
 

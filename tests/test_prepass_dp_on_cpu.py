@@ -127,8 +127,8 @@ def _union(per_rank, scope, i):
 
 @pytest.mark.parametrize("scope", [c[0] for c in CASES])
 def test_prepass_selection_equals_one_process_over_the_union(dp_run, scope):
-    from verl_tokensel.core.select import budget, select_tokens
-    from verl_tokensel.core.batch import group_ids as stable_group_ids
+    from verl_tokensel.core.ranking.select import budget, select_tokens
+    from verl_tokensel.core.ranking.batch import group_ids as stable_group_ids
 
     n_mini = len(dp_run[0][scope]["minibatches"])
     assert n_mini == (2 if scope == "mini_batch" else 1) and len(dp_run[1][scope]["minibatches"]) == n_mini

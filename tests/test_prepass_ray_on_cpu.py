@@ -26,7 +26,7 @@ GROUP_SIZE = 4
 def test_update_actor_runs_the_prepass_in_the_ray_worker():
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    from verl_tokensel.core.select import budget
+    from verl_tokensel.core.ranking.select import budget
     from verl_tokensel.verl_glue.install import install_actor_loss, prepare_driver_config
     from verl_tokensel.verl_glue.workers import tokensel_worker_class
 

@@ -23,7 +23,7 @@ from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.trainer.ppo.utils import Role
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from verl_tokensel.core.batch import group_ids as stable_group_ids
+from verl_tokensel.core.ranking.batch import group_ids as stable_group_ids
 from verl_tokensel.verl_glue.micro_batch import batch_uids
 from verl_tokensel.verl_glue.workers import TokenselTrainingWorker, tokensel_worker_class
 

@@ -38,7 +38,7 @@ from verl.utils.config import omega_conf_to_dataclass, validate_config
 
 from verl_tokensel.core.config import ENGINE_SWITCHES, PRESETS, override
 from verl_tokensel.core.rules import Ranking
-from verl_tokensel.core.scores import SCORE_REGISTRY
+from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
 from verl_tokensel.verl_glue.actor_config import TokenselFSDPActorConfig, TokenselMcoreActorConfig
 from verl_tokensel.verl_glue.install import validate_driver_config
 

@@ -21,10 +21,10 @@ import math
 import pytest
 import torch
 
-from verl_tokensel.core.batch import score_batch
+from verl_tokensel.core.ranking.batch import score_batch
 from verl_tokensel.core.step import apply_rule
 from verl_tokensel.core.config import TokenSelectionConfig, TokenSelectionConfigError, resolve_selection
-from verl_tokensel.core.select import select_tokens
+from verl_tokensel.core.ranking.select import select_tokens
 
 
 def _rows(seed: int, batch: int = 8, length: int = 24):

@@ -24,7 +24,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from verl_tokensel.core.batch import score_batch
+from verl_tokensel.core.ranking.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, preset, resolve_selection
 from verl_tokensel.core.fields import UPDATE_PASS
 from verl_tokensel.core.step import apply_rule

@@ -94,7 +94,7 @@ def _row_masks(data, field):
 def _expected_masks(sel, full, entropy_rows, order=None):
     """Row id -> mask by select_on_driver over ``full``'s own fields taken in ``order`` (the order the driver
     sees: ties are broken by position, and the tiny random model's entropies do tie)."""
-    from verl_tokensel.core.batch import group_ids as group_ids_from_uids
+    from verl_tokensel.core.ranking.batch import group_ids as group_ids_from_uids
     from verl_tokensel.core.driver_select import select_on_driver
 
     lens = response_lengths(full)

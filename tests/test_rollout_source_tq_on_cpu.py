@@ -161,7 +161,7 @@ def test_ref_entropy_scored_by_the_reference_model(tq_ray, tiny_dir):
 def test_grad_norm_reads_the_old_pass_sum_p2(tq_ray):
     """The old-log-prob pass writes sum_j p_j^2 over the whole sequence (like log_probs); the driver takes
     the response part (left-shifted by one) and ranks by |A| * ||e_a - p|| (r = 1 at the old policy)."""
-    from verl_tokensel.core.scores import logit_grad_norm
+    from verl_tokensel.core.ranking.scores import logit_grad_norm
 
     tq = tq_ray
     keys, meta, rows = _put_batch(tq, "t3", seed=2)

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from verl_tokensel.core.loss_modes import LOSS_MODES
+from verl_tokensel.core.seam.loss_modes import LOSS_MODES
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY
-from verl_tokensel.core.seam.rule import knob_fields
+from verl_tokensel.core.seam.knobs import knob_fields
 
 PACKAGE = Path(__file__).resolve().parents[1] / "verl_tokensel"
 PRODUCT = sorted(p for p in PACKAGE.rglob("*.py")
                  if p.relative_to(PACKAGE).parts[0] in ("core", "verl_glue", "plugin.py", "main_ppo.py"))
-PRESETS_FILE = PACKAGE / "core" / "presets.py"
-LOSS_MODES_FILE = PACKAGE / "core" / "loss_modes.py"
+PRESETS_FILE = PACKAGE / "core" / "resolve" / "presets.py"
+LOSS_MODES_FILE = PACKAGE / "core" / "seam" / "loss_modes.py"
 COMPONENTS = {**{("rule", n): (r, knob_fields(r.Knobs)) for n, r in RULE_REGISTRY.items()},
               **{("shaping", n): (s, dataclasses.fields(s.Knobs)) for n, s in SHAPING_REGISTRY.items()}}
 
@@ -53,7 +53,7 @@ def test_a_rule_stands_in_its_module_and_the_preset_table_only(kind, name):
 
 def test_the_shared_config_holds_only_what_every_rule_shares():
     """At most 12 shared fields (rule, knobs, score source, scope, ...); a rule's own knobs live in its Knobs."""
-    from verl_tokensel.core.selection import Selection
+    from verl_tokensel.core.resolve.selection import Selection
 
     shared = [f.name for f in dataclasses.fields(Selection)]
     assert len(shared) <= 12, shared
@@ -151,7 +151,7 @@ def test_provenance_is_one_data_file_for_every_built_in_component():
     (none in the rule modules): an entry for each, none for anything else, and ``verl-tokensel rules`` reads it."""
     import tomllib
 
-    from verl_tokensel.core.describe import about
+    from verl_tokensel.core.resolve.describe import about
     from verl_tokensel.core.rules import PROVENANCE, RULE_REGISTRY, SHAPING_REGISTRY
 
     data = tomllib.loads(PROVENANCE.read_text(encoding="utf-8"))

@@ -3,7 +3,8 @@ VERL_USE_EXTERNAL_MODULES); what each preset does (its rule, formula, every knob
 an unknown preset refused with the valid names; and the generated docs (README table, docs/knobs.md, actor.yaml) as
 scripts/knob_docs.py renders them from the same fields.
 
-The renderings run in-process (core.describe, pure torch); the command itself runs three times as a subprocess."""
+The renderings run in-process (core.resolve.describe, pure torch); the command itself runs three times as a
+subprocess."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from verl_tokensel.core.describe import describe_preset, describe_rules, show
-from verl_tokensel.core.presets import PRESETS
+from verl_tokensel.core.resolve.describe import describe_preset, describe_rules, show
+from verl_tokensel.core.resolve.presets import PRESETS
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Knobs
-from verl_tokensel.core.seam.rule import knob_fields
+from verl_tokensel.core.seam.knobs import knob_fields
 
 ROOT = Path(__file__).resolve().parents[1]
 # the rules and presets registered by this package (a test that imports a user module adds its own later)

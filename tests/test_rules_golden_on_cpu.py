@@ -18,7 +18,7 @@ import json
 
 import pytest
 
-from verl_tokensel.core.presets import PRESETS
+from verl_tokensel.core.resolve.presets import PRESETS
 from verl_tokensel_cpu import tiny_model
 
 from helpers import rules_golden as G

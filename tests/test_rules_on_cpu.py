@@ -19,7 +19,7 @@ import torch
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.losses import ppo_loss
 
-from verl_tokensel.core.batch import score_batch
+from verl_tokensel.core.ranking.batch import score_batch
 from verl_tokensel.core.config import PRESETS, TokenSelectionConfigError, override, resolve_selection
 from verl_tokensel.core.rules.covariance import cov_budget, cov_scores
 from verl_tokensel.core.step import apply_rule

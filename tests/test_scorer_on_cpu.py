@@ -24,7 +24,7 @@ from verl_tokensel.analysis.scorer import (
     score_responses,
     streaming_token_stats,
 )
-from verl_tokensel.core.scores import logit_grad_norm
+from verl_tokensel.core.ranking.scores import logit_grad_norm
 
 V = 1000  # small vocabulary: every chunking case stays fast
 D = 32

@@ -17,7 +17,7 @@ import torch
 from verl.trainer.ppo.core_algos import get_policy_loss_fn, kl_penalty
 from verl.workers.config import FSDPActorConfig
 
-from verl_tokensel.core.scores import (
+from verl_tokensel.core.ranking.scores import (
     LOG_RATIO_CLAMP,
     ScoreInputs,
     compute_score,

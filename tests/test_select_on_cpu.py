@@ -1,7 +1,7 @@
 """Selection semantics of ``select_tokens`` / ``budget`` / ``selection_stats`` (CPU), plus an exact
 two-process gloo check of the ``micro_batch_dp`` scope against one process over the concatenation.
 
-This module imports only torch and ``verl_tokensel.core.select`` so the spawned ranks start fast.
+This module imports only torch and ``verl_tokensel.core.ranking.select`` so the spawned ranks start fast.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verl_tokensel.core.select import budget, select_tokens, selection_stats
+from verl_tokensel.core.ranking.select import budget, select_tokens, selection_stats
 
 
 # --------------------------------------------------------------------------------------------

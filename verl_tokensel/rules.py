@@ -40,17 +40,19 @@ from __future__ import annotations
 from typing import Any
 
 from verl_tokensel.core.errors import config_error
-from verl_tokensel.core.scores import register_score
+from verl_tokensel.core.ranking.scores import register_score
 from verl_tokensel.core.seam.hidden import HiddenStates
 from verl_tokensel.core.seam.pool import Pool
-from verl_tokensel.core.seam.rule import Knobs, LossTransform, Needs, Ranking, Rule, RuleInput, knob, register_rule
+from verl_tokensel.core.seam.knobs import Knobs, Ranking, knob
+from verl_tokensel.core.seam.rule import LossTransform, Needs, Rule, RuleInput, register_rule
 
 
 def register_preset(name: str, *, rule: str, **values: Any):
     """Add a ``token_selector`` preset ``name``: the registered ``rule`` with values of its knobs and of the shared
     keys (``scope``, ``score_source``, ``normaliser``, ``shaping=`` / ``shaping_knobs=``, ...); refuses to overwrite
     a name. The knobs it leaves out take their defaults; each can be set on the command line."""
-    from verl_tokensel.core.presets import register_preset as add  # it imports the built-in rules, which import this
+    # the presets module imports the built-in rules, which import this module
+    from verl_tokensel.core.resolve.presets import register_preset as add
 
     return add(name, rule=rule, **values)
 

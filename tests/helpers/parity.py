@@ -164,9 +164,9 @@ def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]
     validation checks them: a rule with its own policy loss and a score that reads omega take only vanilla
     (``policy_loss.loss_mode``), and a loss without a token-mean (sapo, geo_mean) only ``normaliser=all``."""
     from verl_tokensel.core.config import PRESETS as ALL
-    from verl_tokensel.core.loss_modes import loss_mode
+    from verl_tokensel.core.seam.loss_modes import loss_mode
     from verl_tokensel.core.seam.rule import OWN_LOSS_MODES
-    from verl_tokensel.core.scores import SCORE_REGISTRY
+    from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
 
     sel = ALL[preset]
     mode = row.get("loss_mode", "vanilla")
@@ -403,7 +403,7 @@ def dp_rank_run(rank: int, world: int, model_dir: str, rmpad: bool, rows: list[d
 def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
     """What is off in a preset's successful run: non-finite loss, or a selection not at the budget of its scope.
     ``per_rank``: that preset's outcome on each rank."""
-    from verl_tokensel.core.scopes import budget
+    from verl_tokensel.core.ranking.scopes import budget
 
     problems = []
     first = per_rank[0]

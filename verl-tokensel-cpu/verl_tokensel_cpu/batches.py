@@ -227,7 +227,7 @@ def add_driver_selection(config, batch, eos_token_id=None):
     from verl.workers.utils.padding import response_to_nested
 
     from verl_tokensel.core import fields
-    from verl_tokensel.core.batch import group_ids
+    from verl_tokensel.core.ranking.batch import group_ids
     from verl_tokensel.core.driver_select import score_params, select_on_driver
     from verl_tokensel.verl_glue.rollout_source import response_fields
 

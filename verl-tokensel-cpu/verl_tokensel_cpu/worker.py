@@ -292,7 +292,7 @@ def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Op
     from omegaconf import OmegaConf
 
     from verl.utils.config import omega_conf_to_dataclass
-    from verl_tokensel.core.presets import selection_for
+    from verl_tokensel.core.resolve.presets import selection_for
 
     if calculate_entropy is None:
         sel = selection_for(preset)

@@ -10,7 +10,7 @@ import torch
 
 from verl_tokensel.analysis.html import PageInfo, ResponseView, TokenView, render_page
 from verl_tokensel.analysis.training_masks import scored_batch, select_preset
-from verl_tokensel.core.scopes import budget
+from verl_tokensel.core.ranking.scopes import budget
 
 SHADE_HELP = {
     "entropy": "H_t (nats) of the policy at the token",

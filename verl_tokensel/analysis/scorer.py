@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from verl_tokensel.core.scores import logit_grad_norm
+from verl_tokensel.core.ranking.scores import logit_grad_norm
 
 DEFAULT_CHUNK = 2048  # vocabulary columns per chunk; see the module docstring
 # chunk sums below this are re-summed without their max term (see _streaming_stats)

@@ -15,7 +15,7 @@ Definitions (all over the valid response tokens of every scored answer, entropie
 * Spearman correlation: Pearson correlation of average ranks (ties share the mean of their ranks).
   Within answers: the mean over answers with ``>= 3`` tokens whose two series are both non-constant;
   across answers: one correlation over all tokens pooled.
-* Top-20% sets: :func:`verl_tokensel.core.select.select_tokens` (exactly ``ceil(0.2 N)`` tokens,
+* Top-20% sets: :func:`verl_tokensel.core.ranking.select.select_tokens` (exactly ``ceil(0.2 N)`` tokens,
   ties by position) over all tokens pooled.
 """
 
@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from verl_tokensel.analysis.training_masks import per_response, scored_batch
-from verl_tokensel.core.scopes import budget
-from verl_tokensel.core.select import select_tokens
+from verl_tokensel.core.ranking.scopes import budget
+from verl_tokensel.core.ranking.select import select_tokens
 
 PERCENTILES = (50, 80, 90, 99)
 LOW_ENTROPY = 0.01

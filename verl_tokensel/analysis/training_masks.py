@@ -1,8 +1,8 @@
 """Scored responses as one batch of score inputs, and a preset's selection on them (``view``, ``analyze``, demo).
 
 The analysis tools rank with the training code: :func:`scored_batch` hands the scorer's per-token values to
-:func:`verl_tokensel.core.batch.score_batch` (the builder the loss, the pre-pass and the driver use), the scores
-come from the registry and the mask from :func:`verl_tokensel.core.select.select_tokens`. On-policy: the old
+:func:`verl_tokensel.core.ranking.batch.score_batch` (the builder the loss, the pre-pass and the driver use), the scores
+come from the registry and the mask from :func:`verl_tokensel.core.ranking.select.select_tokens`. On-policy: the old
 log-prob is the current one, so the ratio r = 1, no token is clipped and omega = A.
 """
 
@@ -14,11 +14,11 @@ from typing import Optional, Sequence, Union
 import torch
 
 from verl_tokensel.core.rules import Ranking
-from verl_tokensel.core.batch import ScoreBatch, pad_rows, score_batch
-from verl_tokensel.core.scopes import budget
+from verl_tokensel.core.ranking.batch import ScoreBatch, pad_rows, score_batch
+from verl_tokensel.core.ranking.scopes import budget
 from verl_tokensel.core.step import apply_rule
-from verl_tokensel.core.scores import SCORE_REGISTRY
-from verl_tokensel.core.select import selection_ranks
+from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
+from verl_tokensel.core.ranking.select import selection_ranks
 
 def scored_batch(scored, advantages: Sequence[float], score: Union[str, Sequence[str]], *,
                  pairs: Optional[Sequence] = None, seed: int = 0) -> ScoreBatch:

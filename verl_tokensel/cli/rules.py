@@ -51,8 +51,8 @@ def run(args) -> int:
         import_external_modules()
     except Exception as exc:  # noqa: BLE001  (the user's module: say which, and why)
         return error(f"{EXTERNAL_MODULES}={os.environ.get(EXTERNAL_MODULES)!r}: importing it failed: {exc!r}")
-    from verl_tokensel.core.describe import describe_preset, describe_rules, unknown_preset
-    from verl_tokensel.core.presets import selectors
+    from verl_tokensel.core.resolve.describe import describe_preset, describe_rules, unknown_preset
+    from verl_tokensel.core.resolve.presets import selectors
 
     if args.preset is None:
         sys.stdout.write(describe_rules())

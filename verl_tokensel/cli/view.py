@@ -26,7 +26,7 @@ from pathlib import Path
 HELP = "HTML page of responses: tokens shaded by a score, the preset's selected tokens marked"
 
 def shade_choices() -> list[str]:
-    from verl_tokensel.core.scores import SCORE_REGISTRY
+    from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
 
     return ["logp"] + list(SCORE_REGISTRY)
 
@@ -54,7 +54,7 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from verl_tokensel.cli.common import error, score_with_progress
-    from verl_tokensel.core.presets import selection_for, selectors
+    from verl_tokensel.core.resolve.presets import selection_for, selectors
 
     if args.preset not in selectors():
         return error(f"--preset {args.preset!r} is unknown; valid: {', '.join(selectors())}")

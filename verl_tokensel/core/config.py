@@ -2,12 +2,12 @@
 
 Two keys on ``actor_rollout_ref.actor`` drive everything:
 
-- ``token_selector``: a preset name from :data:`~verl_tokensel.core.presets.PRESETS` (``none``, ``forking``, ...),
-  each a rule name and values of its knobs;
+- ``token_selector``: a preset name from :data:`~verl_tokensel.core.resolve.presets.PRESETS` (``none``, ``forking``,
+  ...), each a rule name and values of its knobs;
 - ``token_selection.<knob>``: per-knob overrides; ``null`` (the default) takes the preset's value.
 
-The knobs are one flat namespace: the shared keys of :class:`~verl_tokensel.core.selection.Selection`, the ranking
-(:class:`~verl_tokensel.core.seam.rule.Knobs`) and each registered rule's and shaping's own knobs, whose
+The knobs are one flat namespace: the shared keys of :class:`~verl_tokensel.core.resolve.selection.Selection`, the
+ranking (:class:`~verl_tokensel.core.seam.rule.Knobs`) and each registered rule's and shaping's own knobs, whose
 dataclass fields (default, help, paper value) are the single source of truth: :class:`TokenSelectionConfig` is
 built from them, the YAML in ``verl_tokensel/config``, the README's knob table and ``docs/knobs.md`` are generated
 from them (``python scripts/knob_docs.py --write``; a test holds them equal). A knob that the preset's rule does not
@@ -21,11 +21,11 @@ from dataclasses import field, replace
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import TokenSelectionConfigError, check_bool, config_error, suggest
-from verl_tokensel.core.presets import PRESETS, preset, register_preset, selection_for, selectors
+from verl_tokensel.core.resolve.presets import PRESETS, preset, register_preset, selection_for, selectors
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, ActorSettings, Ranking
-from verl_tokensel.core.seam.rule import knob_fields
+from verl_tokensel.core.seam.knobs import knob_fields
 from verl_tokensel.core.seam.checks import validate
-from verl_tokensel.core.selection import NORMALISERS, Selection
+from verl_tokensel.core.resolve.selection import NORMALISERS, Selection
 
 #: keys of the ``token_selection`` node that switch engine behaviour rather than override a preset's rule
 ENGINE_SWITCHES = ("auto_enable_entropy", "no_grad_scores", "prepass_reuse")

@@ -16,10 +16,10 @@ from typing import Any, Mapping, Optional
 import torch
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.batch import score_batch
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.ranking.batch import score_batch
+from verl_tokensel.core.resolve.selection import Selection
 from verl_tokensel.core.step import apply_rule
-from verl_tokensel.core.scores import score_params
+from verl_tokensel.core.ranking.scores import score_params
 
 DRIVER_METRIC_PREFIX = "tokensel/driver_"
 
@@ -59,7 +59,7 @@ def select_on_driver(
             when ``params['kl_coef']`` > 0), ``rollout_is_weights`` (they multiply the token loss, hence omega).
         keys: ``(batch,)`` int64 per-response keys (``random`` score).
         group_ids: ``(batch,)`` int64 prompt group of each row (``scope=group``), as
-            :func:`verl_tokensel.core.batch.group_ids` makes them from verl's ``uid``.
+            :func:`verl_tokensel.core.ranking.batch.group_ids` makes them from verl's ``uid``.
         row_valid: ``(batch,)`` bool, False on synthetic padding rows (never selected, never counted).
         external: per-token fields a score declares in ``needs_external`` (e.g. ``ref_entropy``).
         params: clip/KL keyword arguments of :class:`ScoreInputs`, see :func:`score_params`.

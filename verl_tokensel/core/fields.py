@@ -2,8 +2,8 @@
 
 verl's names for what its drivers attach to every response (``old_log_probs``, ``advantages``, ...), the names of
 the two fields the selection adds when it is measured before the update (the mask and the scores it was ranked by),
-and which of them each consumer reads. :func:`verl_tokensel.core.batch.score_batch` takes a mapping keyed by these
-names. Pure strings, no import.
+and which of them each consumer reads. :func:`verl_tokensel.core.ranking.batch.score_batch` takes a mapping keyed by
+these names. Pure strings, no import.
 """
 
 RESPONSE_MASK = "response_mask"

@@ -1,7 +1,7 @@
 """The rule step: score, drop non-finite tokens, select over the scope, transform, report. Pure torch.
 
 The loss (each micro-batch), the pre-pass (each rank's mini-batch), the driver (the whole batch) and the analysis
-tools all call :func:`apply_rule` on a :class:`~verl_tokensel.core.batch.ScoreBatch`, so a rule means the same
+tools all call :func:`apply_rule` on a :class:`~verl_tokensel.core.ranking.batch.ScoreBatch`, so a rule means the same
 thing wherever it runs. The steps are the registered rule's (:mod:`~verl_tokensel.core.rules`); this module only
 orders them. Its result is the rule's :class:`~verl_tokensel.core.seam.rule.RuleInput` with the step filled in:
 the mask, the tokens the loss runs over, the rule's :class:`~verl_tokensel.core.seam.rule.LossTransform` (which
@@ -16,11 +16,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.batch import ScoreBatch
+from verl_tokensel.core.ranking.batch import ScoreBatch
 from verl_tokensel.core.seam.rule import LossContext, LossTransform, RuleInput
-from verl_tokensel.core.scores import SCORE_REGISTRY, grad_mass
-from verl_tokensel.core.select import selection_stats
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.ranking.scores import SCORE_REGISTRY, grad_mass
+from verl_tokensel.core.ranking.select import selection_stats
+from verl_tokensel.core.resolve.selection import Selection
 
 
 def _shaped(sel: Selection, x: RuleInput) -> tuple[Optional[LossTransform], Optional[RuleInput]]:

@@ -249,7 +249,7 @@ class _TokenselTrainerMixin:
         if self.tokensel_driver is not None:
             batch = self.tokensel_driver.select_v1(batch, metrics)
         from verl_tokensel.core.fields import UPDATE_PASS
-        from verl_tokensel.core.update_passes import run_update_passes, several_passes
+        from verl_tokensel.core.resolve.update_passes import run_update_passes, several_passes
 
         sel = self.tokensel_selection
         if not several_passes(sel):

@@ -12,7 +12,7 @@
   responses; ``normaliser=kept``: only the kept tokens' enter, over the pre-pass's count of them;
 - under every normaliser ``loss_mode``'s own sequence- and batch-level quantities (GSPO's sequence ratio, the
   covariance pools, bypass mode's sequence weights) run over every valid token, as stock verl's: how the unselected
-  tokens leave the sum is the loss's route (:mod:`~verl_tokensel.core.loss_modes`, docs/loss-modes.md);
+  tokens leave the sum is the loss's route (:mod:`~verl_tokensel.core.seam.loss_modes`, docs/loss-modes.md);
 - the entropy bonus and KL loss see the mask only with ``mask_entropy_bonus`` / ``mask_kl_loss``;
 - the rule's :class:`~verl_tokensel.core.seam.rule.LossTransform` is applied as it is: its gate (None: every
   token keeps the gradient), the advantages' affine map, the KL and entropy weights, and the per-token policy loss
@@ -36,11 +36,11 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils.losses import ppo_loss
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.loss_modes import loss_mode
+from verl_tokensel.core.seam.loss_modes import loss_mode
 from verl_tokensel.core.seam.rule import LossContext, RuleInput
 from verl_tokensel.core.step import apply_rule
-from verl_tokensel.core.select import EVERY_MICRO_BATCH_STATS
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.ranking.select import EVERY_MICRO_BATCH_STATS
+from verl_tokensel.core.resolve.selection import Selection
 from verl_tokensel.verl_glue.announce import announce_loss
 from verl_tokensel.verl_glue.micro_batch import unpack_micro_batch
 from verl_tokensel.verl_glue.policy_loss import transform_policy_loss
@@ -191,9 +191,10 @@ def _policy_loss_kwargs(config, sel: Selection, x: RuleInput) -> tuple[dict, dic
 
 def _leave_the_sum(route: str, mode: str, mask: torch.Tensor, kwargs: dict) -> dict:
     """The policy loss's inputs with the unselected tokens' per-token losses out of its sum (normaliser selected /
-    kept), by the loss's route (:mod:`~verl_tokensel.core.loss_modes`): the selected tokens as ``response_mask``, or
-    every valid token as ``response_mask`` (its own sequence and batch quantities over all of them, as stock) and the
-    selection multiplying the per-token loss's ``rollout_is_weights`` or the advantages (0 on an unselected token)."""
+    kept), by the loss's route (:mod:`~verl_tokensel.core.seam.loss_modes`): the selected tokens as
+    ``response_mask``, or every valid token as ``response_mask`` (its own sequence and batch quantities over all of
+    them, as stock) and the selection multiplying the per-token loss's ``rollout_is_weights`` or the advantages (0 on
+    an unselected token)."""
     if route == "mask":
         return {"response_mask": mask}
     weight = mask.to(kwargs["log_prob"].dtype)

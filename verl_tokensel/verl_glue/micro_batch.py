@@ -14,9 +14,9 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import no_padding_2_padding
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.batch import ScoreBatch, score_batch
-from verl_tokensel.core.selection import Selection
-from verl_tokensel.core.scores import score_params
+from verl_tokensel.core.ranking.batch import ScoreBatch, score_batch
+from verl_tokensel.core.resolve.selection import Selection
+from verl_tokensel.core.ranking.scores import score_params
 
 
 def assign_update_micro_batching(worker, data: TensorDict) -> None:
@@ -58,8 +58,8 @@ def _policy_outputs(model_output, data: TensorDict, padded: TensorDict):
 def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *, rank: bool = True,
                        extra_fields: tuple[str, ...] = ()) -> tuple[ScoreBatch, TensorDict]:
     """The engine's nested ``model_output`` and micro-batch ``data`` as padded tensors: their
-    :func:`~verl_tokensel.core.batch.score_batch` (carrying the engine's log-prob and entropy with their autograd
-    graph, for the loss) and the padded fields of ``data``.
+    :func:`~verl_tokensel.core.ranking.batch.score_batch` (carrying the engine's log-prob and entropy with their
+    autograd graph, for the loss) and the padded fields of ``data``.
 
     ``model_output=None``: the policy values are the old-log-prob pass's (``old_log_probs`` and, when present,
     ``entropy`` of ``data``): the pre-pass at the weights that pass measured.

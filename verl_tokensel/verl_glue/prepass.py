@@ -30,9 +30,9 @@ from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.padding import response_to_nested
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.dist_topk import global_group_ids
+from verl_tokensel.core.ranking.dist_topk import global_group_ids
 from verl_tokensel.core.step import apply_rule
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.resolve.selection import Selection
 from verl_tokensel.verl_glue.hidden import install_hidden_passes
 from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching, unpack_micro_batch

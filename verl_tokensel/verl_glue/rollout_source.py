@@ -22,8 +22,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.batch import group_ids, row_keys
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.ranking.batch import group_ids, row_keys
+from verl_tokensel.core.resolve.selection import Selection
 from verl_tokensel.verl_glue.actor_config import actor_selection
 from verl_tokensel.verl_glue.errors import config_error_at
 from verl_tokensel.core.driver_select import (

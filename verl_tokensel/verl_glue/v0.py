@@ -8,7 +8,7 @@ used only by ``python -m verl_tokensel.main_ppo`` with ``trainer.use_v1=false``:
 2. the driver's selection (``score_source=rollout``): a ``RayPPOTrainer`` subclass
    (:func:`tokensel_ray_ppo_trainer_class`) keeps the old-policy entropy ``fit`` pops and adds the mask and scores
    to the ``DataProto`` in ``_update_actor`` (:func:`select_v0`), and for a rule with several update passes calls
-   the update once per pass (:mod:`~verl_tokensel.core.update_passes`);
+   the update once per pass (:mod:`~verl_tokensel.core.resolve.update_passes`);
 3. building that subclass: :func:`v0_task_runner` rebinds the global ``RayPPOTrainer`` in the globals of the
    TaskRunner's ``run`` inside the TaskRunner process (verl's module is untouched), and swaps in the pre-pass actor
    worker class for ``score_source=prepass``.
@@ -24,7 +24,7 @@ import ray
 from omegaconf import DictConfig, open_dict
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.batch import row_keys
+from verl_tokensel.core.ranking.batch import row_keys
 from verl_tokensel.verl_glue.install import (
     V0_CHECKPOINT_MANAGER,
     check_v0_checkpoint_manager,
@@ -122,7 +122,7 @@ def tokensel_ray_ppo_trainer_class():
 
         def _update_actor(self, batch):
             from verl_tokensel.core.fields import UPDATE_PASS
-            from verl_tokensel.core.update_passes import run_update_passes, several_passes
+            from verl_tokensel.core.resolve.update_passes import run_update_passes, several_passes
 
             metrics = select_v0(self.tokensel_driver, batch) if self.tokensel_driver is not None else {}
             sel = self.tokensel_selection

@@ -65,7 +65,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     from verl_tokensel.analysis.page import build_page, token_texts
     from verl_tokensel.analysis.training_masks import scored_batch, select_preset
     from verl_tokensel.analysis.stats import advantages_or_unit
-    from verl_tokensel.core.presets import selection_for
+    from verl_tokensel.core.resolve.presets import selection_for
     from verl_tokensel_cpu.demo.tasks import get_task
 
     spec = get_task(task)

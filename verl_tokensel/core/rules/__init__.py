@@ -1,9 +1,10 @@
 """The built-in token rules, one module each, written with :mod:`verl_tokensel.rules` as a user's rule is.
 
 Importing this package imports every module in it, which registers the built-in rules and shapings: a new rule is
-one module here (and, optionally, its preset line in :mod:`~verl_tokensel.core.presets`). A rule module imports, of
-this project, only :mod:`verl_tokensel.rules` and the helper modules named in :data:`HELPERS` (a family's shared
-maths), which themselves import only it. The seam they are written against is :mod:`verl_tokensel.core.seam`.
+one module here (and, optionally, its preset line in :mod:`~verl_tokensel.core.resolve.presets`). A rule module
+imports, of this project, only :mod:`verl_tokensel.rules` and the helper modules named in :data:`HELPERS` (a
+family's shared maths), which themselves import only it. The seam they are written against is
+:mod:`verl_tokensel.core.seam`.
 """
 
 import importlib
@@ -11,17 +12,15 @@ import pkgutil
 import tomllib
 from pathlib import Path
 
+from verl_tokensel.core.seam.knobs import Knobs, Ranking, knob
 from verl_tokensel.core.seam.rule import (
     RULE_REGISTRY,
     About,
     ActorSettings,
-    Knobs,
     LossTransform,
     Needs,
-    Ranking,
     Rule,
     RuleInput,
-    knob,
     register_rule,
 )
 from verl_tokensel.core.seam.shaping import SHAPING_REGISTRY, Shaping, register_shaping

@@ -13,7 +13,7 @@ AReaL takes the pool per rank and per micro-batch; here it is the whole mini-bat
 exact, with nothing of size N leaving a rank: the kept count is found by a radix descent over the float32 order of
 ``m2`` (4 passes, each one all-reduce of a 256-bin histogram of counts and sums of ``m2 - threshold``: the rest's
 mean is under the threshold while its sum of ``m2 - threshold`` is negative), and the masked tokens are then the
-exact distributed top-k (:mod:`~verl_tokensel.core.dist_topk`): ties at the boundary are masked earliest first
+exact distributed top-k (:mod:`~verl_tokensel.core.ranking.dist_topk`): ties at the boundary are masked earliest first
 (lower rank, then row-major position), as a stable descending sort of the concatenated pool would order them. Both
 log-probs are fixed before the update, so the score reads no policy value and the pre-pass runs no forward.
 """

@@ -13,9 +13,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import TokenSelectionConfigError, config_error
-from verl_tokensel.core.loss_modes import LOSS_MODES, loss_mode
-from verl_tokensel.core.seam.rule import OWN_LOSS_MODES, ActorSettings, Ranking
-from verl_tokensel.core.scores import SCORE_REGISTRY
+from verl_tokensel.core.seam.loss_modes import LOSS_MODES, loss_mode
+from verl_tokensel.core.seam.knobs import Ranking
+from verl_tokensel.core.seam.rule import OWN_LOSS_MODES, ActorSettings
+from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
 
 QUANTILE_SCOPES = ("sequence", "micro_batch")
 # Scores whose omega = r * A * 1[not clipped] assumes verl's token-level clipped surrogate and these KL types
@@ -176,8 +177,9 @@ def check_actor(sel: Any, rule: Any, actor: ActorSettings) -> None:
 
 
 def check_loss_mode_serves_normaliser(sel: Any, rule: Any, mode: str) -> None:
-    """verl's policy loss ``mode`` can serve the normaliser (:mod:`~verl_tokensel.core.loss_modes`): a loss without a
-    token-mean (SAPO, GMPO) serves only ``normaliser=all``, where the selection gates the gradient and nothing else."""
+    """verl's policy loss ``mode`` can serve the normaliser (:mod:`~verl_tokensel.core.seam.loss_modes`): a loss
+    without a token-mean (SAPO, GMPO) serves only ``normaliser=all``, where the selection gates the gradient and
+    nothing else."""
     if rule.needs.policy_loss or sel.normaliser in loss_mode(mode).normalisers:
         return
     serving = [m for m, spec in LOSS_MODES.items() if sel.normaliser in spec.normalisers]

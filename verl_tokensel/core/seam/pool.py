@@ -13,9 +13,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.dist_topk import all_reduce_sum, ordered_keys32, topk_mask_distributed
-from verl_tokensel.core.scopes import dp_world
-from verl_tokensel.core.select import keep_first_k
+from verl_tokensel.core.ranking.dist_topk import all_reduce_sum, ordered_keys32, topk_mask_distributed
+from verl_tokensel.core.ranking.scopes import dp_world
+from verl_tokensel.core.ranking.select import keep_first_k
 
 #: the scopes whose pool spans every data-parallel rank (the others are one rank's tokens)
 POOLED_SCOPES = ("micro_batch_dp", "mini_batch", "group", "batch")

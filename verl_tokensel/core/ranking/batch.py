@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from verl_tokensel.core import fields
-from verl_tokensel.core.scores import (
+from verl_tokensel.core.ranking.scores import (
     SCORE_REGISTRY,
     ScoreInputs,
     compute_score,

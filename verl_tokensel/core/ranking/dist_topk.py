@@ -6,7 +6,7 @@ histogram of the still-matching candidates, summed over ranks with one ``all_red
 Bytes sent per rank are therefore independent of the number of tokens, unlike an all-gather
 (whose cost grows with N and which ``torch.quantile`` cannot even rank past 2^24 elements).
 
-Semantics are exactly those of :func:`verl_tokensel.core.select.select_tokens` over the
+Semantics are exactly those of :func:`verl_tokensel.core.ranking.select.select_tokens` over the
 concatenation of the ranks' pools in rank order: ``k`` items kept; ties at the threshold go to
 the earliest items (lower rank first, then local order); NaN ranks below every number; every rank
 computes the same threshold. Scores are compared after rounding to float32 (float64 inputs that
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.scopes import budget, world_size
+from verl_tokensel.core.ranking.scopes import budget, world_size
 
 _BITS = 8
 _PASSES = 32 // _BITS

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY
 from verl_tokensel.core.seam.checks import validate
-from verl_tokensel.core.scopes import SOURCE_SCOPES
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.ranking.scopes import SOURCE_SCOPES
+from verl_tokensel.core.resolve.selection import Selection
 
 
 def preset(rule: str, *, shaping: str = "none", shaping_knobs: Optional[dict[str, Any]] = None,

@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from verl_tokensel.core.dist_topk import grouped_topk_mask_distributed, ordered_keys32, topk_mask_distributed
-from verl_tokensel.core.scopes import budget, dp_world, invalid_rule_arg
+from verl_tokensel.core.ranking.dist_topk import grouped_topk_mask_distributed, ordered_keys32, topk_mask_distributed
+from verl_tokensel.core.ranking.scopes import budget, dp_world, invalid_rule_arg
 
 _PAD_KEY = -(2**31)  # below every key, NaN included
 
@@ -61,7 +61,7 @@ def select_tokens(
         dp_group: process group of the data-parallel ranks (``micro_batch_dp``, ``mini_batch``,
             ``batch``, ``group``; None or a world of one means a single rank).
         group_ids: ``(batch,)`` int64 group of each row (``group`` only).
-        pool: one of :data:`~verl_tokensel.core.scopes.POOLS`: ``valid`` (the budget is ``ceil(ratio * n)`` of
+        pool: one of :data:`~verl_tokensel.core.ranking.scopes.POOLS`: ``valid`` (the budget is ``ceil(ratio * n)`` of
             the scope's valid tokens) or ``nonzero`` (of its valid tokens whose score is not exactly 0; the
             others are never selected).
 

@@ -1,8 +1,8 @@
 """Scopes: the pools a selection budget is taken from, which score source can fill each, the directions, the
 budget, the world size.
 
-One home for what the shared config and the rules (validation), :mod:`~verl_tokensel.core.select` and
-:mod:`~verl_tokensel.core.dist_topk` (selection) all need, so neither of the last two imports the other
+One home for what the shared config and the rules (validation), :mod:`~verl_tokensel.core.ranking.select` and
+:mod:`~verl_tokensel.core.ranking.dist_topk` (selection) all need, so neither of the last two imports the other
 for it. Pure torch.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.resolve.selection import Selection
 
 
 def several_passes(sel: Optional[Selection]) -> bool:

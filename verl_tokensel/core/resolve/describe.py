@@ -3,7 +3,7 @@ torch, no verl import.
 
 Everything comes from the fields the components carry: a rule's or shaping's ``about`` (source, formula,
 deviations; :func:`~verl_tokensel.core.seam.rule.register_rule`), its knobs (default, help, paper value;
-:func:`~verl_tokensel.core.seam.rule.knob`) and the presets (:data:`~verl_tokensel.core.presets.PRESETS`). The
+:func:`~verl_tokensel.core.seam.rule.knob`) and the presets (:data:`~verl_tokensel.core.resolve.presets.PRESETS`). The
 generated docs page ``docs/knobs.md`` (``scripts/knob_docs.py``) renders the same fields with the helpers here, so a
 rule registered from user code is described the way a built-in one is.
 """
@@ -15,10 +15,11 @@ import textwrap
 from typing import Any, Optional
 
 from verl_tokensel.core.errors import suggest
-from verl_tokensel.core.presets import PRESETS, selection_for, selectors
+from verl_tokensel.core.resolve.presets import PRESETS, selection_for, selectors
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Ranking
-from verl_tokensel.core.seam.rule import About, knob_fields
-from verl_tokensel.core.selection import Selection
+from verl_tokensel.core.seam.knobs import knob_fields
+from verl_tokensel.core.seam.rule import About
+from verl_tokensel.core.resolve.selection import Selection
 
 WIDTH = 116
 #: the shared keys of a resolved preset, in the YAML's order

@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from verl_tokensel.core.errors import check_bool, check_choice, config_error
 from verl_tokensel.core.rules import RULE_REGISTRY, SHAPING_REGISTRY, Ranking, Rule, Shaping
-from verl_tokensel.core.scopes import SCOPES, SCORE_SOURCES, SOURCE_SCOPES
-from verl_tokensel.core.scores import SCORE_REGISTRY, ScoreSpec
+from verl_tokensel.core.ranking.scopes import SCOPES, SCORE_SOURCES, SOURCE_SCOPES
+from verl_tokensel.core.ranking.scores import SCORE_REGISTRY, ScoreSpec
 
 # the token-mean denominator: all valid tokens; each micro-batch's selected tokens (80/20 code); or the selected
 # (kept) tokens of the whole mini-batch, which then are the loss's only tokens (STAPO's renormalisation)
