@@ -137,12 +137,13 @@ def resolve_selection(
     """
     overrides = overrides if overrides is not None else TokenSelectionConfig()
     if not isinstance(token_selector, str) or token_selector not in selectors():
-        near = suggest(token_selector, selectors()) if isinstance(token_selector, str) else None
+        using = [p for p, sel in PRESETS.items() if sel is not None and sel.rule == token_selector]
         raise config_error(
             "token_selector", token_selector, ", ".join(selectors()),
-            (f"did you mean {near}? " if near else "") + "A rule or preset of your own registers when its module is "
-            "imported: list the module in VERL_USE_EXTERNAL_MODULES (comma-separated, importable from the working "
-            "directory, e.g. VERL_USE_EXTERNAL_MODULES=my_rules), as verl does for its own plugins.")
+            (f"rule {token_selector} runs through its presets ({', '.join(using)}). " if using else "")
+            + "A rule or preset of your own registers when its module is imported: list the module in "
+            "VERL_USE_EXTERNAL_MODULES (comma-separated, importable from the working directory, e.g. "
+            "VERL_USE_EXTERNAL_MODULES=my_rules), as verl does for its own plugins.")
     base = selection_for(token_selector)
     given = overrides.overrides()
     if base is None:

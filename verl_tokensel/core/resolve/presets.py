@@ -144,17 +144,19 @@ def register_preset(name: str, *, rule: str, **values: Any) -> Selection:
 
 
 def selectors() -> tuple[str, ...]:
-    """Every valid ``token_selector``: the presets, then each registered rule without a preset of its name (its
-    knobs' defaults)."""
-    return (*PRESETS, *(name for name in RULE_REGISTRY if name not in PRESETS))
+    """Every valid ``token_selector``: the presets, then each registered rule that no preset names (its knobs'
+    defaults; a rule with presets is reached through them)."""
+    used = {sel.rule for sel in PRESETS.values() if sel is not None}
+    return (*PRESETS, *(name for name in RULE_REGISTRY if name not in PRESETS and name not in used))
 
 
 def selection_for(name: str) -> Optional[Selection]:
-    """What ``token_selector=name`` trains with: the preset ``name``, else the registered rule ``name`` with its
-    knobs' defaults and the first score source, scope and normaliser its ``Needs`` allows (None for ``none``)."""
+    """What ``token_selector=name`` trains with: the preset ``name``, else the registered rule ``name`` (one no preset
+    names) with its knobs' defaults and the first score source, scope and normaliser its ``Needs`` allows (None for
+    ``none``)."""
     if name in PRESETS:
         return PRESETS[name]
-    if name in RULE_REGISTRY:
+    if name in selectors():
         return preset(name)
     raise KeyError(name)
 
