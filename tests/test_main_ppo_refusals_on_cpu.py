@@ -68,7 +68,7 @@ def test_the_readme_says_what_each_entry_point_does_with_an_invalid_value(tmp_pa
 
 def test_the_entry_point_and_the_cpu_distribution_print_one_prefix():
     """Messages start with the command's name, ``verl-tokensel:``, never ``verl_tokensel:``."""
-    files = [ROOT / "verl_tokensel" / "main_ppo.py",
+    files = [*sorted((ROOT / "verl_tokensel").rglob("*.py")),
              *sorted((ROOT / "verl-tokensel-cpu" / "verl_tokensel_cpu").rglob("*.py"))]
     old = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, line in enumerate(p.read_text().splitlines(), 1)
            if re.search(r"""["'(]verl_tokensel: """, line)]

@@ -87,7 +87,7 @@ def test_broken_plugin_import_is_loud():
             "assert p.LOAD_ERROR is not None\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert "verl_tokensel: the verl plugin failed to load, token selection is NOT active" in res.stderr
+    assert "verl-tokensel: the verl plugin failed to load, token selection is NOT active" in res.stderr
 
 
 def _default_suite_tests(path: Path) -> set[str]:

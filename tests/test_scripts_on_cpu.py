@@ -155,7 +155,7 @@ def test_gspo_serves_a_token_mean_selector():
 def test_verl_config_names_compose_ours(args, ours):
     rewritten, line = our_config_args(args)
     assert rewritten == ["a=1", f"--config-name={ours}"]
-    assert line.startswith("verl_tokensel: --config-name=") and f"composes {ours}" in line and "\n" not in line
+    assert line.startswith("verl-tokensel: --config-name=") and f"composes {ours}" in line and "\n" not in line
 
 
 @pytest.mark.parametrize("args", [
@@ -220,7 +220,7 @@ def test_cli_megatron_script_with_only_the_module_swapped():
     """The Megatron script through the real CLI: ``--cfg job`` prints the composed config without running."""
     res = _run("verl_tokensel.main_ppo", *SCRIPTS["megatron_tp_pp"], f"{SEL}=gmts", "--cfg", "job")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert ("verl_tokensel: --config-name=ppo_megatron_trainer.yaml is verl's config; verl_tokensel.main_ppo "
+    assert ("verl-tokensel: --config-name=ppo_megatron_trainer.yaml is verl's config; verl_tokensel.main_ppo "
             "composes tokensel_megatron_trainer") in res.stderr
     job = yaml.safe_load(res.stdout)
     assert job["model_engine"] == "megatron" and job["trainer"]["v1"]["trainer_mode"] == "tokensel_sync"
@@ -233,5 +233,5 @@ def test_verl_entry_point_with_the_key_stops_with_one_line():
     res = _run("verl.trainer.main_ppo", f"+{SEL}=forking", "trainer.total_epochs=1")
     assert res.returncode == 2, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith(f"verl_tokensel: {SEL} (`+{SEL}=forking`) is not a key"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"verl-tokensel: {SEL} (`+{SEL}=forking`) is not a key"), lines
     assert "not in struct" not in res.stderr and "Traceback" not in res.stderr

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from helpers.wheel import CPU_ROOT, CPU_WHEEL_NAME, ROOT, WHEEL_NAME, make_venv
-RUNTIME_SUFFIXES = {".py", ".yaml"}  # what the package reads at run time
+RUNTIME_SUFFIXES = {".py", ".yaml", ".toml"}  # what the package reads at run time
 
 
 def _package_files(root: Path = ROOT, package: str = "verl_tokensel") -> list[str]:

@@ -36,7 +36,7 @@ TRAINER_PACKAGE = "verl.trainer.ppo.v1"
 #: verl's policy-loss registry: ours (``tokensel_ppo_clip``) is registered right after it
 POLICY_LOSSES_MODULE = "verl.trainer.ppo.core_algos"
 
-SELECTION_FAILED = "verl_tokensel: the verl plugin failed to load, token selection is NOT active in this process.\n"
+SELECTION_FAILED = "verl-tokensel: the verl plugin failed to load, token selection is NOT active in this process.\n"
 
 
 def load_selection() -> None:

@@ -42,4 +42,4 @@ def announce_loss(loss) -> None:
     try:
         print(loss_announcement(loss), file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001 - a log line must never break the install
-        print(f"verl_tokensel: selecting loss installed (announcement failed: {e})", file=sys.stderr, flush=True)
+        print(f"verl-tokensel: selecting loss installed (announcement failed: {e})", file=sys.stderr, flush=True)

@@ -142,7 +142,7 @@ def prepare_driver_config(config: DictConfig) -> None:
         # resolve_selection already refused this combination when auto_enable_entropy is false
         with open_dict(config):
             config.actor_rollout_ref.actor.calculate_entropy = True
-        logger.info("verl_tokensel: token_selector=%s needs entropy; set actor.calculate_entropy=True",
+        logger.info("verl-tokensel: token_selector=%s needs entropy; set actor.calculate_entropy=True",
                     actor.token_selector)
 
 
@@ -157,7 +157,7 @@ def install_actor_loss(actor_wg, config: DictConfig) -> None:
     if OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None) is None:
         return
     actor_wg.set_loss_fn(build_actor_loss(config))
-    logger.info("verl_tokensel: selecting loss installed on the actor workers")
+    logger.info("verl-tokensel: selecting loss installed on the actor workers")
 
 
 # ----------------------------------------------------------------------------- V1 driver

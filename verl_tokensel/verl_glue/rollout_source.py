@@ -262,7 +262,7 @@ class DriverSelector:
     def select_rows(self, padded: dict[str, torch.Tensor], uids, keys, row_valid, external) -> DriverSelection:
         if self.sel.uses_sum_pi_squared and padded.get("sum_pi_squared") is None and not self._warned_sp2:
             self._warned_sp2 = True
-            logger.warning("verl_tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
+            logger.warning("verl-tokensel: score %s without sum_j p_j^2 from the old-log-prob pass (bypass mode?): "
                            "using its (1 - p_a) lower bound", self.sel.score)
         tensors = {k: padded.get(k) for k in fields.DRIVER_INPUTS}
         if not self.params["kl_coef"]:

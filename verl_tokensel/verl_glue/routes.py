@@ -122,7 +122,7 @@ def our_config_args(args: list[str]) -> tuple[list[str], str | None]:
     drop = {i for key in ("name", "path") if key in opts for i in range(opts[key][1], opts[key][1] + opts[key][2])}
     # our entry point's own folder (config_path="config" of hydra.main) holds ours, which compose verl's
     rewritten = [a for i, a in enumerate(args) if i not in drop] + [f"--config-name={ours}"]
-    line = (f"verl_tokensel: --config-name={opts['name'][0]} is verl's config; {OUR_ENTRY_POINT} composes {ours} "
+    line = (f"verl-tokensel: --config-name={opts['name'][0]} is verl's config; {OUR_ENTRY_POINT} composes {ours} "
             f"(verl's {verl_name} with the token-selection keys) instead")
     return rewritten, line
 
@@ -162,7 +162,7 @@ def wrong_route_line(orig_argv: list[str] | None = None, argv: list[str] | None 
     ours = OUR_CONFIG[verl_name]
     plus = "; either way without the + (our config declares the key)" if keys[0].startswith("+") else ""
     key = keys[0].lstrip("+").split("=", 1)[0]
-    return (f"verl_tokensel: {key} (`{keys[0]}`) is not a key of verl's {verl_name} config, which "
+    return (f"verl-tokensel: {key} (`{keys[0]}`) is not a key of verl's {verl_name} config, which "
             f"{VERL_ENTRY_POINT} composes here; run `python -m {OUR_ENTRY_POINT} <the same arguments>` (it takes "
             f"--config-name={verl_name} as {ours}), or give {VERL_ENTRY_POINT} our config: "
             f"--config-path={OUR_CONFIG_PATH} --config-name={ours}{plus}")
