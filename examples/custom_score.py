@@ -1,7 +1,8 @@
 """Your own token score, and a preset that selects with it.
 
-A score is a function of :class:`verl_tokensel.core.ranking.scores.ScoreInputs` returning ``(batch,
-response_len)`` scores; a preset names a score plus the selection rule. Both registries refuse to
+A score is a function of the padded per-token inputs (``inp``: a ``ScoreInputs``, its fields in docs/rule-api.md)
+returning ``(batch, response_len)`` scores, registered with ``register_score`` from :mod:`verl_tokensel.rules`; a
+preset names a score plus the selection rule. Both registries refuse to
 overwrite an existing name. This one, ``low_confidence``: ``1 - p(a_t)``, the tokens the policy sampled
 with low probability (no entropy needed, so the engine computes nothing extra).
 
@@ -18,15 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from verl_tokensel.core.ranking.scores import ScoreInputs, register_score
-from verl_tokensel.rules import register_preset
+from verl_tokensel.rules import register_preset, register_score
 
 NAME = "low_confidence"
 
 
 @register_score(NAME, needs_entropy=False, needs_omega=False,
                 help="1 - p(a_t): tokens the policy sampled with low probability")
-def low_confidence(inp: ScoreInputs) -> torch.Tensor:
+def low_confidence(inp) -> torch.Tensor:
     # detached: a score ranks tokens, it never carries gradient; expm1 keeps precision near p = 1
     return -torch.expm1(inp.log_prob.detach().float())
 
@@ -37,6 +37,7 @@ register_preset(NAME, rule="gradient_mask", score=NAME, ratio=0.2, direction="to
 
 if __name__ == "__main__":
     from verl_tokensel.core.config import resolve_selection
+    from verl_tokensel.core.ranking.scores import ScoreInputs
     from verl_tokensel.core.ranking.select import select_tokens
 
     rule = resolve_selection(NAME)  # what every process derives from token_selector=low_confidence

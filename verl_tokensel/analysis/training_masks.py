@@ -69,7 +69,7 @@ def select_preset(batch: ScoreBatch, sel, *, ratio: Optional[float] = None,
     ratio = sel.ratio if ratio is None else ratio
     scope = scope or ("sequence" if sel.scope == "sequence" else "micro_batch")
     selected = apply_rule(sel, batch, stats=False, ratio=ratio, scope=scope)
-    scores, mask = selected.scores, selected.mask
+    scores, mask = selected.scores, selected.selected  # what the rule selected and its gate lets through
     tokens = selected.tokens
     ranking = sel.knobs if isinstance(sel.knobs, Ranking) else Ranking(score="all", ratio=1.0)
     valid = tokens & (scores != 0) if ranking.pool == "nonzero" else tokens  # the pool the budget counts
