@@ -482,17 +482,17 @@ class SanityRecorder:
             if bool((mask & ~valid).any()):
                 out["failures"].append("a padding position was selected")
             by_budget = counts_by_budget(selection)
-            kind = getattr(selection.knobs, "budget", "count")
+            kind = getattr(selection.knobs, "budget", "count") if selection is not None else None
             if by_budget and selection.scope == "micro_batch" and kind == "count":
-                want = budget(selection.knobs.ratio, n_valid)
+                want = budget(selection.ratio, n_valid)
                 out["count_checked"] += 1
                 if n_sel != want:
                     out["failures"].append(f"micro-batch with {n_valid} valid tokens: {n_sel} selected, "
-                                           f"ceil({selection.knobs.ratio} N) = {want}")
-            elif by_budget and selection.scope == "sequence" and budget == "quantile":
+                                           f"ceil({selection.ratio} N) = {want}")
+            elif by_budget and selection.scope == "sequence" and kind == "quantile":
                 # strictly above the response's (1 - ratio) quantile (linear interpolation): with distinct scores
                 # the top n - 1 - floor((1 - ratio)(n - 1)) of its n valid tokens
-                q = 1.0 - selection.knobs.ratio
+                q = 1.0 - selection.ratio
                 rows_valid, rows_sel = valid.sum(-1).tolist(), mask.sum(-1).tolist()
                 want_rows = [n - 1 - math.floor(q * (n - 1)) if n else 0 for n in rows_valid]
                 out["count_checked"] += 1
@@ -520,7 +520,7 @@ class SanityRecorder:
             if sel_total != expected_selected:
                 out["failures"].append(f"{sel_total} tokens selected over the step, {expected_selected} expected "
                                        f"(sum over the {selection.scope if selection else '?'} pools of "
-                                       f"ceil({selection.knobs.ratio if selection else '?'} n))")
+                                       f"ceil({selection.ratio if selection else '?'} n))")
         out.update(selected_tokens=sel_total, valid_tokens=valid_total,
                    selected_fraction=sel_total / max(valid_total, 1),
                    selected_fraction_per_micro_batch=[round(f, 6) for f in fractions],
@@ -691,17 +691,17 @@ def expected_selected(sel, valid_per_row: list[int], uids: list) -> int | None:
     if sel.rule == "kl_cov" and sel.scope == "mini_batch":
         from verl_tokensel.core.rules.covariance import cov_budget
 
-        return cov_budget(sel.knobs.ratio, sum(valid_per_row))
-    if not counts_by_budget(sel) or sel.knobs.budget != "count":
+        return cov_budget(sel.ratio, sum(valid_per_row))
+    if not counts_by_budget(sel) or getattr(sel.knobs, "budget", "count") != "count":
         return None
     if sel.scope == "sequence":
-        return sum(budget(sel.knobs.ratio, n) for n in valid_per_row)
+        return sum(budget(sel.ratio, n) for n in valid_per_row)
     if sel.scope == "group":
         groups: dict = {}
         for uid, n in zip(uids, valid_per_row):
             groups[uid] = groups.get(uid, 0) + n
-        return sum(budget(sel.knobs.ratio, n) for n in groups.values())
-    return budget(sel.knobs.ratio, sum(valid_per_row))  # mini_batch / batch: one mini-batch per step here
+        return sum(budget(sel.ratio, n) for n in groups.values())
+    return budget(sel.ratio, sum(valid_per_row))  # mini_batch / batch: one mini-batch per step here
 
 
 #: the rollout engine's log-probs for a score that reads them (m2po_global): the old pass's moved by a keyed

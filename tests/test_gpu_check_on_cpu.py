@@ -106,7 +106,7 @@ def test_tiny_cpu_run_passes_and_prints_the_table(tiny_run):
 def test_default_variants_are_every_preset_and_the_two_references():
     """The FSDP phase's default list is PRESETS (read at run time) plus the references: a preset added to PRESETS
     is in it without anyone listing it, and a registered one too."""
-    from verl_tokensel.core.config import PRESETS, preset
+    from verl_tokensel.core.config import PRESETS
     from verl_tokensel.core.resolve.presets import register_preset
 
     gc = _load_script()
@@ -124,8 +124,8 @@ def test_default_variants_are_every_preset_and_the_two_references():
     assert few.workload == "compare" and few.steps == 5 and few.warmup == 1 and few.budget_steps == 150
     for name in names:  # every default variant parses
         gc.parse_variant(name, run_prepass=True, run_driver=True)
-    register_preset("_gpu_check_probe", preset("gradient_mask", score="entropy", ratio=0.3, scope="micro_batch",
-                                               normaliser="all"))
+    register_preset("_gpu_check_probe", rule="gradient_mask", score="entropy", ratio=0.3, scope="micro_batch",
+                    normaliser="all")
     try:
         assert gc.default_variants()[-1] == "_gpu_check_probe"
     finally:

@@ -100,7 +100,7 @@ def analyse_rollouts(data: str | Path, model_dir: str | Path, preset: str, html_
     n_tok, n_sel, n_dec, n_route = int(valid.sum()), int(mask.sum()), int(decision.sum()), int(route.sum())
     args = argparse.Namespace(preset=preset, ratio=None, scope=None, max_responses=None, temperature=1.0,
                               model=str(model_dir), data=str(data))
-    shade = sel.knobs.score if sel is not None and sel.knobs.score != "random" else "entropy"
+    shade = sel.score if sel is not None and sel.score != "random" else "entropy"
     page = build_page(args, records, pairs, scored, advantages, adv_source, tokenizer, sel, shade, len(records))
     Path(html_path).parent.mkdir(parents=True, exist_ok=True)
     Path(html_path).write_text(page, encoding="utf-8")
