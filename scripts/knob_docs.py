@@ -222,7 +222,8 @@ def rule_api_md() -> str:
     from verl_tokensel.core.ranking.scores import ScoreInputs
 
     out += ["## `ScoreInputs`: what a registered score reads (`inp`)", "", *_attributes(ScoreInputs),
-            "## `HiddenStates`: passes over the last hidden states", "", *_attributes(public.HiddenStates)]
+            "## `HiddenStates`: passes over the last hidden states", "", *_attributes(public.HiddenStates),
+            "## `VocabStat`: per-token reductions over the vocabulary", "", *_attributes(public.VocabStat)]
     return "\n".join(out).rstrip("\n") + "\n"
 
 

@@ -66,10 +66,12 @@ ADDED_NAMES = {
     "Ranking": "the ranking knobs (score, ratio, direction, pool, budget), only for the rules that rank",
     "Pool": "exact sums, counts and top-k over the data-parallel ranks (KL-Cov, Clip-Cov, STAPO, M2PO)",
     "register_score": "a rule's own per-token score, measured by the driver or the pre-pass (6 built-in rules)",
+    "VocabStat": "a per-token reduction over the vocabulary in verl's old-log-prob pass or the update forward "
+                 "(Lp-Reg's min-p proxy, SimKO's top-k log-probs)",
 }
 
 
-def test_a_rule_author_imports_one_module_of_at_most_thirteen_names():
+def test_a_rule_author_imports_one_module_of_at_most_fourteen_names():
     """``verl_tokensel.rules`` is the whole seam a rule author meets: the ten names plus those the built-in rules
     needed (:data:`ADDED_NAMES`), each importable, and the example rule in user code imports nothing else of the
     package."""

@@ -27,7 +27,8 @@ one :class:`RuleInput` ``x``; ``check(c)``, run once when the config is resolved
 finite inputs) and ``x.mask`` the tokens its selection kept (after ``select``; every one of ``x.tokens`` for a rule
 that does not rank); a gate (``LossTransform(gate=...)``) narrows the gradient further, and the selection metrics
 count both. What a rule needs from the pipeline (entropy, a pre-pass or the driver's pass, its own policy loss,
-update passes, prompt groups, passes over the last hidden states: a :class:`HiddenStates`) is one :class:`Needs`; a
+update passes, prompt groups, passes over the last hidden states: a :class:`HiddenStates`, per-token reductions over
+the vocabulary in verl's old-log-prob pass or the update forward: :class:`VocabStat` s) is one :class:`Needs`; a
 rule that declares a need and does not get it fails naming the need. A rule that ranks extends :class:`Ranking` (the
 score, ratio, direction, pool and budget knobs); one that pools over the data-parallel ranks uses ``x.pool`` (a
 :class:`Pool`); one whose per-token score the driver, the pre-pass or ``verl-tokensel view`` evaluates registers it
@@ -45,6 +46,7 @@ from verl_tokensel.core.seam.hidden import HiddenStates
 from verl_tokensel.core.seam.pool import Pool
 from verl_tokensel.core.seam.knobs import Knobs, Ranking, knob
 from verl_tokensel.core.seam.rule import LossTransform, Needs, Rule, RuleInput, register_rule
+from verl_tokensel.core.seam.vocab import VocabStat
 
 
 def register_preset(name: str, *, rule: str, **values: Any):
@@ -58,4 +60,4 @@ def register_preset(name: str, *, rule: str, **values: Any):
 
 
 __all__ = ["HiddenStates", "Knobs", "LossTransform", "Needs", "Pool", "Ranking", "Rule", "RuleInput", "config_error",
-           "knob", "register_preset", "register_rule", "register_score"]
+           "VocabStat", "knob", "register_preset", "register_rule", "register_score"]

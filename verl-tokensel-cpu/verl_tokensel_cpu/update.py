@@ -17,9 +17,11 @@ def train_with(actor: CpuActor, selector: str, *, seed: int = 0, **knobs) -> tup
     from verl_tokensel.verl_glue.loss import SelectingLoss
 
     config = selecting_actor_config(actor, selector, **knobs)
+    loss = SelectingLoss(config)
+    actor.set_loss_fn(loss)  # as verl's trainer: the loss is installed before the old-log-prob pass reads it
     batch = make_update_batch(actor, seed=seed)
     compute_old_log_probs(actor, batch)
-    return run_train_step(actor, batch, loss_fn=SelectingLoss(config)), config.selection
+    return run_train_step(actor, batch, loss_fn=loss), config.selection
 
 
 def metric_means(result: StepResult, prefix: str) -> dict[str, float]:

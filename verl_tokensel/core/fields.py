@@ -47,6 +47,8 @@ SCORE = "token_select_score"
 #: ``response_mask``, written before the update; and the row index those passes give each response of the batch
 HIDDEN = "tokensel_hidden_values"
 ROW = "tokensel_row"
+#: prefix of the per-token vocabulary reductions a rule declares (``Needs(vocab=...)``): ``<prefix><VocabStat.key>``
+VOCAB_PREFIX = "tokensel_vocab_"
 #: the non-tensor key the drivers set on each update pass of a rule with several (its ``update_passes``)
 UPDATE_PASS = "tokensel_update_pass"
 

@@ -25,6 +25,7 @@ from verl_tokensel.core.seam.checks import check_prompt_groups
 from verl_tokensel.verl_glue.actor_config import actor_selection, resolve_actor_config
 from verl_tokensel.verl_glue.errors import config_error_at
 from verl_tokensel.verl_glue.loss import SelectingLoss
+from verl_tokensel.verl_glue.vocab import check_vocab_engine
 from verl_tokensel.verl_glue.rollout_source import (
     DriverSelector,
     check_bypass_mode,
@@ -68,6 +69,7 @@ def validate_driver_config(config: DictConfig) -> None:
         check_prompt_groups(sel, OmegaConf.select(config, "algorithm.adv_estimator", default=None))
     check_bypass_mode(config, sel)
     _check_fused_kernels(config, selector, sel)
+    check_vocab_engine(config, sel)
     _check_rollout_log_probs(config, selector, sel)
     if not OmegaConf.select(config, "trainer.use_v1", default=True):
         check_v0_checkpoint_manager(config)

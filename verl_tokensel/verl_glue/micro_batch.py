@@ -17,6 +17,7 @@ from verl_tokensel.core import fields
 from verl_tokensel.core.ranking.batch import ScoreBatch, score_batch
 from verl_tokensel.core.resolve.selection import Selection
 from verl_tokensel.core.ranking.scores import score_params
+from verl_tokensel.verl_glue.vocab import padded_vocab, vocab_stats
 
 
 def assign_update_micro_batching(worker, data: TensorDict) -> None:
@@ -87,9 +88,12 @@ def unpack_micro_batch(config, sel: Selection, model_output, data: TensorDict, *
                     fields.SUM_PI_SQUARED: sum_pi_squared})
     if config.use_kl_loss:  # read by the KL part of omega, and a finite input of the loss
         tensors[fields.REF_LOG_PROB] = padded.get(fields.REF_LOG_PROB, None)
-    external = {fields.HIDDEN: padded[fields.HIDDEN]} if fields.HIDDEN in padded.keys() else None
+    external = {fields.HIDDEN: padded[fields.HIDDEN]} if fields.HIDDEN in padded.keys() else {}
+    stats = vocab_stats(config)
+    if stats:  # the rule's per-token reductions over the vocabulary (verl_glue.vocab)
+        external.update(padded_vocab(model_output, data, stats))
     sb = score_batch(sel.scores, tensors, input_ids=ids, attention_mask=attn, uids=uids, scope=sel.scope,
-                     seed=sel.seed, params=score_params(config), external=external)
+                     seed=sel.seed, params=score_params(config), external=external or None)
     sb.loss_log_prob, sb.loss_entropy = log_prob, entropy
     return sb, padded
 

@@ -226,7 +226,10 @@ def install_no_graph_scores(worker) -> bool:
                 with _no_graph_functions(engine, log_prob=False):
                     return base(output, output_args, micro_batch, logits_processor_func)
             if wants_no_graph(loss_fn.config):
-                with _no_graph_functions(engine, inplace_ok=not _distillation(micro_batch)):
+                from verl_tokensel.verl_glue.vocab import needs_logit_grad
+
+                inplace_ok = not _distillation(micro_batch) and not needs_logit_grad(loss_fn.config)
+                with _no_graph_functions(engine, inplace_ok=inplace_ok):
                     return base(output, output_args, micro_batch, logits_processor_func)
         return base(output, output_args, micro_batch, logits_processor_func)
 

@@ -37,6 +37,7 @@ from verl_tokensel.verl_glue.hidden import install_hidden_passes
 from verl_tokensel.verl_glue.loss import METRIC_PREFIX, SelectingLoss
 from verl_tokensel.verl_glue.micro_batch import assign_update_micro_batching, unpack_micro_batch
 from verl_tokensel.verl_glue.no_graph import install_no_graph_entropy
+from verl_tokensel.verl_glue.vocab import install_vocab_reductions
 from verl_tokensel.verl_glue.weight_versions import install_weight_versions, old_pass_is_current
 
 PREPASS_METRIC_PREFIX = METRIC_PREFIX + "prepass/"
@@ -180,7 +181,9 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
       ``train_batch`` or ``infer_batch`` under a selecting loss, so the old-log-prob pass's entropy comes from the
       same function (:func:`~verl_tokensel.verl_glue.no_graph.install_no_graph_entropy`);
     - before ``train_mini_batch`` (the step's update), a rule's passes over the last hidden states
-      (:func:`~verl_tokensel.verl_glue.hidden.install_hidden_passes`).
+      (:func:`~verl_tokensel.verl_glue.hidden.install_hidden_passes`);
+    - a rule's per-token reductions over the vocabulary, in the old-log-prob pass and the update forward
+      (:func:`~verl_tokensel.verl_glue.vocab.install_vocab_reductions`).
 
     ``train_batch`` runs them in this order: the no-graph install, then the pre-pass and the update, then the
     version's rise (also when the update fails).
@@ -189,6 +192,7 @@ def install_prepass(worker: TrainingWorker) -> TrainingWorker:
     install_weight_versions(worker)
     install_no_graph_entropy(worker)
     install_hidden_passes(worker)
+    install_vocab_reductions(worker)  # outermost: its engine wrap goes in before the no-graph one
     return worker
 
 

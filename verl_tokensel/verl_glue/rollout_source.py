@@ -61,6 +61,9 @@ def check_bypass_mode(config: DictConfig, sel: Optional[Selection]) -> None:
     if sel.needs_rollout_log_probs:
         reads.append("old_log_probs beside rollout_log_probs, which its score compares (in bypass mode they are one "
                      "policy: a score of 0 on every token)")
+    if any(s.forward == "old" for s in sel.impl.needs.vocab):
+        reads.append(f"the old policy's per-token reductions over the vocabulary that rule {sel.rule} reads "
+                     "(Needs(vocab=...))")
     if not reads:
         return
     selector = OmegaConf.select(config, "actor_rollout_ref.actor.token_selector", default=None)

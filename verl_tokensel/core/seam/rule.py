@@ -28,6 +28,7 @@ from verl_tokensel.core.ranking.scopes import SOURCE_SCOPES
 from verl_tokensel.core.seam.hidden import HiddenStates
 from verl_tokensel.core.seam.knobs import Knobs, Ranking
 from verl_tokensel.core.seam.pool import POOLED_SCOPES, Pool
+from verl_tokensel.core.seam.vocab import VocabStat
 from verl_tokensel.core.ranking.scores import SCORE_REGISTRY
 from verl_tokensel.core.ranking.select import above_quantile, select_tokens
 
@@ -53,6 +54,9 @@ class Needs:
         hidden_states: a :class:`~verl_tokensel.core.seam.hidden.HiddenStates` subclass: the rule reads the last
             hidden states (the output layer's input) of no-grad passes over the step's batch before the update;
             the last pass's per-token values reach its steps as ``x.hidden``. None: nothing is kept or run.
+        vocab: the per-token reductions over the vocabulary it reads (:class:`~verl_tokensel.core.seam.vocab.VocabStat`:
+            the old policy's in verl's old-log-prob pass, the current policy's in the update forward), as
+            ``x.vocab[stat.key]``. Empty: nothing is computed.
     """
 
     entropy: bool = False
@@ -64,6 +68,7 @@ class Needs:
     passes: int = 1
     prompt_groups: bool = False
     hidden_states: Optional[type] = None
+    vocab: tuple[VocabStat, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -174,6 +179,9 @@ class RuleInput:
         external: the per-token fields the driver filled (``response_ids``, ``sequence_reward``, ...).
         hidden: float32, the per-token values of the rule's hidden-state passes (``Needs(hidden_states=...)``), or
             None where they did not run.
+        vocab: the per-token reductions over the vocabulary the rule declares (``Needs(vocab=...)``), by
+            ``VocabStat.key``: float32 ``(batch, response_len)`` or ``(batch, response_len, k)``; a declared one that
+            did not come fails, naming it.
         clip_ratio_low / clip_ratio_high / clip_ratio_c: the actor's PPO clip.
         ratio / scope: the budget and the pool of this call. ``pool``: the ranks the scope spans (a :class:`Pool`:
             exact sums, counts and top-k over them); ``dp_group`` its process group (None: this process alone).
@@ -228,6 +236,22 @@ class RuleInput:
                 "token_selection.auto_enable_entropy=False, or a harness that built the batch without it). Fix: "
                 "run through verl_tokensel's loss installed by its trainer, or set calculate_entropy=True.")
         return entropy
+
+    @property
+    def vocab(self) -> dict[str, torch.Tensor]:
+        rule = self.selection.impl
+        external = self.batch.inputs.external
+        out = {}
+        for stat in rule.needs.vocab:
+            value = external.get(fields.VOCAB_PREFIX + stat.key)
+            if value is None:
+                raise RuntimeError(
+                    f"rule {rule.name} declares Needs(vocab=(VocabStat({stat.kind!r}, forward={stat.forward!r}), ...)) "
+                    f"but its input carries no {stat.key!r}: the forward that computes it ran without the rule "
+                    "(a stock loss in that pass, verl's fused kernels, or a harness that built the batch without it). "
+                    "Fix: run through verl_tokensel's loss installed by its trainer.")
+            out[stat.key] = value
+        return out
 
     @property
     def selected(self) -> torch.Tensor:
@@ -311,6 +335,20 @@ class Rule:
 RULE_REGISTRY: dict[str, Rule] = {}
 
 
+def _check_vocab(name: str, stats: Any, knobs_cls: type) -> None:
+    """``Needs(vocab=...)``: a tuple of :class:`VocabStat`, one per key, a ``kappa`` named by a knob the rule has."""
+    if not isinstance(stats, tuple) or not all(isinstance(s, VocabStat) for s in stats):
+        raise TypeError(f"rule {name!r}: Needs(vocab=...) must be a tuple of VocabStat, got {stats!r}")
+    keys = [s.key for s in stats]
+    if len(set(keys)) != len(keys):
+        raise TypeError(f"rule {name!r}: Needs(vocab=...) names one reduction per kind and forward, got {keys}")
+    names = {f.name for f in dataclasses.fields(knobs_cls)}
+    for s in stats:
+        if isinstance(s.kappa, str) and s.kappa not in names:
+            raise TypeError(f"rule {name!r}: VocabStat(kappa={s.kappa!r}) names no knob of {knobs_cls.__name__} "
+                            f"(its knobs: {', '.join(sorted(names)) or 'none'})")
+
+
 def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Needs] = None, source: str = "",
                   formula: str = "", deviations: tuple[str, ...] = ()) -> Callable:
     """Register a token rule as ``name`` (refusing to overwrite a name): a :class:`Rule` subclass, or a function
@@ -343,6 +381,7 @@ def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Ne
         states = cls.needs.hidden_states
         if states is not None and not (isinstance(states, type) and issubclass(states, HiddenStates)):
             raise TypeError(f"rule {name!r}: Needs(hidden_states=...) must be a HiddenStates subclass, got {states!r}")
+        _check_vocab(name, cls.needs.vocab, knobs_cls)
         RULE_REGISTRY[name] = cls()
         return obj
 
