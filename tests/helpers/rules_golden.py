@@ -76,7 +76,14 @@ RUNS = {
     "m2po_global": ("m2po_global", {}, None),
     # added after the rule seam (the preset did not exist at 8b11462): recorded at f24a104, Megatron's passes included
     "delta": ("delta", {}, None),
+    # added with the vocabulary seam, FSDP only (the Megatron engine refuses them); their old-log-prob pass runs under
+    # the selecting loss (its reductions are kept on the worker). The tiny model is near uniform: kappa 0.5 keeps a
+    # few sampled tokens in Lp-Reg's proxy, rho 0.3 passes its k > 1 gate on the batch
+    "lp_reg": ("lp_reg", {"lp_reg_kappa": 0.5, "lp_reg_rho": 0.3}, None),
+    "simko": ("simko", {"simko_quantile": 0.5, "simko_mix": 0.3}, None),
 }
+#: the runs only the FSDP engine has (rules with per-token reductions over the vocabulary)
+FSDP_ONLY = ("lp_reg", "simko")
 
 
 def _renest(xs):
@@ -150,7 +157,11 @@ def one_run(actor, batch, preset: str, knobs: dict, phase) -> dict:
         B.add_driver_selection(sel_cfg, data, eos_token_id=actor.tokenizer.eos_token_id)
     if phase is not None:
         tu.assign_non_tensor(data, **{k: phase for k in PASS_KEYS})
-    r = H.run_train_step(actor, data, loss_fn=SelectingLoss(sel_cfg), capture_grads=True, capture_params=False)
+    loss = SelectingLoss(sel_cfg)
+    if sel_cfg.selection is not None and sel_cfg.selection.impl.needs.vocab:
+        actor.set_loss_fn(loss)  # the old pass under the rule: its vocabulary reductions, the batch's fields kept
+        H.compute_old_log_probs(actor, data.copy(), write=False)
+    r = H.run_train_step(actor, data, loss_fn=loss, capture_grads=True, capture_params=False)
     grads = {}
     for mname, fname in SAME_PARAMS.items():
         g = r.grads.get(mname, r.grads.get(fname))
@@ -164,7 +175,9 @@ def golden_run(rank: int, world: int, model_dir: str) -> dict:
     batches = {False: archer_batch(megatron), True: driver_batch(megatron)}
 
     def runs(actor):
-        return {name: one_run(actor, batches[spec[0] in GROUP_PRESETS], *spec) for name, spec in RUNS.items()}
+        skip = FSDP_ONLY if actor.engine_name == "megatron" else ()
+        return {name: one_run(actor, batches[spec[0] in GROUP_PRESETS], *spec) for name, spec in RUNS.items()
+                if name not in skip}
 
     out["megatron"] = runs(megatron)
     fsdp = H.make_training_worker(model_dir, engine="fsdp", **WORKER_KW)

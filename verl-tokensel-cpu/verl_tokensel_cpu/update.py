@@ -19,7 +19,7 @@ def train_with(actor: CpuActor, selector: str, *, seed: int = 0, **knobs) -> tup
     config = selecting_actor_config(actor, selector, **knobs)
     loss = SelectingLoss(config)
     actor.set_loss_fn(loss)  # as verl's trainer: the loss is installed before the old-log-prob pass reads it
-    batch = make_update_batch(actor, seed=seed)
+    batch = make_update_batch(actor, seed=seed, calculate_entropy=config.calculate_entropy)
     compute_old_log_probs(actor, batch)
     return run_train_step(actor, batch, loss_fn=loss), config.selection
 

@@ -283,10 +283,11 @@ class CpuActor:
 def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Optional[bool] = None, **knobs):
     """The actor's own config as our ``TokenselFSDPActorConfig`` with ``token_selector=preset``.
 
-    ``knobs`` go to ``token_selection.*``. ``calculate_entropy`` defaults to ``True`` when the preset's
-    score needs entropy (what the tokensel trainers turn on for ``score_source=current``; with ``prepass``
-    or ``rollout`` they leave the update pass without it, and here it only feeds the entropy metrics).
-    ``score_source=prepass`` works on any worker from :func:`make_training_worker`, which installs the
+    ``knobs`` go to ``token_selection.*``. ``calculate_entropy`` defaults to ``True`` when the preset's score,
+    shaping or rule (``Needs(entropy=True)``) needs entropy (what the tokensel trainers turn on for
+    ``score_source=current``; with ``prepass`` or ``rollout`` they leave the update pass without it, and here it only
+    feeds the entropy metrics). ``score_source=prepass`` works on any worker from :func:`make_training_worker`, which
+    installs the
     pre-pass (:func:`verl_tokensel.verl_glue.prepass.install_prepass`).
     """
     from omegaconf import OmegaConf
@@ -296,7 +297,8 @@ def selecting_actor_config(actor: "CpuActor", preset: str, calculate_entropy: Op
 
     if calculate_entropy is None:
         sel = selection_for(preset)
-        calculate_entropy = sel is not None and (sel.score_needs_entropy or sel.shaping_needs_entropy)
+        calculate_entropy = sel is not None and (sel.score_needs_entropy or sel.shaping_needs_entropy
+                                                 or sel.impl.needs.entropy)
     node = actor.cfg.actor_rollout_ref.actor.copy()
     OmegaConf.set_struct(node, False)
     node._target_ = ("verl_tokensel.verl_glue.actor_config.TokenselMcoreActorConfig" if actor.engine_name == "megatron"

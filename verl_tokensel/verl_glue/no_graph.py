@@ -217,6 +217,9 @@ def install_no_graph_scores(worker) -> bool:
         return False
     if getattr(engine, _WRAPPED, None) is not None:
         return True
+    from verl_tokensel.verl_glue.vocab import install_vocab_engine
+
+    install_vocab_engine(worker)  # first, so that its log-prob swap runs inside this one's (verl calls it last)
     base = engine.prepare_model_outputs
 
     def prepare_model_outputs(output, output_args, micro_batch, logits_processor_func):

@@ -121,6 +121,15 @@ PRESETS: dict[str, Optional[Selection]] = {
     # DelTA (arXiv 2605.21467, released code RUCBM/DelTA): every token's advantage times a weight in [0.8, 1.2] (mean
     # 1) from how close v = (1 - p) h (h the last hidden state) lies to the positive vs the negative tokens' centroid,
     # measured before the update by K + 3 passes over the step's batch, summed over every data-parallel rank
+    # Lp-Reg (arXiv 2510.03222, released code CarlanLark/Lp-Reg-dev): the 1% lowest-probability A < 0 tokens of the
+    # mini-batch (over all data-parallel ranks) whose log-prob is under the old policy's min-p proxy (kappa 0.02) get
+    # -A r + k3 to the proxy instead of the clip; the proxy from verl's old-log-prob pass
+    "lp_reg": preset("lp_reg", scope="mini_batch", normaliser="all", score_source="prepass", lp_reg_kappa=0.02,
+                     lp_reg_rho=0.01, lp_reg_beta=1.0),
+    # SimKO (arXiv 2510.14807, released code CLR-Lab/SimKO): a correct response's tokens above its 0.8 entropy
+    # quantile spread 1% of their ratio over the current top-3 log-probs; a wrong response's hot argmax tokens
+    # weigh 1.1
+    "simko": preset("simko", normaliser="all", simko_k=3, simko_mix=0.01, simko_quantile=0.8, simko_neg_scale=1.1),
     "delta": preset("delta", delta_k=1, delta_lam_min=0.8, delta_lam_max=1.2, delta_impl="Normal",
                     delta_stats="global"),
 }

@@ -344,9 +344,11 @@ def _check_vocab(name: str, stats: Any, knobs_cls: type) -> None:
         raise TypeError(f"rule {name!r}: Needs(vocab=...) names one reduction per kind and forward, got {keys}")
     names = {f.name for f in dataclasses.fields(knobs_cls)}
     for s in stats:
-        if isinstance(s.kappa, str) and s.kappa not in names:
-            raise TypeError(f"rule {name!r}: VocabStat(kappa={s.kappa!r}) names no knob of {knobs_cls.__name__} "
-                            f"(its knobs: {', '.join(sorted(names)) or 'none'})")
+        for field_name in ("k", "kappa"):
+            value = getattr(s, field_name)
+            if isinstance(value, str) and value not in names:
+                raise TypeError(f"rule {name!r}: VocabStat({field_name}={value!r}) names no knob of "
+                                f"{knobs_cls.__name__} (its knobs: {', '.join(sorted(names)) or 'none'})")
 
 
 def register_rule(name: str, *, knobs: Optional[type] = None, needs: Optional[Needs] = None, source: str = "",

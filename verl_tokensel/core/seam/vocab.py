@@ -56,13 +56,13 @@ class VocabStat:
             ``-1e4``, then log-softmax of the logits over the temperature), ``(batch, response_len)``, no gradient.
         forward: ``old``: verl's old-log-prob pass (the old policy, no gradient; the values travel with the step's
             batch to every mini-batch and epoch of the update, no forward added). ``update``: the update forward.
-        k: ``top_k``: how many log-probs per token (>= 1).
+        k: ``top_k``: how many log-probs per token (>= 1), or the name of the rule's knob holding it.
         kappa: ``min_p``: the threshold relative to the largest probability, or the name of the rule's knob holding it.
     """
 
     kind: str
     forward: str = "old"
-    k: int = 1
+    k: Union[int, str] = 1
     kappa: Union[float, str] = 0.0
 
     def __post_init__(self) -> None:
@@ -70,8 +70,8 @@ class VocabStat:
             raise ValueError(f"VocabStat.kind={self.kind!r}: valid kinds are {', '.join(KINDS)}")
         if self.forward not in FORWARDS:
             raise ValueError(f"VocabStat.forward={self.forward!r}: valid forwards are {', '.join(FORWARDS)}")
-        if self.kind == "top_k" and int(self.k) < 1:
-            raise ValueError(f"VocabStat(kind='top_k').k={self.k!r}: must be >= 1")
+        if self.kind == "top_k" and not isinstance(self.k, str) and int(self.k) < 1:
+            raise ValueError(f"VocabStat(kind='top_k').k={self.k!r}: must be >= 1 or the name of a knob")
 
     @property
     def key(self) -> str:
@@ -84,10 +84,10 @@ class VocabStat:
         return int(self.k) if self.kind == "top_k" else 1
 
     def resolve(self, knobs: Any) -> "VocabStat":
-        """This stat with ``kappa`` read from ``knobs`` when it names a knob."""
-        if isinstance(self.kappa, str):
-            return VocabStat(self.kind, self.forward, self.k, float(getattr(knobs, self.kappa)))
-        return self
+        """This stat with ``k`` and ``kappa`` read from ``knobs`` where they name a knob."""
+        k = int(getattr(knobs, self.k)) if isinstance(self.k, str) else self.k
+        kappa = float(getattr(knobs, self.kappa)) if isinstance(self.kappa, str) else self.kappa
+        return self if (k, kappa) == (self.k, self.kappa) else VocabStat(self.kind, self.forward, k, kappa)
 
 
 def _rows(vocab: int) -> int:
