@@ -783,6 +783,11 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
         if v.selection is not None and v.selection.needs_rollout_log_probs:  # m2po_global: the rollout engine's
             b[fields.ROLLOUT_LOG_PROBS] = rollout_lp
         loss_fn = v.loss_fn() if recorder is None else recorder.wrap(v.loss_fn(observer=recorder.observe))
+        if v.selection is not None and any(st.forward == "old" for st in v.selection.impl.needs.vocab):
+            # verl's old-log-prob pass under the rule's loss computes its vocabulary reductions (kept on the worker
+            # for the update); untimed, as the old pass of the other variants
+            actor.set_loss_fn(loss_fn)
+            H.compute_old_log_probs(actor, b.copy(), write=False)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             resting = torch.cuda.memory_allocated()
