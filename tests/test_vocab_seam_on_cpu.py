@@ -7,6 +7,8 @@
   and the update forward's values reach the rule as ``x.vocab`` equal to the same reductions of the model's own
   logits, computed here from a plain forward of the module; the old pass adds no forward and its values never leave
   the worker.
+- Through verl's real Megatron engine on the CPU test bed: two tensor-parallel ranks (each a half of the vocabulary)
+  hand the rule the values one process does, in the old pass and the update forward.
 - A rule that declares them where they cannot be computed is refused on the driver, naming the key.
 """
 
@@ -188,7 +190,6 @@ def test_the_values_reach_the_rule_through_a_real_fsdp2_update(probe_rule, rmpad
 
 
 @pytest.mark.parametrize("key, value, override, match", [
-    ("actor_rollout_ref.actor.strategy", "megatron", "actor_rollout_ref.actor.strategy=megatron", "fsdp, fsdp2"),
     ("actor_rollout_ref.model.use_fused_kernels", True, "actor_rollout_ref.model.use_fused_kernels=True",
      "never form the logits"),
     ("algorithm.rollout_correction.bypass_mode", True, "algorithm.rollout_correction.bypass_mode=True",
@@ -207,3 +208,49 @@ def test_a_rule_reading_the_vocabulary_is_refused_where_it_cannot_be_computed(pr
     with pytest.raises(TokenSelectionConfigError, match=match) as err:
         validate_driver_config(cfg)
     assert key in str(err.value) and str(value) in str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# through verl's real Megatron engine: two tensor-parallel ranks, one process
+
+
+def _megatron_probe(rank: int, world: int, model_dir: str, tp: int) -> list:
+    """The probe rule's values per micro-batch on this rank (lr 0, one update, temperature 0.7)."""
+    from verl_tokensel.verl_glue.loss import SelectingLoss
+    from verl_tokensel_cpu import batches as B, worker as W
+
+    seen = []
+    if PROBE not in RULE_REGISTRY:
+        register_rule(PROBE, knobs=ProbeKnobs, needs=Needs(vocab=PROBE_STATS))(
+            lambda x: seen.append({**{k: v.detach().clone() for k, v in x.vocab.items()},
+                                   "tokens": x.tokens.clone()}) or LossTransform())
+    actor = W.make_training_worker(model_dir, engine="megatron", rank=rank, world_size=world, tensor_parallel=tp,
+                                   lr=0.0, clip_grad=1e9, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4,
+                                   use_dynamic_bsz=False, use_remove_padding=True, temperature=0.7)
+    cfg = W.selecting_actor_config(actor, PROBE)
+    actor.set_loss_fn(SelectingLoss(cfg))
+    batch = B.make_update_batch(actor, n=8, seed=4, resp_len=(3, 10))
+    W.compute_old_log_probs(actor, batch)
+    W.run_train_step(actor, batch, capture_params=False)
+    return seen
+
+
+@pytest.mark.requires("megatron", "mbridge")
+def test_two_tensor_parallel_ranks_hand_the_rule_what_one_process_does(tmp_path):
+    from helpers import distributed as D
+    from verl_tokensel_cpu import tiny_model
+
+    model_dir = str(tiny_model.build_tiny_model_dir(tmp_path / "qwen2", **tiny_model.MEGATRON_TINY_CONFIG))
+    (one,) = D.run_distributed(_megatron_probe, world_size=1, args=(model_dir, 1), timeout=400)
+    two = D.run_distributed(_megatron_probe, world_size=2, args=(model_dir, 2), timeout=400)
+    assert one and all(len(r) == len(one) for r in two)
+    kept = 0
+    for rank in two:
+        for a, b in zip(one, rank):
+            assert torch.equal(a["tokens"], b["tokens"])
+            tok = a["tokens"]
+            for key in ("old_top_k", "update_top_k", "old_min_p"):
+                torch.testing.assert_close(b[key][tok], a[key][tok], rtol=0, atol=1e-5)
+            kept += int((a["old_min_p"][tok] > -1000).sum())
+            torch.testing.assert_close(a["update_top_k"][tok], a["old_top_k"][tok], rtol=0, atol=1e-5)
+    assert kept > 0, "some sampled tokens inside the proxy"

@@ -62,13 +62,13 @@ def vocab_batch(seed: int, stats: tuple[VocabStat, ...], *, batch: int = 8, resp
     signs = torch.where(torch.rand(rm.shape[0], 1, generator=g) < negative_share, -1.0, 1.0)
     data["advantages"] = (signs * (0.2 + torch.rand(rm.shape[0], 1, generator=g))).expand(rm.shape).contiguous() * rm
     for stat in stats:
-        if stat.forward == "update":
-            value = reduce_rows((stat,), logits, labels, t, grad=True)[stat.key]
-            mo[fields.VOCAB_PREFIX + stat.key] = nested(value)
-        else:
-            value = reduce_rows((stat,), old_logits, labels, t)[stat.key].reshape(total, -1)
-            for j in range(value.shape[1]):
-                data[f"{fields.VOCAB_PREFIX}{stat.key}_{j}"] = nested(value[:, j].contiguous())
+        # one per-token field per column, as verl_glue/vocab.py hands them on: the update forward's in the model output
+        # (with the gradient), the old pass's in the micro-batch
+        source, grad = (logits, True) if stat.forward == "update" else (old_logits, False)
+        value = reduce_rows((stat,), source, labels, t, grad=grad)[stat.key].reshape(total, -1)
+        target = mo if grad else data
+        for j in range(value.shape[1]):
+            target[f"{fields.VOCAB_PREFIX}{stat.key}_{j}"] = nested(value[:, j].contiguous())
     return VocabBatch(model_output=mo, data=data, logits=logits, current=no_padding_2_padding(nested(logits), data),
                       old=no_padding_2_padding(nested(old_logits), data),
                       tokens=no_padding_2_padding(nested(labels), data), response_mask=rm)

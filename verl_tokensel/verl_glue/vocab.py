@@ -1,6 +1,6 @@
-"""The per-token vocabulary reductions a rule declares (``Needs(vocab=...)``), in verl's FSDP/FSDP2 engine.
+"""The per-token vocabulary reductions a rule declares (``Needs(vocab=...)``), in verl's FSDP and Megatron engines.
 
-Where: the engine's ``prepare_model_outputs`` (wrapped by :func:`install_vocab_reductions`), at the one call of
+Where (FSDP/FSDP2): the engine's ``prepare_model_outputs`` (wrapped by :func:`install_vocab_engine`), at the one call of
 ``logprobs_from_logits`` on the temperature-scaled logits, rows = tokens (remove-padding's packed rows, this Ulysses
 rank's slice; or the padded path's valid rows). The reductions
 (:func:`~verl_tokensel.core.seam.vocab.reduce_rows`) run in chunks of rows there, and their per-row values are laid
@@ -16,8 +16,12 @@ When:
 - ``VocabStat(forward="update")``: in the update forward, with the gradient of ``top_k`` to the logits (verl's
   log-prob then runs without its in-place backward, which would overwrite the logits that gradient reads).
 
-Not here: verl's fused kernels (no logits: refused on the driver), the Megatron engine (refused on the driver:
-:func:`check_vocab_engine`), bypass mode (no old-log-prob pass: refused by ``rollout_source.check_bypass_mode``).
+Megatron: inside verl's logits processor (``_lm_head_logits_processor``) on this tensor-parallel rank's vocabulary
+shard, every maximum, normaliser and top-k merged over the tensor-parallel group; verl unpacks the values like its
+log-probs (:func:`_install_megatron`).
+
+Not here: verl's fused kernels (no logits: refused on the driver, :func:`check_vocab_engine`), bypass mode (no
+old-log-prob pass: refused by ``rollout_source.check_bypass_mode``).
 """
 
 from __future__ import annotations
@@ -62,20 +66,12 @@ def needs_logit_grad(config: Any) -> bool:
 
 
 def check_vocab_engine(config, sel) -> None:
-    """Refuse, on the driver, a rule with vocabulary reductions where they are not computed: the Megatron engine,
-    verl's fused kernels (no logits)."""
+    """Refuse, on the driver, a rule with vocabulary reductions where they are not computed: verl's fused kernels
+    (no logits)."""
     if sel is None or not sel.impl.needs.vocab:
         return
     from omegaconf import OmegaConf
 
-    key = "actor_rollout_ref.actor.strategy"
-    strategy = OmegaConf.select(config, key, default="fsdp")
-    if strategy not in ("fsdp", "fsdp2"):
-        raise config_error_at(
-            key, strategy, "fsdp, fsdp2",
-            f"token_selection rule {sel.rule!r} reads per-token reductions over the vocabulary, computed where verl's "
-            f"FSDP engine turns logits into log-probs; the {strategy} engine is not supported for it yet. Fix: "
-            f"{key}=fsdp2.")
     key = "actor_rollout_ref.model.use_fused_kernels"
     if OmegaConf.select(config, key, default=False):
         raise config_error_at(
@@ -121,8 +117,15 @@ def _reducing(stats: tuple[VocabStat, ...], output_args: dict, micro_batch: Tens
         transformer_impl.logprobs_from_logits = inner
 
 
+def _columns(key: str, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One reduction's ``(rows,)`` or ``(rows, k)`` values as the per-token keys it travels under: one per column,
+    ``<prefix><key>_<j>`` (verl's layouts and mini-batching carry per-token tensors)."""
+    values = values.reshape(values.shape[0], -1)
+    return {f"{fields.VOCAB_PREFIX}{key}_{j}": values[:, j] for j in range(values.shape[1])}
+
+
 def _lay_out(engine, values: torch.Tensor, output_args: dict, micro_batch: TensorDict) -> torch.Tensor:
-    """One reduction's per-row values as verl lays out its log-probs: nested, one row per sequence."""
+    """One column's per-row values as verl lays out its log-probs: nested, one row per sequence."""
     use_rmpad = tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True)
     if use_rmpad:
         values = engine._gather_and_unpad_packed(values, output_args["pad_size"])
@@ -133,40 +136,55 @@ def _sequence_key(ids: torch.Tensor) -> bytes:
     return hashlib.blake2b(ids.detach().to("cpu", torch.int64).numpy().tobytes(), digest_size=16).digest()
 
 
-def _keep_old(worker, model_output: dict, micro_batch: TensorDict, keys: list[str]) -> None:
+def _keep_old(worker, model_output: dict, micro_batch: TensorDict, stats: tuple[VocabStat, ...]) -> None:
     """The old-log-prob pass's values of each sequence of the micro-batch, into the worker's cache (and out of the
     pass's output: they never leave the worker)."""
     cache = worker.__dict__.setdefault(_CACHE, {})
     rows = micro_batch["input_ids"].unbind()
-    for key in keys:
-        nested = model_output.pop(fields.VOCAB_PREFIX + key)
-        for ids, value in zip(rows, nested.unbind()):
-            cache.setdefault(_sequence_key(ids), {})[key] = value.detach().to("cpu", torch.float32)
+    for s in stats:
+        cols = [model_output.pop(f"{fields.VOCAB_PREFIX}{s.key}_{j}").unbind() for j in range(s.width)]
+        for i, ids in enumerate(rows):
+            value = torch.stack([c[i] for c in cols], -1).detach().to("cpu", torch.float32)
+            cache.setdefault(_sequence_key(ids), {})[s.key] = value
+
+
+def _stats_now(worker, config) -> tuple[VocabStat, ...]:
+    """The reductions this forward computes: the update's under autograd, the old pass's in verl's old-log-prob
+    pass, none in any other forward-only pass (the pre-pass, the hidden-state passes, the reference model)."""
+    if config is None:
+        return ()
+    if torch.is_grad_enabled():
+        return vocab_stats(config, "update")
+    return vocab_stats(config, "old") if getattr(worker, _OLD_PASS, False) else ()
+
+
+def _is_megatron(engine) -> bool:
+    return any(c.__module__.startswith("verl.workers.engine.megatron") for c in type(engine).__mro__)
 
 
 def install_vocab_engine(worker) -> bool:
-    """Wrap ``worker.engine.prepare_model_outputs`` (idempotent): the reductions of the worker's current selecting
-    loss, in the old-log-prob pass and in the update forward. Only verl's FSDP engine has the seam; returns whether
-    it is installed."""
+    """Wrap the worker's engine (idempotent): the reductions of the worker's current selecting loss, in the
+    old-log-prob pass and in the update forward. FSDP/FSDP2: ``prepare_model_outputs`` (the log-prob call inside
+    it); Megatron: ``_lm_head_logits_processor`` (this tensor-parallel rank's vocabulary shard, merged over the
+    group) and ``prepare_model_outputs`` (the old pass's values, unpacked by verl). Returns whether it is installed."""
     engine = getattr(worker, "engine", None)
-    if engine is None or not (hasattr(engine, "compute_entropy_from_logits") and
-                              hasattr(engine, "prepare_model_outputs")):  # verl's FSDP LM-head engine
+    if engine is None:
         return False
     if getattr(engine, _ENGINE_WRAPPED, None) is not None:
         return True
+    if _is_megatron(engine) and hasattr(engine, "_lm_head_logits_processor"):
+        _install_megatron(worker, engine)
+        return True
+    if not (hasattr(engine, "compute_entropy_from_logits") and hasattr(engine, "prepare_model_outputs")):
+        return False  # verl's FSDP LM-head engine has both
     base = engine.prepare_model_outputs
 
     def prepare_model_outputs(output, output_args, micro_batch, logits_processor_func):
         config = selecting_config(worker)
-        if config is None:
-            return base(output, output_args, micro_batch, logits_processor_func)
-        grad = torch.is_grad_enabled()
-        if grad:
-            stats = vocab_stats(config, "update")
-        else:
-            stats = vocab_stats(config, "old") if getattr(worker, _OLD_PASS, False) else ()
+        stats = _stats_now(worker, config)
         if not stats:
             return base(output, output_args, micro_batch, logits_processor_func)
+        grad = torch.is_grad_enabled()
         sink: list = []
         with _reducing(stats, output_args, micro_batch, grad, sink):
             model_output = base(output, output_args, micro_batch, logits_processor_func)
@@ -176,9 +194,10 @@ def install_vocab_engine(worker) -> bool:
                 "this forward computed no log-probs from logits (verl's fused kernels, or a distillation-only "
                 "pass). Fix: actor_rollout_ref.model.use_fused_kernels=False.")
         for key, values in sink[-1].items():
-            model_output[fields.VOCAB_PREFIX + key] = _lay_out(engine, values, output_args, micro_batch)
+            for name, column in _columns(key, values).items():
+                model_output[name] = _lay_out(engine, column, output_args, micro_batch)
         if not grad:
-            _keep_old(worker, model_output, micro_batch, list(sink[-1]))
+            _keep_old(worker, model_output, micro_batch, stats)
         return model_output
 
     setattr(engine, _ENGINE_WRAPPED, base)
@@ -186,10 +205,65 @@ def install_vocab_engine(worker) -> bool:
     return True
 
 
+def _install_megatron(worker, engine) -> None:
+    """Megatron: the reductions inside verl's logits processor (``_lm_head_logits_processor(logits, label,
+    temperature, ...)``, on the last pipeline stage; ``logits`` this tensor-parallel rank's vocabulary shard, before
+    verl divides them by the temperature in place), returned next to verl's ``log_probs`` as per-token keys, which
+    verl's own unpacking (``postprocess_thd_engine`` / ``postprocess_bshd_engine``, gathered over context parallelism)
+    lays out like the log-probs. Under autograd (the update's ``top_k``) the scaled logits are a copy that keeps the
+    graph (verl's processor divides and, for the entropy, overwrites its own in place); no-grad passes divide per
+    chunk."""
+    from megatron.core import parallel_state as mpu
+
+    base_processor, base_outputs = engine._lm_head_logits_processor, engine.prepare_model_outputs
+
+    def processor(logits, label, temperature, **kwargs):
+        config = selecting_config(worker)
+        stats = _stats_now(worker, config)
+        if not stats:
+            return base_processor(logits, label, temperature, **kwargs)
+        grad = torch.is_grad_enabled()
+        tp = mpu.get_tensor_model_parallel_world_size()
+        group = mpu.get_tensor_model_parallel_group() if tp > 1 else None
+        start = logits.shape[-1] * mpu.get_tensor_model_parallel_rank()
+        t = temperature.detach().float().clone()
+        t[t <= 0] = 1e-8  # verl's guard on padding
+        rows = logits.reshape(-1, logits.shape[-1])
+        t_rows = t.reshape(-1).to(rows.device)
+        if grad:
+            values = reduce_rows(stats, rows / t_rows.unsqueeze(-1).to(rows.dtype), label.reshape(-1), t_rows,
+                                 grad=True, tp_group=group, vocab_start=start)
+        else:
+            values = reduce_rows(stats, rows, label.reshape(-1), t_rows, divide=True, tp_group=group,
+                                 vocab_start=start)
+        ret = base_processor(logits, label, temperature, **kwargs)
+        for key, v in values.items():
+            for name, column in _columns(key, v).items():
+                ret[name] = column.reshape(label.shape)
+        return ret
+
+    def prepare_model_outputs(output, data):
+        model_output = base_outputs(output, data)
+        stats = () if torch.is_grad_enabled() else _stats_now(worker, selecting_config(worker))
+        if stats:
+            _keep_old(worker, model_output, data, stats)
+        return model_output
+
+    setattr(engine, _ENGINE_WRAPPED, (base_processor, base_outputs))
+    engine._lm_head_logits_processor = processor
+    engine.prepare_model_outputs = prepare_model_outputs
+
+
 def attach_old(worker, data: TensorDict, stats: tuple[VocabStat, ...]) -> None:
     """Lay the old-log-prob pass's values of each row of ``data`` (the step's update batch on this rank) out as
     per-token fields of ``data``, one per reduction and column (``<prefix><key>_<j>``), nested like ``input_ids``."""
     cache = worker.__dict__.get(_CACHE) or {}
+    engine = getattr(worker, "engine", None)
+    if engine is not None and _is_megatron(engine):
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.is_pipeline_last_stage(ignore_virtual=True):
+            return  # an earlier pipeline stage: no output layer, no loss, nothing computed or read here
     rows = data["input_ids"].unbind()
     offsets = data["input_ids"].offsets()
     per_key: dict[str, list[torch.Tensor]] = {s.key: [] for s in stats}
@@ -262,16 +336,12 @@ def padded_vocab(model_output, data: TensorDict, stats: tuple[VocabStat, ...]) -
     out = {}
     for s in stats:
         name = fields.VOCAB_PREFIX + s.key
-        if s.forward == "update":
-            value = None if model_output is None else model_output.get(name, None)
-            if value is not None:
-                value = no_padding_2_padding(value, data)
-                out[name] = value.squeeze(-1) if s.kind != "top_k" and value.dim() == 3 else value
-            continue
+        source = data if s.forward == "old" else (model_output or {})
         cols = [f"{name}_{j}" for j in range(s.width)]
-        if all(c in data.keys() for c in cols):
-            value = torch.stack([no_padding_2_padding(data[c], data).float() for c in cols], -1)
-            out[name] = value if s.kind == "top_k" else value.squeeze(-1)
+        if not all(c in source.keys() for c in cols):
+            continue
+        value = torch.stack([no_padding_2_padding(source[c], data).float() for c in cols], -1)
+        out[name] = value if s.kind == "top_k" else value.squeeze(-1)
     return out
 
 

@@ -162,42 +162,48 @@ def _gather_shard(logits: torch.Tensor, ids: torch.Tensor, vocab_start: int, gro
 
 
 def reduce_rows(stats: tuple[VocabStat, ...], logits: torch.Tensor, labels: torch.Tensor,
-                temperature: Optional[torch.Tensor] = None, *, grad: bool = False,
+                temperature: Optional[torch.Tensor] = None, *, grad: bool = False, divide: bool = False,
                 tp_group: Optional[dist.ProcessGroup] = None, vocab_start: int = 0) -> dict[str, torch.Tensor]:
     """The ``stats`` of 2-D temperature-scaled ``logits`` (``(n, V)``: rows are tokens; under tensor parallelism this
     rank's vocabulary shard, starting at global column ``vocab_start``), the sampled tokens ``labels`` (``(n,)``,
-    global ids) and the rows' ``temperature`` (``(n,)``; None: 1). Returns ``key -> (n,)`` (``min_p``) or ``(n, k)``
-    (``top_k``), float32. ``grad``: ``top_k`` keeps the gradient (the update forward; not under tensor parallelism,
-    which the caller reduces itself)."""
-    out: dict[str, list[torch.Tensor]] = {s.key: [] for s in stats}
+    global ids) and the rows' ``temperature`` (``(n,)``; None: 1). ``divide``: the logits are not scaled yet; each
+    chunk is divided by its rows' temperature (no copy of the whole). Returns ``key -> (n,)`` (``min_p``) or
+    ``(n, k)`` (``top_k``), float32. ``grad``: ``top_k`` keeps the gradient to ``logits`` (the update forward; under
+    tensor parallelism each rank's shard gets its part, as verl's vocabulary-parallel log-prob does)."""
     n, vocab = logits.shape
     rows = _rows(vocab)
+    if grad and divide:
+        raise ValueError("reduce_rows: grad=True needs the scaled logits (divide=False)")
+    out: dict[str, list[torch.Tensor]] = {s.key: [] for s in stats}
     lse_all = torch.empty(n, dtype=torch.float32, device=logits.device)
-    top_ids = {s.key: [] for s in stats if s.kind == "top_k"}
+    top_ids: dict[str, list[torch.Tensor]] = {s.key: [] for s in stats if s.kind == "top_k"}
     with torch.no_grad():
         for i in range(0, n, rows):
             x = logits[i:i + rows].detach().float()
+            t = 1.0 if temperature is None else temperature[i:i + rows].float().unsqueeze(-1)
+            if divide and temperature is not None:
+                x = x / t
             m, lse = _chunk_lse(x, tp_group)
             lse_all[i:i + rows] = lse
             for s in stats:
                 if s.kind == "top_k":
-                    top_ids[s.key].append(_chunk_top_k(x, int(s.k), tp_group, vocab_start))
+                    ids = _chunk_top_k(x, int(s.k), tp_group, vocab_start)
+                    top_ids[s.key].append(ids)
+                    if not grad:
+                        out[s.key].append(_gather_shard(x, ids, vocab_start, tp_group) - lse.unsqueeze(-1))
                 else:
-                    t = 1.0 if temperature is None else temperature[i:i + rows].float().unsqueeze(-1)
                     out[s.key].append(_min_p_chunk(x, m, labels[i:i + rows], float(s.kappa), t, tp_group,
                                                    vocab_start))
     result: dict[str, torch.Tensor] = {}
     for s in stats:
-        if s.kind == "top_k":
+        if s.kind == "top_k" and grad:
             ids = torch.cat(top_ids[s.key]) if top_ids[s.key] else torch.empty(0, int(s.k), dtype=torch.long,
                                                                               device=logits.device)
-            if grad and tp_group is None:
-                result[s.key] = _TopKLogProbs.apply(logits, ids, lse_all, vocab_start, None)
-            else:
-                with torch.no_grad():
-                    result[s.key] = _gather_shard(logits, ids, vocab_start, tp_group) - lse_all.unsqueeze(-1)
+            result[s.key] = _TopKLogProbs.apply(logits, ids, lse_all, vocab_start, tp_group)
+        elif out[s.key]:
+            result[s.key] = torch.cat(out[s.key])
         else:
-            result[s.key] = torch.cat(out[s.key]) if out[s.key] else torch.empty(0, device=logits.device)
+            result[s.key] = torch.empty((0, int(s.k)) if s.kind == "top_k" else (0,), device=logits.device)
     return result
 
 
