@@ -626,8 +626,16 @@ def parse_variant(spec: str, run_prepass: bool = False, run_driver: bool = False
 #: knobs a preset gets on this random-init model (an explicit knob of the variant spec wins). GTPO's entropy filter
 #: (0.7 nats, for a trained policy) gives no update to a response above it, and a random model's entropy is about
 #: ln(vocab) (6.9 tiny, 11.9 at Qwen3's vocabulary): every response would be filtered, the gradient exactly zero.
-#: Lifted above any ln(vocab), the same computation runs and the update has a gradient to check.
-RANDOM_MODEL_KNOBS = {"gtpo": {"gtpo_entropy_threshold": 100.0}}
+#: Lifted above any ln(vocab), the same computation runs and the update has a gradient to check. Lp-Reg's release
+#: regularises nothing until its pool holds 2 / rho negative tokens (200 at rho 0.01, more than a tiny batch): rho 0.3
+#: lets its candidates be chosen; kappa 0.5 filters some of a near-uniform random model's tokens (at 0.02 its proxy
+#: keeps every token and equals the sampled token's log-prob, so no candidate is strictly below it).
+RANDOM_MODEL_KNOBS = {"gtpo": {"gtpo_entropy_threshold": 100.0}, "lp_reg": {"lp_reg_rho": 0.3, "lp_reg_kappa": 0.5}}
+#: rules whose selection may be empty on a random model, and why (their selected fraction is checked in [0, 1]): the
+#: tokens Lp-Reg regularises must sit strictly under the old policy's min-p proxy, which depends on how peaked the
+#: random model's distributions are (none on the --tiny model at kappa 0.5; some on the CPU harness's)
+MAY_SELECT_NONE = {"lp_reg": "its candidates must sit strictly under the min-p proxy, which a random model may not "
+                             "give"}
 
 #: what a rule that weights the KL loss per token (``Needs(kl_loss=True)``: archer) gets on the actor: Archer's settings
 KL_LOSS_SETTINGS = {"use_kl_loss": True, "kl_loss_type": "low_var_kl", "kl_loss_coef": 0.001}
@@ -868,13 +876,21 @@ def run_engine_steps(H, actor, args, workload: Workload, clock: Clock, rec: dict
             s["metric_nan_scores"] = _scalar(m.get("tokensel/nan_scores"))
             s["metric_keys"] = sorted(k for k in m if k.startswith("tokensel/"))
             frac = s["metric_selected_fraction"]
+            may_be_empty = MAY_SELECT_NONE.get(v.selection.rule)
+            lowest, shown = (0.0, "[0, 1]") if may_be_empty else (None, "(0, 1]")
+            if may_be_empty:
+                s["selection_may_be_empty"] = may_be_empty
+
+            def outside(x) -> bool:
+                return not ((x >= 0.0 if lowest is not None else x > 0.0) and x <= 1.0)
+
             if frac is None:
                 s["failures"].append("tokensel/selected_fraction missing from the step's metrics")
-            elif not 0.0 < frac <= 1.0:
-                s["failures"].append(f"tokensel/selected_fraction = {frac}, not in (0, 1]")
-            if not 0.0 < s.get("selected_fraction", 0.0) <= 1.0:
+            elif outside(frac):
+                s["failures"].append(f"tokensel/selected_fraction = {frac}, not in {shown}")
+            if outside(s.get("selected_fraction", 0.0)):
                 s["failures"].append(f"the masks the loss applied select {s.get('selected_fraction')} of the valid "
-                                     "tokens, not in (0, 1]")
+                                     f"tokens, not in {shown}")
             if s["metric_nan_scores"]:
                 s["failures"].append(f"tokensel/nan_scores = {s['metric_nan_scores']}")
             if v.driver:  # the driver's selection: the mask the loss applied is the driver's
