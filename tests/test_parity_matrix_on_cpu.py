@@ -20,7 +20,10 @@ each mini-batch over the ranks, applied as they are by the loss. A preset that c
 (``normaliser=selected`` with a seq-mean ``loss_agg_mode``; ``archer`` without the KL loss; a rule with its own
 policy loss or an omega score under a loss other than vanilla; ``sapo`` / ``geo_mean`` with ``normaliser`` selected
 or kept) must be refused by our config validation, naming the keys. ``kl_cov_global`` and ``clip_cov_global`` have
-no dual clip (as verl's ``loss_mode=kl_cov`` / ``clip_cov``), so they must run on the refusal row.
+no dual clip (as verl's ``loss_mode=kl_cov`` / ``clip_cov``), nor ``lp_reg`` and ``simko`` (as released), so they
+must run on the refusal row. ``lp_reg``'s and ``simko``'s old-log-prob pass runs under their loss (their vocabulary
+reductions); ``simko`` keeps every response's tokens above its 0.8 entropy quantile, ``lp_reg`` the pre-pass's
+regularised tokens (possibly none).
 
 Default suite: a fixed subset (two worker builds of ~4-11 s, ~2 s a row with its ten updates, of which
 ``kl_cov_global``, ``clip_cov_global`` and ``archer`` take ~0.6 s, on 2 cores; 25 s in all on a loaded machine, 18 s

@@ -54,7 +54,7 @@ DYN_TOKENS = {"off": 64, "tight": 24, "loose": 96}
 SEED = 20261202
 PRESETS = ["forking", "forking_paper", "forking_bottom", "random", "gmts", "grad_norm", "kl_cov_global",
            "clip_cov_global", "archer", "ar", "entropy_adv", "ar_lopti", "stapo", "ce_gppo", "aspo", "ktae", "gtpo",
-           "fipo", "m2po_global", "delta"]
+           "fipo", "m2po_global", "delta", "lp_reg", "simko"]
 #: the Lopti pass each row's ``ar_lopti`` update runs as (the driver's second call differs only in the pass number)
 LOPTI_PHASE = 1
 #: a row every loss refuses (verl's dual-clip assert, clip_ratio_c must exceed 1): the matrix checks refusals too
@@ -186,10 +186,10 @@ def expected_config_refusal(preset: str, row: dict) -> Optional[tuple[str, ...]]
 def runs_where_stock_refuses(preset: str, row: dict, stock: dict) -> bool:
     """Whether ``preset`` must run although stock refused ``row``: stock's refusal is verl's dual-clip assert
     (``clip_ratio_c <= 1``) and the preset's loss has no dual clip (KL-Cov's and Clip-Cov's, as verl's own
-    ``loss_mode=kl_cov`` / ``clip_cov``, which run there too)."""
+    ``loss_mode=kl_cov`` / ``clip_cov``, which run there too; Lp-Reg's and SimKO's, as released)."""
     from verl_tokensel.core.config import PRESETS as ALL
 
-    return (ALL[preset].rule in ("kl_cov", "clip_cov") and row["clip_ratio_c"] <= 1.0
+    return (ALL[preset].rule in ("kl_cov", "clip_cov", "lp_reg", "simko") and row["clip_ratio_c"] <= 1.0
             and stock.get("stage") == "update" and stock.get("error") == "AssertionError")
 
 
@@ -330,6 +330,12 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
             driver = B.add_driver_selection(cfg, batch, eos_token_id=view.tokenizer.eos_token_id)
             out["driver"] = {k: float(v) for k, v in driver.metrics.items()}
             out["driver_valid"] = int(batch[fields.RESPONSE_MASK].values().sum())
+        if any(st.forward == "old" for st in cfg.selection.impl.needs.vocab):
+            # the old-log-prob pass under the rule's loss computes its vocabulary reductions (kept on the worker);
+            # the batch keeps its old log-probs moved off the policy
+            stage = "old pass"
+            view.set_loss_fn(SelectingLoss(cfg))
+            H.compute_old_log_probs(view, batch.clone(), write=False)
         stage = "dispatch"
         shard = _shard(batch, row, rank)
         if fields.MASK in shard.keys():
@@ -359,6 +365,7 @@ def _run_preset(view, row, full, rank, preset: str) -> dict:
     except Exception as e:  # noqa: BLE001
         return {**_error(e, stage), **{k: v for k, v in out.items() if k not in ("micro", "minibatches")}}
     out.update(status="ok", loss=r.loss, ratio=cfg.selection.ratio, scope=cfg.selection.scope,
+               rule=cfg.selection.rule, quantile=getattr(cfg.selection.knobs, "simko_quantile", None),
                budget=getattr(cfg.selection.knobs, "budget", "count"), score=cfg.selection.score,
                metrics={k: _plain(v) for k, v in r.metrics.items()
                         if k.startswith("tokensel/") and ("tokens" in k or "groups" in k)})
@@ -412,7 +419,11 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
     ratio, scope = first["ratio"], first["scope"]
     if not any(res["micro"] for res in per_rank):
         problems.append("the selecting loss was never called")
-    if scope == "micro_batch":
+    if first.get("rule") == "simko":  # its mask: each response's tokens strictly above its entropy quantile
+        problems += _quantile_problems(per_rank, first["quantile"])
+    elif first.get("rule") == "lp_reg":  # the pre-pass's regularised tokens (possibly none), applied by the loss
+        problems += _stapo_problems(per_rank, may_be_empty=True)
+    elif scope == "micro_batch":
         for r, res in enumerate(per_rank):
             for k, mb in enumerate(res["micro"]):
                 if mb["selected"] != budget(ratio, mb["valid"]):
@@ -456,14 +467,7 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
     elif scope == "mini_batch":
         problems += _cov_problems(per_rank)
     elif scope == "sequence" and first["budget"] == "quantile":
-        # strictly above the (1 - ratio) quantile of the response, linear interpolation: with distinct scores
-        # the top n - 1 - floor((1 - ratio)(n - 1)) of its n valid tokens
-        for r, res in enumerate(per_rank):
-            for k, mb in enumerate(res["micro"]):
-                want = [n - 1 - math.floor((1 - ratio) * (n - 1)) if n else 0 for n in mb["row_valid"]]
-                if mb["row_selected"] != want:
-                    problems.append(f"rank {r} micro-batch {k}: {mb['row_selected']} selected per response of "
-                                    f"{mb['row_valid']}, above the {1 - ratio:g} quantile {want}")
+        problems += _quantile_problems(per_rank, 1 - ratio)
     elif scope == "batch":
         d = first.get("driver", {})
         want = budget(ratio, first["driver_valid"])
@@ -471,6 +475,19 @@ def budget_problems(preset: str, per_rank: list[dict], row: dict) -> list[str]:
                 "driver_valid"]:
             problems.append(f"driver metrics {d}, budget {want} of {first['driver_valid']}")
         problems += _driver_mask_problems(row, per_rank)
+    return problems
+
+
+def _quantile_problems(per_rank: list[dict], q: float) -> list[str]:
+    """Strictly above the ``q`` quantile of the response, linear interpolation: with distinct scores the top
+    ``n - 1 - floor(q (n - 1))`` of its ``n`` valid tokens (Archer's, ASPO's, SimKO's hot tokens)."""
+    problems = []
+    for r, res in enumerate(per_rank):
+        for k, mb in enumerate(res["micro"]):
+            want = [n - 1 - math.floor(q * (n - 1)) if n else 0 for n in mb["row_valid"]]
+            if mb["row_selected"] != want:
+                problems.append(f"rank {r} micro-batch {k}: {mb['row_selected']} selected per response of "
+                                f"{mb['row_valid']}, above the {q:g} quantile {want}")
     return problems
 
 
@@ -500,16 +517,17 @@ def _cov_problems(per_rank: list[dict]) -> list[str]:
     return problems
 
 
-def _stapo_problems(per_rank: list[dict]) -> list[str]:
+def _stapo_problems(per_rank: list[dict], may_be_empty: bool = False) -> list[str]:
     """STAPO over the mini-batch (the pre-pass): per mini-batch, the kept and spurious tokens over the ranks add up to
-    its valid tokens, and the loss applies exactly the kept ones."""
+    its valid tokens, and the loss applies exactly the kept ones. ``may_be_empty``: none kept is in range (Lp-Reg's
+    regularised tokens)."""
     first = per_rank[0]
     got = first["metrics"].get("tokensel/prepass/selected_tokens")
     valid = [sum(sum(res["minibatches"][i]["valid"]) for res in per_rank) for i in range(len(first["minibatches"]))]
     if got is None or len(got) != len(valid):
         return [f"tokensel/prepass/selected_tokens {got}, one value per mini-batch of {valid} valid tokens"]
     problems = []
-    if any(not 0 < g <= v for g, v in zip(got, valid)):
+    if any(not (0 <= g if may_be_empty else 0 < g) or g > v for g, v in zip(got, valid)):
         problems.append(f"tokensel/prepass/selected_tokens {got} of {valid}: kept tokens out of range")
     applied = [0] * len(got)
     for res in per_rank:
