@@ -1,4 +1,4 @@
-"""Lp-Reg (Huang et al., "Low-probability Tokens Sustain Exploration in RLVR", arXiv 2510.03222; released code
+"""Lp-Reg ("Low-probability Tokens Sustain Exploration in RLVR", arXiv 2510.03222; released code
 CarlanLark/Lp-Reg-dev, ``compute_policy_loss_lp_reg`` of its ``core_algos.py``). Pure torch, no verl import.
 
 A proxy of the old policy keeps only its confident tokens: the min-p filter (every entry whose probability, before the

@@ -1,4 +1,4 @@
-"""SimKO (Peng et al., "Simple Pass@K Policy Optimization", arXiv 2510.14807; released code CLR-Lab/SimKO,
+"""SimKO ("Simple Pass@K Policy Optimization", arXiv 2510.14807; released code CLR-Lab/SimKO,
 ``compute_policy_loss_simko`` of its ``core_algos.py``). Pure torch, no verl import.
 
 Hot tokens: the current entropy (detached) strictly above the ``simko_quantile`` quantile (linear interpolation) of the
