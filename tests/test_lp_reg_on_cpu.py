@@ -68,6 +68,22 @@ def test_the_k_gate_and_a_micro_batch_without_negative_tokens_are_plain_ppo():
         assert torch.isfinite(torch.autograd.grad(loss, b.logits)[0]).all()
 
 
+def test_one_token_responses_and_bf16_values_are_defined():
+    """Responses of one or two tokens (the release's computation too), and the engine's values in bf16."""
+    cfg = _cfg(0.05, 0.5)
+    b = vocab_batch(9, (_stat(0.05),), resp_len=2, scale=1.0, noise=0.8, boost=4.0, batch=16)
+    loss, _ = tokensel_ppo_loss(cfg, b.model_output, b.data)
+    want, _ = _released(b, 0.05, 0.5, 1.0)
+    torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(torch.autograd.grad(loss, b.logits)[0]).all()
+    half = vocab_batch(10, (_stat(0.05),), scale=1.0, noise=0.8, boost=4.0)
+    for key, value in list(half.model_output.items()):
+        half.model_output[key] = torch.nested.nested_tensor_from_jagged(value.values().to(torch.bfloat16),
+                                                                        value.offsets())
+    loss, _ = tokensel_ppo_loss(cfg, half.model_output, half.data)
+    assert torch.isfinite(loss) and torch.isfinite(torch.autograd.grad(loss, half.logits)[0]).all()
+
+
 def test_a_filtered_sampled_token_is_never_regularised():
     """kappa 0.9 filters almost every sampled token: its proxy is about -1e4, below any log-prob."""
     b = vocab_batch(5, (_stat(0.9),), noise=0.8)
