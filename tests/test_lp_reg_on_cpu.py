@@ -1,8 +1,9 @@
 """Lp-Reg (``token_selector=lp_reg``) against its released computation (``tests/helpers/released_rules.py``:
 ``compute_policy_loss_lp_reg`` and the min-p proxy of CarlanLark/Lp-Reg-dev, written out), through the selecting
 loss on micro-batches built from logits, loss and gradient to 1e-6, with the release's per-micro-batch pool
-(``scope=micro_batch score_source=current``); the mini-batch pool over two data-parallel ranks equals one process
-holding both; the k > 1 gate; a micro-batch without a negative token; a filtered sampled token.
+(``scope=micro_batch score_source=current``); the k > 1 gate; a micro-batch without a negative token; a filtered
+sampled token; one-token responses. The mini-batch pool over two data-parallel ranks equals one process holding both:
+``tests/test_vocab_seam_on_cpu.py`` (one gloo spawn for the vocabulary seam's collectives).
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ import torch
 from helpers.actor_configs import actor_config
 from helpers.released_rules import lp_reg_loss, lp_reg_proxy_log_prob
 from helpers.vocab_batch import vocab_batch
-from verl_tokensel.core.rules.lp_reg import PROXY, regularised_tokens
-from verl_tokensel.rules import Pool
+from verl_tokensel.core.rules.lp_reg import PROXY
 from verl_tokensel.verl_glue.loss import tokensel_ppo_loss
 
 LOW, HIGH = 1.0, 9.0  # the released scripts' clip
@@ -98,28 +98,3 @@ def test_a_filtered_sampled_token_is_never_regularised():
     assert not (reg & filtered).any()
     torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-6, atol=1e-7)
     assert torch.isfinite(loss) and float(metrics["tokensel/lp_reg/filtered_share"]) > 0
-
-
-def _two_ranks(rank, world, lp, proxy, adv, tokens, rho):
-    if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    half = lp.shape[0] // world
-    rows = slice(rank * half, (rank + 1) * half)
-    reg, k = regularised_tokens(lp[rows], proxy[rows], adv[rows], tokens[rows], rho,
-                                Pool(torch.distributed.group.WORLD))
-    return reg, k
-
-
-def test_the_mini_batch_pool_over_two_ranks_is_one_process_holding_both():
-    from helpers.distributed import run_distributed
-
-    g = torch.Generator().manual_seed(7)
-    lp = -torch.rand(8, 30, generator=g) * 6
-    proxy = lp + torch.randn(8, 30, generator=g)
-    adv = torch.randn(8, 1, generator=g).expand(8, 30).contiguous()
-    tokens = torch.rand(8, 30, generator=g) < 0.9
-    whole, k = regularised_tokens(lp, proxy, adv, tokens, 0.1, Pool(None))
-    assert k > 1 and whole.any()
-    parts = run_distributed(_two_ranks, world_size=2, args=(lp, proxy, adv, tokens, 0.1))
-    assert [p[1] for p in parts] == [k, k]
-    assert torch.equal(torch.cat([p[0] for p in parts]), whole)

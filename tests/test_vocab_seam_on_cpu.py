@@ -2,7 +2,8 @@
 
 - The reductions (``core/seam/vocab.py``) equal their dense formulas on full logits, chunked or not, in bf16 too; the
   update forward's top-k carries the gradient of ``log_softmax`` at those entries; two vocabulary shards merged over a
-  gloo group equal one process (the tensor-parallel merge).
+  gloo group equal one process (the tensor-parallel merge), and Lp-Reg's candidates over two data-parallel ranks
+  those of one process (one spawn for both).
 - Through verl's real FSDP2 ``TrainingWorker`` (remove-padding and padded, temperature 0.7): the old-log-prob pass's
   and the update forward's values reach the rule as ``x.vocab`` equal to the same reductions of the model's own
   logits, computed here from a plain forward of the module; the old pass adds no forward and its values never leave
@@ -22,7 +23,7 @@ import torch
 from helpers.released_rules import lp_reg_proxy_log_prob
 from verl_tokensel.core.rules import RULE_REGISTRY
 from verl_tokensel.core.seam import vocab as V
-from verl_tokensel.rules import Knobs, LossTransform, Needs, VocabStat, knob, register_rule
+from verl_tokensel.rules import Knobs, LossTransform, Needs, Pool, VocabStat, knob, register_rule
 
 PROBE = "test_vocab_probe"
 
@@ -88,26 +89,57 @@ def test_a_declaration_is_checked_when_the_rule_registers():
     assert "test_vocab_bad" not in RULE_REGISTRY
 
 
-def _tp_shard(rank: int, world: int, logits: torch.Tensor, labels: torch.Tensor, stats) -> dict:
+def _gloo_rank(rank: int, world: int, logits, labels, stats, pool_inputs) -> dict:
+    """Both collectives' checks on one spawned rank: this rank's vocabulary shard through ``reduce_rows`` (the
+    tensor-parallel merge), and Lp-Reg's candidates over this rank's half of a mini-batch (the data-parallel pool)."""
+    from verl_tokensel.core.rules.lp_reg import regularised_tokens
+
     if not torch.distributed.is_initialized():  # the launcher set the rendezvous; no worker made the group here
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    group = torch.distributed.group.WORLD
     width = logits.shape[-1] // world
     shard = logits[:, rank * width:(rank + 1) * width].contiguous()
-    return V.reduce_rows(stats, shard, labels, torch.full((logits.shape[0],), 0.8),
-                         tp_group=torch.distributed.group.WORLD, vocab_start=rank * width)
+    tp = V.reduce_rows(stats, shard, labels, torch.full((logits.shape[0],), 0.8), tp_group=group,
+                       vocab_start=rank * width)
+    lp, proxy, adv, tokens, rho = pool_inputs
+    rows = slice(rank * lp.shape[0] // world, (rank + 1) * lp.shape[0] // world)
+    reg, k = regularised_tokens(lp[rows], proxy[rows], adv[rows], tokens[rows], rho, Pool(group))
+    return {"tp": tp, "lp_reg": (reg, k)}
 
 
-def test_two_vocabulary_shards_merge_to_one_process():
+@pytest.fixture(scope="module")
+def gloo_pair():
+    """One spawn of two gloo ranks for every collective check of the module: the inputs and each rank's results."""
     from helpers.distributed import run_distributed
 
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(7, 16, generator=g) * 2
     labels = torch.randint(0, 16, (7,), generator=g)
     stats = (VocabStat("top_k", "old", k=3), VocabStat("min_p", "old", kappa=0.2))
+    lp = -torch.rand(8, 30, generator=g) * 6
+    pool_inputs = (lp, lp + torch.randn(8, 30, generator=g), torch.randn(8, 1, generator=g).expand(8, 30).contiguous(),
+                   torch.rand(8, 30, generator=g) < 0.9, 0.1)
+    ranks = run_distributed(_gloo_rank, world_size=2, args=(logits, labels, stats, pool_inputs))
+    return (logits, labels, stats, pool_inputs), ranks
+
+
+def test_two_vocabulary_shards_merge_to_one_process(gloo_pair):
+    (logits, labels, stats, _), ranks = gloo_pair
     whole = V.reduce_rows(stats, logits, labels, torch.full((7,), 0.8))
-    for shards in run_distributed(_tp_shard, world_size=2, args=(logits, labels, stats)):
+    for rank in ranks:
         for key in whole:
-            torch.testing.assert_close(shards[key], whole[key], rtol=0, atol=1e-6)
+            torch.testing.assert_close(rank["tp"][key], whole[key], rtol=0, atol=1e-6)
+
+
+def test_lp_reg_candidates_over_two_data_parallel_ranks_are_those_of_one_process(gloo_pair):
+    """Lp-Reg's default pool, the mini-batch over every data-parallel rank (``Pool``: exact counts and top-k)."""
+    from verl_tokensel.core.rules.lp_reg import regularised_tokens
+
+    (_, _, _, (lp, proxy, adv, tokens, rho)), ranks = gloo_pair
+    whole, k = regularised_tokens(lp, proxy, adv, tokens, rho, Pool(None))
+    assert k > 1 and whole.any()
+    assert [r["lp_reg"][1] for r in ranks] == [k, k]
+    assert torch.equal(torch.cat([r["lp_reg"][0] for r in ranks]), whole)
 
 
 # ------------------------------------------------------------------------------------------------------------------
