@@ -177,14 +177,18 @@ def reduce_rows(stats: tuple[VocabStat, ...], logits: torch.Tensor, labels: torc
     out: dict[str, list[torch.Tensor]] = {s.key: [] for s in stats}
     lse_all = torch.empty(n, dtype=torch.float32, device=logits.device)
     top_ids: dict[str, list[torch.Tensor]] = {s.key: [] for s in stats if s.kind == "top_k"}
+    any_top_k = bool(top_ids)
     with torch.no_grad():
         for i in range(0, n, rows):
             x = logits[i:i + rows].detach().float()
             t = 1.0 if temperature is None else temperature[i:i + rows].float().unsqueeze(-1)
             if divide and temperature is not None:
                 x = x / t
-            m, lse = _chunk_lse(x, tp_group)
-            lse_all[i:i + rows] = lse
+            if any_top_k:
+                m, lse = _chunk_lse(x, tp_group)
+                lse_all[i:i + rows] = lse
+            else:  # min-p alone needs the row maximum, not the unfiltered normaliser
+                m = _all_reduce(x.amax(dim=-1), dist.ReduceOp.MAX, tp_group)
             for s in stats:
                 if s.kind == "top_k":
                     ids = _chunk_top_k(x, int(s.k), tp_group, vocab_start)
