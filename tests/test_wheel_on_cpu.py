@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.procs import run_together
 from helpers.wheel import CPU_ROOT, CPU_WHEEL_NAME, ROOT, WHEEL_NAME, make_venv
 RUNTIME_SUFFIXES = {".py", ".yaml", ".toml"}  # what the package reads at run time
 
@@ -66,16 +65,12 @@ def wheel_env(built, tmp_path_factory):
     return make_venv(tmp_path_factory.mktemp("wheel_venv"), wheel=built[0])
 
 
-def _run(venv, argv, timeout=300, extra_env=None):
-    _, env, cwd, _ = venv
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env={**env, **(extra_env or {})},
-                         cwd=str(cwd))
-    return _exited(res, argv)
-
-
-def _exited(res, argv, rc=0):
-    assert res.returncode == rc, (f"{shlex.join(map(str, argv))} -> {res.returncode} (want {rc})\n"
-                                  f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+def _run(wheel_env, argv, timeout=300, extra_env=None):
+    py, env, cwd, _ = wheel_env
+    env = {**env, **(extra_env or {})}
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(cwd))
+    assert res.returncode == 0, (f"{shlex.join(map(str, argv))} -> {res.returncode}\n"
+                                 f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
     return res
 
 
@@ -137,100 +132,74 @@ def test_both_wheels_and_the_sdist_carry_the_license(built, built_cpu_wheel):
         assert any(n.endswith("/LICENSE") and n.count("/") == 1 for n in tf.getnames())
 
 
-SEL = "actor_rollout_ref.actor.token_selector"
-RECIPE_ENV = {"TOKENSEL_MODEL_PATH": "/models/Qwen3-14B-Base", "TOKENSEL_TRAIN_FILES": "/data/train.parquet",
-              "TOKENSEL_VAL_FILES": "/data/val.parquet"}
-#: the wheel's package, distribution and plugin entry point, as the venv's python finds them
-OURS = ("import json, importlib.metadata as m, verl_tokensel; d = m.distribution('verl-tokensel'); "
-        "print(json.dumps({'file': verl_tokensel.__file__, 'dist': str(d._path), "
-        "'plugin': [str(e.value) for e in m.entry_points(group='verl.plugins') if e.name == 'tokensel']}))")
-#: the product alone: no CPU distribution, one plugin of ours, no device port
-ALONE = ("import json, importlib.util as u, importlib.metadata as m; print(json.dumps({"
-         "'cpu': u.find_spec('verl_tokensel_cpu') is not None, "
-         "'ours': sorted(e.name for e in m.entry_points(group='verl.plugins') if e.name.startswith('tokensel')), "
-         "'ports': [e.name for e in m.entry_points(group='verl_tokensel.device_ports')]}))")
-#: every command of the tests below in the wheel venv (``PY``: its python), with its extra environment: independent
-#: interpreter starts, run together once by :func:`wheel_runs`; each test checks the results of its own
-COMMANDS = {
-    "ours": (["PY", "-c", OURS], {}),
-    "alone": (["PY", "-c", ALONE], {}),
-    "cpu_switch": (["PY", "-m", "verl_tokensel.main_ppo", "trainer.device=cpu", f"{SEL}=gmts"], {}),
-    "demo": (["verl-tokensel", "demo"], {}),
-    "env": (["verl-tokensel", "env"], {}),
-    "job_fsdp": (["PY", "-m", "verl_tokensel.main_ppo", "--config-name=tokensel_trainer", "--cfg", "job",
-                  f"{SEL}=gmts"], {}),
-    "job_megatron": (["PY", "-m", "verl_tokensel.main_ppo", "--config-name=tokensel_megatron_trainer", "--cfg", "job",
-                      f"{SEL}=gmts"], {}),
-    "stock": (["PY", "-m", "verl.trainer.main_ppo", "--config-path=pkg://verl_tokensel.config",
-               "--config-name=tokensel_trainer", "--cfg", "job", f"{SEL}=gmts"], {}),
-    "run_sh": (["bash", str(ROOT / "recipes" / "run.sh"), "dapo_qwen3_14b", "gmts", "--cfg", "job"],
-               {**RECIPE_ENV, "TOKENSEL_PYTHON": "PY"}),
-    "recipe_pkg": (["PY", "-m", "verl_tokensel.main_ppo", "--config-path=pkg://verl_tokensel.recipes",
-                    "--config-name=gmts_qwen2.5_math_7b_dapo", "--cfg", "job"], RECIPE_ENV),
-}
+def test_wheel_env_imports_the_wheel_not_the_checkout(wheel_env):
+    py, _, _, site = wheel_env
+    code = ("import json, importlib.metadata as m, verl_tokensel; "
+            "d = m.distribution('verl-tokensel'); "
+            "print(json.dumps({'file': verl_tokensel.__file__, 'dist': str(d._path), "
+            "'plugin': [str(e.value) for e in m.entry_points(group='verl.plugins') if e.name == 'tokensel']}))")
+    info = json.loads(_run(wheel_env, [str(py), "-c", code]).stdout)
+    assert Path(info["file"]).is_relative_to(site), info
+    assert Path(info["dist"]).is_relative_to(site) and info["plugin"] == ["verl_tokensel.plugin"], info
+    code = ("import json, importlib.util as u, importlib.metadata as m; print(json.dumps({"
+            "'cpu': u.find_spec('verl_tokensel_cpu') is not None, "
+            "'ours': sorted(e.name for e in m.entry_points(group='verl.plugins') if e.name.startswith('tokensel')), "
+            "'ports': [e.name for e in m.entry_points(group='verl_tokensel.device_ports')]}))")
+    info = json.loads(_run(wheel_env, [str(py), "-c", code]).stdout)
+    assert info == {"cpu": False, "ours": ["tokensel"], "ports": []}, info  # the product alone
 
 
-@pytest.fixture(scope="module")
-def wheel_runs(wheel_env):
-    """``{name: (argv, CompletedProcess)}`` of :data:`COMMANDS`, run from the cwd outside the checkout, one per core at
-    a time (:func:`helpers.procs.run_together`)."""
+def test_the_product_alone_names_the_cpu_distribution_it_lacks(wheel_env):
     py, env, cwd, _ = wheel_env
-    argvs = {name: [str(py) if a == "PY" else a for a in argv] for name, (argv, _) in COMMANDS.items()}
-    results = run_together([dict(args=argvs[name], capture_output=True, text=True, timeout=300, cwd=str(cwd),
-                                 env={**env, **{k: str(py) if v == "PY" else v for k, v in extra.items()}})
-                            for name, (_, extra) in COMMANDS.items()])
-    return {name: (argvs[name], res) for name, res in zip(COMMANDS, results)}
-
-
-def _ok(wheel_runs, name, rc=0):
-    """The named command's result, its exit code checked."""
-    argv, res = wheel_runs[name]
-    return _exited(res, argv, rc)
-
-
-def test_wheel_env_imports_the_wheel_not_the_checkout(wheel_env, wheel_runs):
-    site = wheel_env[3]
-    ours, alone = (json.loads(_ok(wheel_runs, name).stdout) for name in ("ours", "alone"))
-    assert Path(ours["file"]).is_relative_to(site), ours
-    assert Path(ours["dist"]).is_relative_to(site) and ours["plugin"] == ["verl_tokensel.plugin"], ours
-    assert alone == {"cpu": False, "ours": ["tokensel"], "ports": []}, alone  # the product alone
-
-
-def test_the_product_alone_names_the_cpu_distribution_it_lacks(wheel_runs):
-    for name in ("cpu_switch", "demo"):  # trainer.device=cpu, verl-tokensel demo
-        res = _ok(wheel_runs, name, rc=2)
+    for argv in ([str(py), "-m", "verl_tokensel.main_ppo", "trainer.device=cpu",
+                  "actor_rollout_ref.actor.token_selector=gmts"], ["verl-tokensel", "demo"]):
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=str(cwd))
+        assert res.returncode == 2, (argv, res.returncode, res.stderr[-3000:])
         assert "verl-tokensel-cpu" in res.stderr and "scripts/install_cpu.sh" in res.stderr, res.stderr[-3000:]
         assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
-def test_env_from_the_wheel(wheel_runs):
-    out = _ok(wheel_runs, "env").stdout
+def test_env_from_the_wheel(wheel_env):
+    out = _run(wheel_env, ["verl-tokensel", "env"]).stdout
     assert re.search(r"^verl plugin +loaded$", out, flags=re.M), out
     assert re.search(r"^trainer modes +tokensel_sync, tokensel_colocate_async, tokensel_separate_async$", out,
                      flags=re.M), out
 
 
-@pytest.mark.parametrize("name,strategy", [("job_fsdp", "fsdp"), ("job_megatron", "megatron")])
-def test_main_ppo_composes_from_the_wheel(wheel_runs, name, strategy):
-    out = _ok(wheel_runs, name).stdout
+@pytest.mark.parametrize("config_name,strategy", [("tokensel_trainer", "fsdp"),
+                                                  ("tokensel_megatron_trainer", "megatron")])
+def test_main_ppo_composes_from_the_wheel(wheel_env, config_name, strategy):
+    py = wheel_env[0]
+    out = _run(wheel_env, [str(py), "-m", "verl_tokensel.main_ppo", f"--config-name={config_name}", "--cfg", "job",
+                           "actor_rollout_ref.actor.token_selector=gmts"]).stdout
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
     assert re.search(rf"^    strategy: {strategy}", out, flags=re.M), out[-2000:]
     assert "trainer_mode: tokensel_sync" in out
 
 
-def test_stock_main_ppo_with_our_config_from_the_wheel(wheel_runs):
-    out = _ok(wheel_runs, "stock").stdout
+def test_stock_main_ppo_with_our_config_from_the_wheel(wheel_env):
+    py = wheel_env[0]
+    out = _run(wheel_env, [str(py), "-m", "verl.trainer.main_ppo", "--config-path=pkg://verl_tokensel.config",
+                           "--config-name=tokensel_trainer", "--cfg", "job",
+                           "actor_rollout_ref.actor.token_selector=gmts"]).stdout
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
     # our actor config class
     assert re.search(r"^    _target_: verl_tokensel\.\S+_actor_config$", out, flags=re.M), out[-2000:]
 
 
-def test_recipe_from_the_wheel(wheel_runs):
-    out = _ok(wheel_runs, "run_sh").stdout  # recipes/run.sh with the venv's python
+RECIPE_ENV = {"TOKENSEL_MODEL_PATH": "/models/Qwen3-14B-Base", "TOKENSEL_TRAIN_FILES": "/data/train.parquet",
+              "TOKENSEL_VAL_FILES": "/data/val.parquet"}
+
+
+def test_recipe_from_the_wheel(wheel_env):
+    py = wheel_env[0]
+    out = _run(wheel_env, ["bash", str(ROOT / "recipes" / "run.sh"), "dapo_qwen3_14b", "gmts", "--cfg", "job"],
+               extra_env={**RECIPE_ENV, "TOKENSEL_PYTHON": str(py)}).stdout
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
     assert re.search(r"^  experiment_name: dapo_qwen3_14b_\$\{actor_rollout_ref.actor.token_selector\}$", out,
                      flags=re.M), out[-2000:]  # the recipe's own trainer block (--cfg job does not resolve)
-    out = _ok(wheel_runs, "recipe_pkg").stdout  # the recipe through pkg://verl_tokensel.recipes
+    out = _run(wheel_env, [str(py), "-m", "verl_tokensel.main_ppo", "--config-path=pkg://verl_tokensel.recipes",
+                           "--config-name=gmts_qwen2.5_math_7b_dapo", "--cfg", "job"], extra_env=RECIPE_ENV).stdout
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
 
 

@@ -48,8 +48,8 @@ def wait_until_busy(pid: int, busy_s: float, stop=None, deadline_s: float = 600.
 
 def run_together(calls: list[dict]) -> list[subprocess.CompletedProcess]:
     """``subprocess.run(**call)`` for each of ``calls``, as many at a time as there are cores; the results in order.
-    For independent commands that each start an interpreter importing torch and verl (seconds on one core each; the
-    seven of ``tests/test_wheel_verl_only_on_cpu.py``: 34 s one after the other, 19 s together on 2 cores)."""
+    For independent commands that each start an interpreter importing torch and verl (seconds on one core each): on
+    the CI's 2 cores, two of them take about the time of one."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(calls), os.cpu_count() or 1))) as pool:
