@@ -30,7 +30,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.procs import run_together
 from helpers.wheel import ROOT, make_venv
 
 SEL = "actor_rollout_ref.actor.token_selector"
@@ -40,45 +39,24 @@ RECIPE_ENV = {"TOKENSEL_MODEL_PATH": "/models/Qwen2.5-Math-7B", "TOKENSEL_TRAIN_
 RUN_PACKAGES = ("uvicorn", "fastapi", "cachetools", "TransferQueue")
 
 
-def _run_all(venv, *calls, timeout=300):
-    """Each ``(argv, want rc, extra env)`` of ``calls`` in the venv (``PY``: its python), run together
-    (:func:`helpers.procs.run_together`: independent interpreter starts); the results in order, each exit code
-    checked."""
+def _run(venv, argv, rc=0, extra_env=None, timeout=300):
     py, env, cwd, _ = venv
-    results = run_together([dict(args=[str(py) if a == "PY" else a for a in argv], capture_output=True, text=True,
-                                 timeout=timeout, env={**env, **extra_env}, cwd=str(cwd))
-                            for argv, _, extra_env in calls])
-    for (argv, rc, _), res in zip(calls, results):
-        assert res.returncode == rc, (f"{shlex.join(argv)} -> {res.returncode} (want {rc})\n"
-                                      f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
-    return results
-
-
-#: the venv is what it should be: the wheel, verl, no CPU distribution and none of the run packages
-PROBE = ("import importlib.util as u, verl_tokensel; print(verl_tokensel.__file__); print(' '.join(m for m in "
-         "('verl_tokensel_cpu', 'uvicorn', 'fastapi', 'transfer_queue', 'vllm', 'megatron') if u.find_spec(m)))")
+    res = subprocess.run([str(py) if a == "PY" else a for a in argv], capture_output=True, text=True,
+                         timeout=timeout, env={**env, **(extra_env or {})}, cwd=str(cwd))
+    assert res.returncode == rc, (f"{shlex.join(argv)} -> {res.returncode} (want {rc})\n"
+                                  f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    return res
 
 
 def check_product_next_to_verl(venv) -> None:
-    site = venv[3]
-    probe, env, fsdp_job, megatron_job, recipe_job, run, misspelt = _run_all(
-        venv,
-        (["PY", "-c", PROBE], 0, {}),
-        (["verl-tokensel", "env"], 0, {}),
-        # --cfg job: our entry point (FSDP config, a recipe), verl's (the Megatron config)
-        (["PY", "-m", "verl_tokensel.main_ppo", "--cfg", "job", f"{SEL}=forking"], 0, {}),
-        (["PY", "-m", "verl.trainer.main_ppo", "--config-path=pkg://verl_tokensel.config",
-          "--config-name=tokensel_megatron_trainer", "--cfg", "job", f"{SEL}=gmts"], 0, {}),
-        (["PY", "-m", "verl_tokensel.main_ppo", "--config-path=pkg://verl_tokensel.recipes",
-          "--config-name=gmts_qwen2.5_math_7b_dapo", "--cfg", "job"], 0, RECIPE_ENV),
-        # a run: one line naming what verl needs and the install command, before Ray and before any traceback
-        (["PY", "-m", "verl_tokensel.main_ppo", f"{SEL}=gmts",
-          "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"], 2, {}),
-        # a misspelt preset without verl's micro-batch overrides: our error first, one line with the closest name
-        (["PY", "-m", "verl_tokensel.main_ppo", f"{SEL}=gmtss"], 2, {}))
-    out = probe.stdout.splitlines()
+    py, _, _, site = venv
+    # the venv is what it should be: the wheel, verl, no CPU distribution and none of the run packages
+    probe = ("import importlib.util as u, verl_tokensel; print(verl_tokensel.__file__); print(' '.join(m for m in "
+             "('verl_tokensel_cpu', 'uvicorn', 'fastapi', 'transfer_queue', 'vllm', 'megatron') if u.find_spec(m)))")
+    out = _run(venv, ["PY", "-c", probe]).stdout.splitlines()
     assert out[0].startswith(str(site)) and out[1:] in ([], [""]), out
 
+    env = _run(venv, ["verl-tokensel", "env"])
     assert re.search(r"^verl +0\.9\.1$", env.stdout, flags=re.M), env.stdout
     assert re.search(r"^verl plugin +loaded$", env.stdout, flags=re.M), env.stdout
     assert re.search(r"^trainer modes +not registered here: verl's V1 trainer needs TransferQueue", env.stdout,
@@ -87,20 +65,28 @@ def check_product_next_to_verl(venv) -> None:
                      rf"{' '.join(RUN_PACKAGES)}$", env.stdout, flags=re.M), env.stdout
     assert "broken environment" not in env.stdout + env.stderr and "Traceback" not in env.stderr, env.stdout
 
-    out = fsdp_job.stdout
+    # --cfg job: our entry point (FSDP config, a recipe), verl's (the Megatron config)
+    out = _run(venv, ["PY", "-m", "verl_tokensel.main_ppo", "--cfg", "job", f"{SEL}=forking"]).stdout
     assert re.search(r"^    token_selector: forking$", out, flags=re.M) and "strategy: fsdp" in out, out[-2000:]
-    out = megatron_job.stdout
+    out = _run(venv, ["PY", "-m", "verl.trainer.main_ppo", "--config-path=pkg://verl_tokensel.config",
+                      "--config-name=tokensel_megatron_trainer", "--cfg", "job", f"{SEL}=gmts"]).stdout
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M) and "strategy: megatron" in out, out[-2000:]
-    out = recipe_job.stdout
+    out = _run(venv, ["PY", "-m", "verl_tokensel.main_ppo", "--config-path=pkg://verl_tokensel.recipes",
+                      "--config-name=gmts_qwen2.5_math_7b_dapo", "--cfg", "job"], extra_env=RECIPE_ENV).stdout
     assert re.search(r"^    token_selector: gmts$", out, flags=re.M), out[-2000:]
 
-    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("verl-tokensel:")]
-    assert len(lines) == 1 and f"python -m pip install {' '.join(RUN_PACKAGES)}" in lines[0], run.stderr[-3000:]
-    assert "Traceback" not in run.stderr and "ray init kwargs" not in run.stdout + run.stderr, run.stderr[-3000:]
+    # a run: one line naming what verl needs and the install command, before Ray and before any traceback
+    res = _run(venv, ["PY", "-m", "verl_tokensel.main_ppo", f"{SEL}=gmts",
+                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"], rc=2)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("verl-tokensel:")]
+    assert len(lines) == 1 and f"python -m pip install {' '.join(RUN_PACKAGES)}" in lines[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "ray init kwargs" not in res.stdout + res.stderr, res.stderr[-3000:]
 
+    # a misspelt preset without verl's micro-batch overrides: our error first, one line with the closest name, exit 2
+    res = _run(venv, ["PY", "-m", "verl_tokensel.main_ppo", f"{SEL}=gmtss"], rc=2)
     assert "verl-tokensel: actor_rollout_ref.actor.token_selector='gmtss' is invalid (did you mean gmts?)" in \
-        misspelt.stderr, misspelt.stderr[-3000:]
-    assert "ppo_micro_batch_size" not in misspelt.stderr and "Traceback" not in misspelt.stderr, misspelt.stderr[-3000:]
+        res.stderr, res.stderr[-3000:]
+    assert "ppo_micro_batch_size" not in res.stderr and "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 def test_the_wheel_next_to_verl_alone(built_wheel, tmp_path):

@@ -1,9 +1,8 @@
-"""Processes seen through /proc, for the fault tests, and independent commands run together (helper, not a test)."""
+"""Processes seen through /proc, for the fault tests (helper, not a test)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -44,13 +43,3 @@ def wait_until_busy(pid: int, busy_s: float, stop=None, deadline_s: float = 600.
         if busy >= busy_s - 1e-9:
             return True
     return False
-
-
-def run_together(calls: list[dict]) -> list[subprocess.CompletedProcess]:
-    """``subprocess.run(**call)`` for each of ``calls``, as many at a time as there are cores; the results in order.
-    For independent commands that each start an interpreter importing torch and verl (seconds on one core each): on
-    the CI's 2 cores, two of them take about the time of one."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=max(1, min(len(calls), os.cpu_count() or 1))) as pool:
-        return list(pool.map(lambda call: subprocess.run(**call), calls))
