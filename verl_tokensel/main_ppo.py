@@ -147,16 +147,20 @@ def main(config: DictConfig) -> None:
 
 
 def preflight(argv: list[str]) -> None:
-    """Arrange :func:`check` of the config Hydra composes from ``argv``, inside that composition: on the config Hydra's
-    loader returns, before Hydra configures its logging, creates its run folder (``outputs/<date>/<time>/``) or prints
-    the config (``--cfg job`` / ``all``). A refused run leaves no folder, and ``--cfg job`` prints no config that a run
-    would refuse; both exit 2 with the line a run prints. Hydra composes once for the job (the run's ``RunMode.RUN``
-    composition; a run composes a ``MULTIRUN`` copy first to read ``hydra.mode``, which is not checked), so the check
-    costs no composition of its own. Multirun, ``--help``, ``--info``, ``--cfg hydra`` and a config Hydra itself cannot
-    compose are left to Hydra (each job of a multirun is checked by :func:`run`)."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra._internal.utils import get_args_parser
+    """:func:`check` on the config Hydra is about to compose from ``argv``, before Hydra creates its run folder
+    (``outputs/<date>/<time>/``) or prints the config (``--cfg job`` / ``all``): a refused run leaves no folder, and
+    ``--cfg job`` prints no config that a run would refuse; both exit 2 with the line a run prints. Composed as
+    ``hydra.main`` composes it (same arguments, search path and config); the CPU switch fills a copy of the
+    environment. Multirun, ``--help``, ``--info``, ``--cfg hydra`` and a config Hydra itself cannot compose are left
+    to Hydra (each job of a multirun is checked by :func:`run`)."""
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (create_automatic_config_search_path,
+                                       detect_calling_file_or_module_from_task_function, detect_task_name,
+                                       get_args_parser)
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+    from omegaconf import OmegaConf, open_dict
 
     try:
         args = get_args_parser().parse_args(argv)
@@ -165,38 +169,33 @@ def preflight(argv: list[str]) -> None:
     if (args.help or args.hydra_help or args.multirun or args.info or args.shell_completion
             or args.cfg not in (None, "job", "all")):
         return
-    load = ConfigLoaderImpl.load_configuration
+    try:
+        calling_file, calling_module = detect_calling_file_or_module_from_task_function(main)
+        search_path = create_automatic_config_search_path(calling_file, calling_module,
+                                                          args.config_path or "config")
+        if args.config_dir is not None:
+            from hydra.core.config_search_path import SearchPathQuery
 
-    def load_then_check(self, config_name, overrides, run_mode, *more, **kwargs):
-        composed = load(self, config_name, overrides, run_mode, *more, **kwargs)
-        if run_mode == RunMode.RUN:  # the job's composition: checked once
-            ConfigLoaderImpl.load_configuration = load
-            _check_composed(composed, run=args.cfg is None)
-        return composed
-
-    ConfigLoaderImpl.load_configuration = load_then_check
-
-
-def _check_composed(composed: DictConfig, run: bool) -> None:
-    """:func:`check` on a copy of Hydra's composed config as the task function gets it (no ``hydra`` node, struct),
-    the CPU switch filling a copy of the environment; for a ``run``, then the run packages' check. Hydra's config
-    stays as composed. A failure that is not one of our refusals (e.g. verl's own check) is left to the run, which
-    raises it as before, and ``--cfg`` prints the config as Hydra composed it."""
-    import copy
-
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import OmegaConf, open_dict
-
-    config = copy.deepcopy(composed)
-    HydraConfig.instance().set_config(config)  # the CPU switch reads the command line's keys from it
-    with open_dict(config):
-        del config["hydra"]
-    OmegaConf.set_struct(config, True)
+            search_path.prepend(provider="command-line", path=f"file://{os.path.abspath(args.config_dir)}",
+                                anchor=SearchPathQuery(provider="schema"))
+        hydra_app = Hydra.create_main_hydra2(task_name=detect_task_name(calling_file, calling_module),
+                                             config_search_path=search_path)
+        config = hydra_app.compose_config(config_name=args.config_name or "tokensel_trainer",
+                                          overrides=list(args.overrides), run_mode=RunMode.RUN,
+                                          with_log_configuration=False)
+        HydraConfig.instance().set_config(config)  # the CPU switch reads the command line's keys from it
+        with open_dict(config):
+            del config["hydra"]
+        OmegaConf.set_struct(config, True)
+    except Exception:  # noqa: BLE001  (Hydra reports it, its own way, when main() composes)
+        return
+    finally:
+        GlobalHydra.instance().clear()
     try:
         check(config, environ=dict(os.environ))
-    except Exception:  # noqa: BLE001  (not a refusal of ours)
-        return
-    if run:  # a run (--cfg composes without verl's run packages)
+    except Exception:  # noqa: BLE001  (not a refusal of ours, e.g. verl's own check: the run raises it as before,
+        return  # and --cfg prints the config as Hydra composed it)
+    if args.cfg is None:  # a run (--cfg composes without verl's run packages)
         from verl_tokensel.stack import exit_if_missing_run_packages
 
         exit_if_missing_run_packages(use_v1=bool(config.trainer.use_v1))
