@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from helpers.distributed import start_ranks
 from verl_tokensel.core.ranking.dist_topk import kth_largest_key, ordered_keys, topk_mask_distributed
 from verl_tokensel.core.ranking.select import keep_first_k
 
@@ -77,7 +77,8 @@ def _worker(rank, world, port, seed, out_dir):
 
 
 def _run(world, seed, tmp_path, worker=None):
-    ctx = start_ranks(worker or _worker, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world)
+    ctx = mp.start_processes(worker or _worker, args=(world, _free_port(), seed, str(tmp_path)), nprocs=world,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + 180
     try:
         while not ctx.join(timeout=1):

@@ -1,8 +1,7 @@
 """Selection semantics of ``select_tokens`` / ``budget`` / ``selection_stats`` (CPU), plus an exact
 two-process gloo check of the ``micro_batch_dp`` scope against one process over the concatenation.
 
-This module imports only torch, ``verl_tokensel.core.ranking.select`` and the rank starter (``helpers.distributed``,
-which imports torch alone) so the ranks start fast.
+This module imports only torch and ``verl_tokensel.core.ranking.select`` so the spawned ranks start fast.
 """
 
 from __future__ import annotations
@@ -17,8 +16,8 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from helpers.distributed import start_ranks
 from verl_tokensel.core.ranking.select import budget, select_tokens, selection_stats
 
 
@@ -350,7 +349,8 @@ def _concat(per_rank):
 
 def test_micro_batch_dp_two_gloo_ranks_equals_concatenation(tmp_path):
     cases = _dp_cases()
-    ctx = start_ranks(_dp_worker, args=(2, _free_port(), cases, str(tmp_path)), nprocs=2)
+    ctx = mp.start_processes(_dp_worker, args=(2, _free_port(), cases, str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
     deadline = time.monotonic() + 120
     try:
         while not ctx.join(timeout=1):
